@@ -1,0 +1,354 @@
+"""The extension points of tandem: what a plugin implements, as ABCs and dataclasses.
+
+Every folder may import this module (plugins, quant, transport), so it stays torch-free at run time:
+torch appears only under TYPE_CHECKING. A plugin class is registered under a name through one of the
+registration hooks of ``tandem.hookspecs`` and chosen by that name in the config; tandem instantiates
+it once at start-up. No hook and no plugin method is called per token unless its contract says so.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+
+# --------------------------------------------------------------------------- scheduling policies
+
+
+class SchedulableRequest(Protocol):
+    """The read-only view of a request that policies and allocators see."""
+
+    request_id: str
+    priority: int
+    arrival_time: float
+    num_computed_tokens: int
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
+
+
+class SchedulingPolicy(ABC):
+    """Decides order, not mechanism: which waiting request is admitted first, which running request
+    is preempted when blocks run out, and optionally how many prompt tokens a step may admit.
+
+    tandem's one Scheduler owns the token budget, chunked prefill, block allocation, preemption by
+    recompute and aborts; a policy cannot break the KV accounting. Methods are called by the engine
+    thread during ``Scheduler.schedule()`` and must be fast and side-effect free.
+    """
+
+    name: ClassVar[str] = ""
+
+    @abstractmethod
+    def sort_key(self, request: SchedulableRequest) -> Any:
+        """Admission order of waiting requests: smaller keys first. Called once when a request
+        enters the waiting queue (again after a preemption); the key must not depend on time."""
+
+    @abstractmethod
+    def select_victim(self, running: Sequence[SchedulableRequest]) -> SchedulableRequest:
+        """The running request to preempt when a running request cannot get a block.
+        ``running`` is non-empty and in scheduling order; the victim may be the requester itself."""
+
+    def should_preempt_for(self, waiting: SchedulableRequest, running: SchedulableRequest) -> bool:
+        """Whether admitting ``waiting`` justifies preempting ``running`` (default: never)."""
+        return False
+
+    def max_prompt_tokens_per_step(self) -> int | None:
+        """A cap on prompt tokens admitted per step (protects decode latency); None = no cap."""
+        return None
+
+
+# --------------------------------------------------------------------------- KV allocators
+
+
+@dataclass(slots=True)
+class KVAllocation:
+    """What ``KVAllocator.allocate`` changed in one request's block table.
+
+    ``new_block_ids`` were appended at the end; ``replaced_blocks`` are (logical index, new physical
+    id) pairs where a shared partial block was copied on write; ``block_copies`` are the (src, dst)
+    copies the runner must execute before the forward pass.
+    """
+
+    new_block_ids: list[int] = field(default_factory=list)
+    replaced_blocks: list[tuple[int, int]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass(slots=True, frozen=True)
+class KVStats:
+    num_blocks: int
+    num_used_blocks: int
+    num_free_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks if self.num_blocks else 0.0
+
+
+class KVAllocator(ABC):
+    """Paged KV bookkeeping: a block table per request over a pool of fixed-size blocks.
+
+    Driven by the Scheduler on the engine thread only. Block 0 is the null block and is never
+    handed out: ``num_blocks - 1`` blocks are usable. The allocator never changes a request's
+    ``num_computed_tokens``; the Scheduler does.
+    """
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be at least 2 (block 0 is reserved), got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    @abstractmethod
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (truly free plus evictable cached ones)."""
+
+    @abstractmethod
+    def get_num_cached_tokens(self, request: SchedulableRequest) -> int:
+        """Tokens at the start of ``request`` whose KV sits in the prefix cache: a multiple of the
+        block size, and always less than ``request.num_tokens`` (the last token is recomputed to get
+        its logits). No side effects except counting the query."""
+
+    @abstractmethod
+    def allocate(
+        self, request: SchedulableRequest, num_new_tokens: int, num_cached_tokens: int = 0
+    ) -> KVAllocation | None:
+        """Grow ``request``'s table to cover ``num_computed_tokens + num_cached_tokens +
+        num_new_tokens`` tokens. ``num_cached_tokens`` (from ``get_num_cached_tokens``, first
+        allocation only) attaches those cached blocks. Returns None and changes nothing when the
+        free blocks do not suffice. Blocks that become full are registered in the prefix cache."""
+
+    @abstractmethod
+    def free(self, request_id: str) -> None:
+        """Release every block ``request_id`` holds (no-op when it holds none)."""
+
+    @abstractmethod
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Give ``child_id`` the same block table as ``parent_id``, sharing every block."""
+
+    @abstractmethod
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table (logical → physical), a copy."""
+
+    @abstractmethod
+    def stats(self) -> KVStats: ...
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block that no request holds (optional)."""
+
+
+# --------------------------------------------------------------------------- attention backends
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """One step's flattened batch as attention sees it (built once per step by the model runner).
+
+    Sequence ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i+1]``; those are its
+    tokens at positions ``context_lens[i] .. seq_lens[i]-1``; its KV for positions
+    ``0 .. seq_lens[i]-1`` lives in the blocks ``block_tables[i, :ceil(seq_lens[i]/block_size)]``.
+    ``slot_mapping[t] = block_id * block_size + offset`` is where token ``t``'s K and V are
+    written; -1 means write nothing. Tensors live on the model's device; the ``*_cpu`` lists are
+    the same numbers as Python ints.
+    """
+
+    num_tokens: int
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+class AttentionBackend(ABC):
+    """Writes a layer's new K and V into the paged pool and attends over each sequence's context.
+
+    The KV pool of an instance is one buffer laid out block-major::
+
+        pool[num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]
+
+    and a layer sees ``pool[:, layer]`` → ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``.
+    One instance exists per attention layer; ``forward`` is called once per layer per step, by the
+    model, inside the engine thread. Within a layer every write precedes every read, so a request
+    may read blocks another request of the same batch writes in this step.
+    """
+
+    name: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> None:
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """``query [T, num_heads, head_dim]``, ``key``/``value [T, num_kv_heads, head_dim]``,
+        ``kv_cache`` this layer's view of the pool. Returns ``[T, num_heads, head_dim]``: causal
+        attention of each token over its own sequence's positions ≤ its own (within the sliding
+        window when one is set)."""
+
+    @classmethod
+    def prepare_metadata(cls, metadata: AttentionMetadata) -> None:
+        """Once per step, before the forward pass: precompute backend-specific data into
+        ``metadata.extra`` (optional)."""
+
+
+# --------------------------------------------------------------------------- quantization
+
+
+class QuantMethod(ABC):
+    """How a linear layer stores its weights and computes ``x @ W.T + b``.
+
+    The model asks the method to create a layer's parameters (``create_weights``), the loader hands
+    each checkpoint tensor to ``load_weight``, ``process_weights_after_loading`` runs once after
+    loading, and ``apply`` runs in every forward pass. A fused projection (QKV, gate/up) has several
+    output shards, loaded from separate checkpoint tensors.
+    """
+
+    name: ClassVar[str] = ""
+
+    @classmethod
+    def from_config(cls, quant_config: dict[str, Any]) -> QuantMethod:
+        """Build from config.json's ``quantization_config`` (empty for unquantized models)."""
+        return cls()
+
+    @abstractmethod
+    def create_weights(
+        self, layer: Any, input_size: int, output_sizes: list[int], params_dtype: Any
+    ) -> None:
+        """Register the parameters of a linear layer of ``input_size`` inputs and
+        ``sum(output_sizes)`` outputs (one size per fused shard) on ``layer``."""
+
+    @abstractmethod
+    def load_weight(self, layer: Any, name: str, tensor: Any, shard: int = 0) -> None:
+        """Copy checkpoint tensor ``name`` (the suffix after the layer's prefix, e.g. "weight",
+        "qweight", "scales") of output shard ``shard`` into ``layer``'s parameters."""
+
+    def process_weights_after_loading(self, layer: Any) -> None:
+        """Repack or convert after every tensor is loaded (optional)."""
+
+    @abstractmethod
+    def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [..., input_size]`` → ``[..., sum(output_sizes)]``."""
+
+
+# --------------------------------------------------------------------------- KV connectors
+
+
+@dataclass(slots=True, frozen=True)
+class KVPoolDescriptor:
+    """The KV pool as a connector registers it: one contiguous buffer, block-major, each block
+    ``block_bytes`` long at ``base_address + block_id * block_bytes``."""
+
+    base_address: int
+    num_blocks: int
+    block_bytes: int
+    device: str
+    compat_hash: str
+
+
+class KVConnector(ABC):
+    """Moves whole KV blocks between instances. It knows block ids and bytes, nothing of requests'
+    tokens, the scheduler or the runner. Failures are states the engine polls, never exceptions
+    that unwind the step loop. Called from the engine thread."""
+
+    name: ClassVar[str] = ""
+
+    @abstractmethod
+    def register_pool(self, pool: Any, descriptor: KVPoolDescriptor) -> None:
+        """Register the instance's KV pool once at start-up."""
+
+    @abstractmethod
+    def handshake_info(self) -> dict[str, Any]:
+        """What a peer needs to read from this instance (agent metadata, addresses, layout)."""
+
+    @abstractmethod
+    def start_read(
+        self,
+        transfer_id: str,
+        peer: dict[str, Any],
+        remote_block_ids: list[int],
+        local_block_ids: list[int],
+        deadline_s: float,
+    ) -> None:
+        """Start reading ``remote_block_ids`` of ``peer`` into ``local_block_ids``."""
+
+    @abstractmethod
+    def poll(self) -> dict[str, str]:
+        """States of unfinished transfers that changed: transfer_id → "done" or "error:<reason>"."""
+
+
+# --------------------------------------------------------------------------- routing policies
+
+
+@dataclass(slots=True, frozen=True)
+class InstanceInfo:
+    """An instance behind the router, as last seen by its health check."""
+
+    url: str
+    role: str
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_usage: float = 0.0
+
+
+class RoutingPolicy(ABC):
+    """Picks the instance for a request, in the router process, once per request."""
+
+    name: ClassVar[str] = ""
+
+    @abstractmethod
+    def select(self, instances: Sequence[InstanceInfo], prompt_token_ids: Sequence[int]) -> InstanceInfo:
+        """``instances`` is non-empty and holds only healthy instances of the wanted role."""

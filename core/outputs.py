@@ -1,0 +1,48 @@
+"""What the offline API and the server return, shaped like vLLM's ``RequestOutput``."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Logprob:
+    """One candidate token at one position: its logprob, rank (1 = most likely) and text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One of the ``n`` sequences of a request.
+
+    ``logprobs[i]`` maps token id → Logprob for output position ``i`` (the sampled token and the
+    top-k alternatives) when the request asked for logprobs, else None.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A request's state after a step (streaming) or at its end (``finished``)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0
+    metrics: dict[str, float | int | None] = field(default_factory=dict)

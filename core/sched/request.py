@@ -1,0 +1,151 @@
+"""A request as the scheduler sees it: token ids, progress, status. Pure Python (no torch).
+
+Progress is one number: ``num_computed_tokens`` catches up with ``num_tokens`` (prompt plus the
+outputs sampled so far). A new prompt, a chunk of a long prompt and a decode token are all just
+"tokens to compute this step"; there are no prefill/decode phases.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from tandem.sched.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: every status from FINISHED_STOPPED on is final."""
+
+    WAITING = 0
+    WAITING_FOR_REMOTE_KV = 1
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_REJECTED = 7
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI-style finish reason of a final status, None while unfinished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_REJECTED: "rejected",
+}
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Wall-clock timestamps (time.monotonic seconds) and counters of one request."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+    num_cached_prompt_tokens: int = 0
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """One sequence to generate. A request with ``sampling_params.n > 1`` is forked into
+    ``n`` sequences (children sharing the prompt's blocks) when its prompt is computed.
+
+    ``eos_token_ids`` end generation unless ``sampling_params.ignore_eos``. ``max_tokens`` is the
+    resolved output limit (``sampling_params.max_tokens`` or what fits the context).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    max_tokens: int = 16
+    parent_id: str | None = None
+    sample_index: int = 0
+    forked: bool = False
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    stop_reason: int | str | None = None
+    reject_reason: str | None = None
+    metrics: RequestMetrics = None  # type: ignore[assignment]
+    _output_token_ids: list[int] = field(default_factory=list)
+    _all_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("a request needs at least one prompt token")
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self._all_token_ids = list(self.prompt_token_ids)
+        if self.metrics is None:
+            self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+
+    @property
+    def output_token_ids(self) -> tuple[int, ...]:
+        return tuple(self._output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt plus outputs. Read-only by contract: use ``append_output_token`` to grow it."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def num_sequences(self) -> int:
+        """How many sequences this request stands for: ``n`` until it has forked, then 1."""
+        return 1 if self.forked or self.parent_id is not None else self.sampling_params.n
+
+    def append_output_token(self, token_id: int) -> None:
+        self._output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+
+    def fork(self, child_id: str, sample_index: int) -> Request:
+        """A copy of this (prompt-complete) request as sequence ``sample_index`` of the same parent."""
+        child = Request(
+            request_id=child_id,
+            prompt_token_ids=self.prompt_token_ids,
+            sampling_params=self.sampling_params,
+            eos_token_ids=self.eos_token_ids,
+            priority=self.priority,
+            arrival_time=self.arrival_time,
+            max_tokens=self.max_tokens,
+            parent_id=self.parent_id or self.request_id,
+            sample_index=sample_index,
+            forked=True,
+            status=self.status,
+            num_computed_tokens=self.num_computed_tokens,
+        )
+        child.metrics = RequestMetrics(
+            arrival_time=self.metrics.arrival_time,
+            first_scheduled_time=self.metrics.first_scheduled_time,
+            num_cached_prompt_tokens=self.metrics.num_cached_prompt_tokens,
+        )
+        for t in self._output_token_ids:
+            child.append_output_token(t)
+        return child
