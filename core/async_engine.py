@@ -1,0 +1,486 @@
+"""The engine behind the server: ``LLMEngine`` steps in its own thread while requests arrive from
+an asyncio loop.
+
+::
+
+    asyncio loop (server)                              engine thread (owns the LLMEngine)
+    ─────────────────────                              ──────────────────────────────────
+    add_request ──── _Add ────► inbox (SimpleQueue) ──► engine.add_request
+        ▲                                                  │ accepted / ValueError
+        └──── future ◄────────── call_soon_threadsafe ◄────┘
+    RequestStream ◄── outputs ◄─ call_soon_threadsafe ◄─── engine.step()   (one call per step)
+    stream closed early ─ _Abort ─► inbox ─────────────► engine.abort_request (before the next step)
+
+Only the engine thread touches the ``LLMEngine`` (it is not thread-safe); only the loop touches the
+streams and the queue accounting. The waiting queue the server bounds is "requests accepted that have
+produced no output yet" (waiting, or computing their prompt): a request beyond ``max_queued_requests``
+or ``max_queued_tokens`` prompt tokens raises ``QueueFull`` at once, before reaching the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from tandem.engine import LLMEngine, StepStats
+from tandem.interfaces import KVStats
+from tandem.outputs import RequestOutput
+from tandem.sched.sampling_params import SamplingParams
+
+logger = logging.getLogger("tandem")
+
+_IDLE_WAIT_S = 0.5
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine is loading, failed, or shutting down: the request was not admitted (HTTP 503)."""
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at its bound; retry after ``retry_after_s`` (HTTP 429)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class EngineError(RuntimeError):
+    """The engine thread died while the request was in flight."""
+
+
+class RequestAbortedByShutdown(RuntimeError):
+    """The request was still running when the graceful-shutdown deadline passed."""
+
+
+class EngineState(str, enum.Enum):
+    CREATED = "created"
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@dataclass(slots=True, frozen=True)
+class QueueLimits:
+    """Bounds of the waiting queue: requests, and prompt tokens summed over those requests."""
+
+    max_requests: int = 256
+    max_tokens: int = 262144
+
+
+@dataclass(slots=True, frozen=True)
+class EngineSnapshot:
+    """The engine's gauges and cumulative counters, published by the engine thread after every
+    iteration; readers on any thread get a consistent (if slightly old) picture."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv: KVStats | None = None
+    num_preemptions: int = 0
+
+
+StepListener = Callable[[StepStats], None]
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    future: asyncio.Future
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(slots=True)
+class _Drain:
+    deadline: float
+
+
+class _Stop:
+    pass
+
+
+@dataclass(slots=True)
+class _PreemptionCounter:
+    """Cumulative preemptions, from the per-request counts the outputs carry."""
+
+    total: int = 0
+    seen: dict[str, int] = field(default_factory=dict)
+
+    def update(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            now = int(out.metrics.get("num_preemptions") or 0)
+            self.total += now - self.seen.get(out.request_id, 0)
+            if out.finished:
+                self.seen.pop(out.request_id, None)
+            else:
+                self.seen[out.request_id] = now
+
+
+class RequestStream:
+    """The outputs of one request as they are sampled, read on the event loop.
+
+    Iterating yields cumulative ``RequestOutput``s; outputs that piled up while the reader was busy
+    are coalesced into the latest one. Iteration ends after the finished output and raises the
+    engine's error if the request failed. ``close()`` aborts the request if it has not finished
+    (and sets ``aborted``).
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, prompt: str | None, num_prompt_tokens: int):
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.arrival_time = time.monotonic()
+        self.finished = False
+        self.aborted = False
+        self._engine = engine
+        self._prompt = prompt
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._done = False
+        self.has_output = False
+
+    def _push(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, RequestOutput):
+            item.prompt = self._prompt
+            self.finished = item.finished
+        else:
+            self.finished = True
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        while not self._queue.empty() and isinstance(item, RequestOutput):
+            item = self._queue.get_nowait()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        self._done = item.finished
+        return item
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = self.aborted = True
+            self._engine._abort(self.request_id)
+
+
+class AsyncEngine:
+    """Runs an ``LLMEngine`` in a thread and serves it to asyncio code.
+
+    ``engine_factory`` builds the engine on the engine thread (model loading happens there, so the
+    server can answer /health with 503 meanwhile). ``step_listener`` is called on the engine thread
+    after every step with its ``StepStats`` (metrics); it must be fast and thread-safe.
+    """
+
+    def __init__(
+        self,
+        engine_factory: Callable[[], LLMEngine],
+        limits: QueueLimits = QueueLimits(),
+        step_listener: StepListener | None = None,
+    ) -> None:
+        self._factory = engine_factory
+        self.limits = limits
+        self._step_listener = step_listener
+        self.state = EngineState.CREATED
+        self.error: BaseException | None = None
+        self.engine: LLMEngine | None = None
+        self.snapshot = EngineSnapshot()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loaded = asyncio.Event()
+        self._streams: dict[str, RequestStream] = {}
+        self._adds: dict[str, asyncio.Future] = {}
+        self._queued_requests = 0
+        self._queued_tokens = 0
+        self._live: set[str] = set()  # engine thread only: ids the engine holds
+
+    # ------------------------------------------------------------------ lifecycle (event loop)
+
+    async def start(self) -> None:
+        """Start the engine thread, which loads the model; returns at once."""
+        assert self.state == EngineState.CREATED, "an AsyncEngine starts once"
+        self._loop = asyncio.get_running_loop()
+        self.state = EngineState.LOADING
+        self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
+        self._thread.start()
+
+    async def wait_ready(self) -> None:
+        """Wait until the model is loaded (once started); raises if loading failed."""
+        await self._loaded.wait()
+        if self.state == EngineState.FAILED:
+            raise EngineUnavailable(f"the engine failed to start: {self.error}") from self.error
+
+    @property
+    def is_ready(self) -> bool:
+        return self.state == EngineState.READY
+
+    @property
+    def num_queued_requests(self) -> int:
+        return self._queued_requests
+
+    def begin_shutdown(self, timeout_s: float) -> None:
+        """Stop admitting requests; requests in flight may finish within ``timeout_s``, after which
+        the engine thread aborts them and their streams raise ``RequestAbortedByShutdown``."""
+        if self.state in (EngineState.DRAINING, EngineState.STOPPED):
+            return
+        if self.state in (EngineState.READY, EngineState.LOADING):
+            self.state = EngineState.DRAINING
+        self._inbox.put(_Drain(deadline=time.monotonic() + timeout_s))
+
+    async def shutdown(self, timeout_s: float = 0.0) -> None:
+        """Drain (as ``begin_shutdown``), wait for the streams to end, then stop the thread."""
+        self.begin_shutdown(timeout_s)
+        while self._streams and self._thread is not None and self._thread.is_alive():
+            await asyncio.sleep(0.02)
+        self._inbox.put(_Stop())
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+        if self.state != EngineState.FAILED:
+            self.state = EngineState.STOPPED
+
+    # ------------------------------------------------------------------ requests (event loop)
+
+    def tokenize(self, prompt: str) -> list[int]:
+        """Token ids of ``prompt`` as the engine tokenizes it (a pure function of the tokenizer,
+        safe on the loop thread)."""
+        self.check_admitting()
+        return self.engine.tokenize(prompt)
+
+    async def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> RequestStream:
+        """Admit a request and return its stream.
+
+        Raises at once: ``EngineUnavailable`` (not ready / shutting down), ``QueueFull`` (waiting
+        queue at its bound), ``ValueError`` (the engine refuses it: empty prompt, ids outside the
+        vocabulary, too long, an ``n`` the KV pool can never hold…).
+        """
+        self.check_admitting()
+        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_queue(len(token_ids))
+        request_id = request_id if request_id is not None else uuid.uuid4().hex
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = RequestStream(self, request_id, prompt if isinstance(prompt, str) else None, len(token_ids))
+        future = self._loop.create_future()
+        self._streams[request_id] = stream
+        self._adds[request_id] = future
+        self._queued_requests += 1
+        self._queued_tokens += stream.num_prompt_tokens
+        self._inbox.put(_Add(request_id, token_ids, params, priority, future))
+        try:
+            await future
+        except asyncio.CancelledError:
+            stream.close()
+            raise
+        except BaseException:
+            self._forget(stream)
+            raise
+        finally:
+            self._adds.pop(request_id, None)
+        return stream
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the cumulative outputs of one request as tokens are sampled. Leaving the loop early
+        (break, cancellation, client disconnect) aborts the request: its KV blocks are free before
+        the next engine step."""
+        stream = await self.add_request(prompt, params or SamplingParams(), request_id, priority)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def check_admitting(self) -> None:
+        """Raise ``EngineUnavailable`` (with the reason) unless requests are admitted now."""
+        if self.state != EngineState.READY:
+            reason = {
+                EngineState.CREATED: "the engine has not been started",
+                EngineState.LOADING: "the model is still loading",
+                EngineState.DRAINING: "the server is shutting down",
+                EngineState.STOPPED: "the server is shut down",
+                EngineState.FAILED: f"the engine failed: {self.error}",
+            }[self.state]
+            raise EngineUnavailable(reason)
+
+    def _check_queue(self, num_tokens: int) -> None:
+        lim = self.limits
+        if self._queued_requests + 1 > lim.max_requests:
+            raise QueueFull(f"the waiting queue is full ({self._queued_requests} requests waiting, "
+                            f"limit {lim.max_requests}); retry later")
+        # An empty queue admits any prompt, so that no request is refused forever.
+        if self._queued_requests and self._queued_tokens + num_tokens > lim.max_tokens:
+            raise QueueFull(f"the waiting queue is full ({self._queued_tokens} prompt tokens waiting, "
+                            f"limit {lim.max_tokens}); retry later")
+
+    def _abort(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            self._forget(stream)
+        self._inbox.put(_Abort(request_id))
+
+    def _forget(self, stream: RequestStream) -> None:
+        if self._streams.pop(stream.request_id, None) is not None and not stream.has_output:
+            self._queued_requests -= 1
+            self._queued_tokens -= stream.num_prompt_tokens
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if not stream.has_output:
+                self._queued_requests -= 1
+                self._queued_tokens -= stream.num_prompt_tokens
+                stream.has_output = True
+            stream._push(out)
+            if out.finished:
+                del self._streams[out.request_id]
+
+    def _fail(self, request_ids: list[str] | None, error: BaseException) -> None:
+        """Fail the given streams (all of them when None) and the pending admissions."""
+        ids = list(self._streams) if request_ids is None else request_ids
+        for rid in ids:
+            stream = self._streams.get(rid)
+            if stream is not None:
+                self._forget(stream)
+                stream._push(error)
+        if request_ids is None:
+            for fut in self._adds.values():
+                if not fut.done():
+                    fut.set_exception(error)
+
+    def _on_loaded(self, error: BaseException | None) -> None:
+        if error is not None:
+            self.error = error
+            self.state = EngineState.FAILED
+        elif self.state == EngineState.LOADING:
+            self.state = EngineState.READY
+        self._loaded.set()
+
+    def _on_engine_died(self, error: BaseException) -> None:
+        self.error = error
+        self.state = EngineState.FAILED
+        self._fail(None, EngineError(f"the engine failed: {error}"))
+
+    @staticmethod
+    def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _post(self, fn: Callable, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            logger.debug("event loop closed; dropped %s", getattr(fn, "__name__", fn))
+
+    def _run(self) -> None:
+        try:
+            self.engine = self._factory()
+        except BaseException as exc:  # noqa: BLE001 — reported to the loop, which decides
+            logger.exception("the engine failed to load")
+            self._post(self._on_loaded, exc)
+            return
+        self._post(self._on_loaded, None)
+        try:
+            self._loop_forever(self.engine)
+        except BaseException as exc:  # noqa: BLE001 — every in-flight request must learn of it
+            logger.exception("the engine thread died")
+            self._post(self._on_engine_died, exc)
+
+    def _loop_forever(self, engine: LLMEngine) -> None:
+        deadline: float | None = None
+        preemptions = _PreemptionCounter()
+        while True:
+            busy = engine.has_unfinished_requests()
+            for cmd in self._take_commands(block=not busy):
+                if isinstance(cmd, _Stop):
+                    self._abort_all(engine, RequestAbortedByShutdown("the server stopped"))
+                    return
+                if isinstance(cmd, _Drain):
+                    deadline = cmd.deadline if deadline is None else min(deadline, cmd.deadline)
+                else:
+                    self._handle(engine, cmd)
+            if deadline is not None and time.monotonic() >= deadline and engine.has_unfinished_requests():
+                self._abort_all(engine, RequestAbortedByShutdown(
+                    "the request did not finish before the server's shutdown deadline"))
+            if engine.has_unfinished_requests():
+                outputs = engine.step()
+                if self._step_listener is not None and engine.last_step is not None:
+                    self._step_listener(engine.last_step)
+                preemptions.update(outputs)
+                self._live.difference_update(o.request_id for o in outputs if o.finished)
+                if outputs:
+                    self._post(self._deliver, outputs)
+            self.snapshot = EngineSnapshot(
+                num_running=engine.scheduler.num_running,
+                num_waiting=engine.scheduler.num_waiting,
+                kv=engine.scheduler.kv.stats(),
+                num_preemptions=preemptions.total,
+            )
+
+    def _take_commands(self, block: bool) -> list:
+        cmds = []
+        if block:
+            try:
+                cmds.append(self._inbox.get(timeout=_IDLE_WAIT_S))
+            except queue.Empty:
+                return cmds
+        while True:
+            try:
+                cmds.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return cmds
+
+    def _handle(self, engine: LLMEngine, cmd: _Add | _Abort) -> None:
+        if isinstance(cmd, _Abort):
+            if cmd.request_id in self._live:
+                self._live.discard(cmd.request_id)
+                engine.abort_request(cmd.request_id)
+            return
+        try:
+            engine.add_request(cmd.token_ids, cmd.params, request_id=cmd.request_id, priority=cmd.priority)
+        except ValueError as exc:
+            self._post(self._settle, cmd.future, exc)
+        else:
+            self._live.add(cmd.request_id)
+            self._post(self._settle, cmd.future, None)
+
+    def _abort_all(self, engine: LLMEngine, error: BaseException) -> None:
+        ids = sorted(self._live)
+        self._live.clear()
+        if ids:
+            engine.abort_request(ids)
+            self._post(self._fail, ids, error)

@@ -1,0 +1,1 @@
+"""Benchmarks that compare tandem with baselines measured in the same run."""

@@ -1,0 +1,26 @@
+"""`tandem bench KIND`: the benchmarks, each comparing against a baseline measured in the same run.
+
+Each kind lives in its own module with ``add_arguments(parser)`` and ``run(args) -> int``; they are
+imported only when their command runs, so ``tandem --help`` stays light.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHMARKS = {
+    "offline": ("tandem.bench.offline", "offline throughput of tandem vs HF transformers "
+                "(sequential, static batching, continuous batching)"),
+}
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    kinds = parser.add_subparsers(dest="bench_kind", title="benchmarks", metavar="KIND", required=True)
+    for kind, (module_name, help_text) in BENCHMARKS.items():
+        sub = kinds.add_parser(kind, help=help_text, description=help_text)
+        sub.set_defaults(bench_module=module_name)
+        importlib.import_module(module_name).add_arguments(sub)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    return importlib.import_module(args.bench_module).run(args)

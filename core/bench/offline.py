@@ -1,0 +1,188 @@
+"""`tandem bench offline`: offline throughput of tandem against HF transformers, in one run.
+
+Every mode gets the same checkpoint and the same requests (seeded random prompt and output
+lengths, greedy, EOS ignored) and only the tokens each request asked for count:
+
+- ``hf-sequential``: ``model.generate`` one request at a time;
+- ``hf-static``: left-padded batches in arrival order, each run until its longest request is done;
+- ``hf-continuous``: transformers' own continuous-batching manager, each request with its own
+  ``max_new_tokens``;
+- ``tandem``: ``tandem.LLM.generate`` over all requests.
+
+It prints tokens/s per mode and tandem's ratio to each baseline.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+MODES = ("hf-sequential", "hf-static", "hf-continuous", "tandem")
+
+
+@dataclass(slots=True)
+class Workload:
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+
+@dataclass(slots=True)
+class ModeResult:
+    mode: str
+    seconds: float
+    outputs: list[list[int]]
+
+    def tokens_per_s(self, wl: Workload) -> float:
+        return wl.num_output_tokens / self.seconds
+
+
+def make_workload(num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
+                  vocab_size: int, special_ids: set[int], seed: int) -> Workload:
+    rng = random.Random(seed)
+    ordinary = [t for t in range(vocab_size) if t not in special_ids]
+    prompts = [[rng.choice(ordinary) for _ in range(rng.randint(*prompt_range))]
+               for _ in range(num_requests)]
+    max_tokens = [rng.randint(*output_range) for _ in range(num_requests)]
+    return Workload(prompts, max_tokens)
+
+
+def run_hf_sequential(model, wl: Workload) -> ModeResult:
+    import torch
+
+    outputs = []
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for prompt, m in zip(wl.prompts, wl.max_tokens):
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=m,
+                                 min_new_tokens=m, do_sample=False)
+            outputs.append(out[0, len(prompt):].tolist())
+    return ModeResult("hf-sequential", time.perf_counter() - t0, outputs)
+
+
+def run_hf_static(model, wl: Workload, batch_size: int, pad_id: int) -> ModeResult:
+    import torch
+
+    outputs = []
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for start in range(0, len(wl.prompts), batch_size):
+            prompts = wl.prompts[start:start + batch_size]
+            wants = wl.max_tokens[start:start + batch_size]
+            width = max(map(len, prompts))
+            ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            longest = max(wants)
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=longest,
+                                 min_new_tokens=longest, do_sample=False, pad_token_id=pad_id)
+            outputs.extend(out[i, width:width + m].tolist() for i, m in enumerate(wants))
+    return ModeResult("hf-static", time.perf_counter() - t0, outputs)
+
+
+def run_hf_continuous(model, wl: Workload) -> ModeResult:
+    from transformers import GenerationConfig
+
+    gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=max(wl.max_tokens), eos_token_id=-1,
+                               pad_token_id=0)
+    results = {}
+    t0 = time.perf_counter()
+    with model.continuous_batching_context_manager(generation_config=gen_cfg, block=True,
+                                                   timeout=30, warmup=False) as manager:
+        ids = [manager.add_request(p, request_id=f"r{i}", max_new_tokens=m, eos_token_id=-1)
+               for i, (p, m) in enumerate(zip(wl.prompts, wl.max_tokens))]
+        while len(results) < len(ids):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                results[result.request_id] = result.generated_tokens
+            elif result is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching thread stopped")
+    seconds = time.perf_counter() - t0
+    return ModeResult("hf-continuous", seconds, [list(results[i]) for i in ids])
+
+
+def run_tandem(llm, wl: Workload) -> ModeResult:
+    from tandem import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in wl.max_tokens]
+    t0 = time.perf_counter()
+    outs = llm.generate(wl.prompts, params)
+    return ModeResult("tandem", time.perf_counter() - t0, [o.outputs[0].token_ids for o in outs])
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Share of requests whose token sequences are identical."""
+    return sum(x == y for x, y in zip(a, b)) / max(len(a), 1)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="HF folder (default: the bench-100m preset, built on first use)")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
+    p.add_argument("--static-batch-size", type=int, default=32)
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="tandem's max_num_seqs")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tandem import LLM
+    from tandem.models.loader import load_generation_config
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = args.model
+    if path is None:
+        from tandem.models.presets import default_model_path
+
+        path = str(default_model_path("bench-100m"))
+    eos = set(load_generation_config(path)["eos_token_ids"])
+    hf = None
+    if any(m.startswith("hf") for m in args.modes):
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(model=path, dtype="float32", max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens) if "tandem" in args.modes else None
+    vocab = (llm.engine.arch.vocab_size if llm else hf.config.vocab_size)
+    wl = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), vocab, eos,
+                       args.seed)
+    print(f"model {path}: {wl.num_output_tokens} output tokens over {len(wl.prompts)} requests, "
+          f"prompts {args.prompt_len[0]}-{args.prompt_len[1]}, outputs "
+          f"{args.output_len[0]}-{args.output_len[1]}, torch threads {torch.get_num_threads()}")
+    results: dict[str, ModeResult] = {}
+    for mode in args.modes:
+        if mode == "hf-sequential":
+            results[mode] = run_hf_sequential(hf, wl)
+        elif mode == "hf-static":
+            results[mode] = run_hf_static(hf, wl, args.static_batch_size, pad_id=min(eos) if eos else 0)
+        elif mode == "hf-continuous":
+            results[mode] = run_hf_continuous(hf, wl)
+        else:
+            results[mode] = run_tandem(llm, wl)
+        r = results[mode]
+        print(f"  {mode:<14} {r.seconds:8.1f} s  {r.tokens_per_s(wl):8.1f} tok/s", flush=True)
+    _print_summary(results, wl)
+    return 0
+
+
+def _print_summary(results: dict[str, ModeResult], wl: Workload) -> None:
+    print("\nmode            tok/s   tandem ratio   greedy agreement with tandem")
+    ours = results.get("tandem")
+    for mode, r in results.items():
+        ratio = f"{ours.tokens_per_s(wl) / r.tokens_per_s(wl):10.2f}x" if ours else "-"
+        agree = f"{agreement(ours.outputs, r.outputs):6.0%}" if ours and mode != "tandem" else ""
+        print(f"{mode:<14} {r.tokens_per_s(wl):7.1f}   {ratio:>12}   {agree}")
+    baselines = [r.tokens_per_s(wl) for m, r in results.items() if m != "tandem"]
+    if ours and baselines:
+        print(f"\ntandem / best HF mode: {ours.tokens_per_s(wl) / max(baselines):.2f}x; "
+              f"median baseline {statistics.median(baselines):.1f} tok/s")

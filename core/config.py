@@ -1,0 +1,467 @@
+"""tandem's configuration: one settings model, every knob in one place.
+
+Values come from four layers; a later layer wins field by field::
+
+    defaults (each runs on a CPU)
+      < TOML file                  [engine]  max_num_seqs = 8
+      < environment                TANDEM_ENGINE__MAX_NUM_SEQS=8
+      < overrides (CLI flags,      {"engine.max_num_seqs": 8} or {"max_num_seqs": 8}
+                   Python kwargs)
+
+Values that depend on the machine or the checkpoint ("auto" dtype, device, quantization,
+max_model_len) stay as the user wrote them; the engine resolves them at start-up. Every failure is
+a ``ConfigError`` whose message names the field (``engine.scheduler``) and what it accepts.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_serializer,
+    field_validator,
+)
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
+from pydantic_settings.sources import (
+    EnvSettingsSource,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    TomlConfigSettingsSource,
+)
+from pydantic_settings.sources.utils import parse_env_vars
+
+from tandem.plugin_manager import Registry, get_registry
+
+
+class ConfigError(ValueError):
+    """An invalid configuration: the message names each bad field and what it accepts."""
+
+
+# --------------------------------------------------------------------------- byte sizes
+
+_BYTE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}
+_BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(value: str | int) -> int:
+    """A byte count from an int or a string: ``"2GiB"`` → 2147483648, ``"512MiB"``, ``"1.5GiB"``,
+    ``"2GB"`` (powers of 1000), ``"4096"``. Units are case-insensitive. Raises ValueError."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a byte size, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"a byte size cannot be negative, got {value}")
+        return value
+    match = _BYTES_RE.match(str(value))
+    if match is None or match.group(2).lower() not in _BYTE_UNITS:
+        raise ValueError(
+            f"invalid byte size {value!r}: expected a number with an optional unit "
+            "(B, KiB, MiB, GiB, TiB, or KB, MB, GB, TB), e.g. 2GiB or 512MiB"
+        )
+    return int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
+
+
+def format_bytes(num_bytes: int) -> str | int:
+    """The shortest exact spelling of a byte count: 1073741824 → "1GiB"; 1000 → 1000."""
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        size = _BYTE_UNITS[unit.lower()]
+        if num_bytes and num_bytes % size == 0:
+            return f"{num_bytes // size}{unit}"
+    return num_bytes
+
+
+# --------------------------------------------------------------------------- sections
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class ModelConfig(_Section):
+    """``[model]``: which checkpoint to serve and how to load it."""
+
+    path: str | None = None
+    """Hugging Face model folder; unset = the built-in demo model."""
+    served_model_name: str | None = None
+    """The model name the API reports and accepts; unset = derived from path."""
+    tokenizer: str | None = None
+    """Tokenizer folder; unset = the model path."""
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    """Weights and activations dtype; auto = float32 on CPU, bfloat16 on CUDA."""
+    quantization: str = "auto"
+    """auto = from the checkpoint's quantization_config, none = unquantized, or a quant method."""
+    max_model_len: int | Literal["auto"] = "auto"
+    """Longest prompt plus output in tokens; auto = from config.json."""
+    seed: int = 0
+    """Seed of the random sampling of requests that give none."""
+
+    @field_validator("max_model_len", mode="before")
+    @classmethod
+    def _int_or_auto(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
+        if value == "auto" or isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+        raise ValueError("must be a positive integer or 'auto'")
+
+
+class EngineConfig(_Section):
+    """``[engine]``: device, KV cache and batching.
+
+    KV pool size, first one set wins: ``num_kv_blocks`` > ``kv_cache_memory`` >
+    ``gpu_memory_utilization`` (on CUDA only); on CPU with neither of the first two set,
+    ``cpu_kv_cache_memory``.
+    """
+
+    device: str = "auto"
+    """auto (cuda when available, else cpu), cpu, cuda or cuda:N."""
+    block_size: int = Field(16, ge=1)
+    """Tokens per KV block."""
+    num_kv_blocks: int | None = Field(None, ge=2)
+    """KV blocks in the pool (block 0 is reserved); wins over every memory setting."""
+    kv_cache_memory: int | None = Field(None, gt=0)
+    """KV pool bytes (an int or a string like "2GiB"); wins over gpu_memory_utilization."""
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    """On CUDA only: the fraction of GPU memory for weights, activations and the KV pool."""
+    cpu_kv_cache_memory: int = Field(1 << 30, gt=0)
+    """On CPU when neither num_kv_blocks nor kv_cache_memory is set: KV pool bytes."""
+    max_num_seqs: int = Field(64, ge=1)
+    """Most sequences in one step."""
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    """Most tokens computed in one step (the token budget)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV blocks of identical prompt prefixes."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts across steps to fit the token budget."""
+    scheduler: str = "fcfs"
+    """Scheduling policy plugin name."""
+    kv_allocator: str = "paged"
+    """KV allocator plugin name."""
+    attention_backend: str = "auto"
+    """Attention backend plugin name; auto = torch on CPU."""
+    num_threads: int | None = Field(None, ge=1)
+    """torch threads on CPU; unset = torch's default."""
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+            raise ValueError("must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        return value
+
+    @field_validator("kv_cache_memory", "cpu_kv_cache_memory", mode="before")
+    @classmethod
+    def _parse_bytes(cls, value: Any) -> Any:
+        return None if value is None else parse_bytes(value)
+
+    @field_serializer("kv_cache_memory", "cpu_kv_cache_memory", when_used="json")
+    def _format_bytes(self, value: int | None) -> str | int | None:
+        return None if value is None else format_bytes(value)
+
+
+class ServerConfig(_Section):
+    """``[server]``: the OpenAI-compatible HTTP server."""
+
+    host: str = "127.0.0.1"
+    """Address to listen on."""
+    port: int = Field(8000, ge=1, le=65535)
+    """TCP port to listen on."""
+    api_key: str | None = None
+    """When set, requests need "Authorization: Bearer <api_key>"."""
+    max_queued_requests: int = Field(256, ge=1)
+    """Waiting requests beyond which new ones get 429."""
+    max_queued_tokens: int = Field(262144, ge=1)
+    """Waiting prompt tokens beyond which new requests get 429."""
+    shutdown_timeout_s: float = Field(30.0, ge=0.0)
+    """How long a shutdown waits for running requests."""
+    log_requests: bool = False
+    """Log every request (ids, token counts, timing)."""
+
+
+class InstanceConfig(_Section):
+    """One instance behind the router."""
+
+    url: str
+    """Base URL, e.g. http://10.0.0.2:8000."""
+    role: Literal["prefill", "decode", "both"]
+    """What the router sends it."""
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        if not re.match(r"https?://\S+$", value):
+            raise ValueError("must be an http:// or https:// URL")
+        return value.rstrip("/")
+
+
+class DisaggregationConfig(_Section):
+    """``[disaggregation]``: separate prefill and decode instances behind a router."""
+
+    role: Literal["both", "prefill", "decode"] = "both"
+    """This instance's role; both = colocated prefill and decode."""
+    instances: list[InstanceConfig] = Field(default_factory=list)
+    """The router's instances: a list of {url, role}."""
+    kv_connector: str = "nixl"
+    """KV connector plugin name (prefill and decode instances)."""
+    routing_policy: str = "round_robin"
+    """Routing policy plugin name for prefill instances (the router)."""
+    decode_routing_policy: str = "least_loaded"
+    """Routing policy plugin name for decode instances (the router)."""
+    kv_transfer_timeout_s: float = Field(30.0, gt=0.0)
+    """Deadline of one request's KV transfer."""
+    kv_expiry_s: float = Field(120.0, gt=0.0)
+    """A prefill instance frees unclaimed KV blocks after this long."""
+    kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    """On a failed KV transfer: recompute the prompt locally, or fail the request."""
+    min_disaggregated_prompt_tokens: int = Field(0, ge=0)
+    """Shorter prompts skip the prefill instance and go straight to a decode instance."""
+    router_admin_key: str | None = None
+    """When set, the router's admin endpoints need this bearer key."""
+
+
+class TandemConfig(BaseSettings):
+    """The whole configuration. ``TandemConfig()`` reads defaults and ``TANDEM_*`` environment
+    variables; ``load_config`` adds a TOML file and overrides."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="TANDEM_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        use_attribute_docstrings=True,
+    )
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings
+
+    def to_toml(self) -> str:
+        """The configuration as a TOML file that ``load_config`` reads back to an equal config.
+        Unset (None) fields appear as comments."""
+        lines: list[str] = []
+        for section, values in self.model_dump(mode="json").items():
+            lines.append(f"[{section}]")
+            for key, value in values.items():
+                unset = value is None
+                lines.append(f"# {key} is unset" if unset else f"{key} = {_toml_value(value)}")
+            lines.append("")
+        return "\n".join(lines)
+
+
+SECTIONS: dict[str, type[BaseModel]] = {
+    "model": ModelConfig,
+    "engine": EngineConfig,
+    "server": ServerConfig,
+    "disaggregation": DisaggregationConfig,
+}
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+
+
+# --------------------------------------------------------------------------- loading
+
+
+class _MappingEnvSource(EnvSettingsSource):
+    """The environment source, reading a given mapping instead of ``os.environ``."""
+
+    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
+        self._environ = environ
+        super().__init__(settings_cls)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return parse_env_vars(self._environ, self.case_sensitive, self.env_ignore_empty,
+                              self.env_parse_none_str)
+
+
+def load_config(
+    config_file: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    check_plugins: bool = True,
+) -> TandemConfig:
+    """The effective configuration: defaults < ``config_file`` (TOML) < ``env`` (``os.environ``
+    when None; ``TANDEM_<SECTION>__<FIELD>``) < ``overrides``.
+
+    Override keys are ``"section.field"`` or a field name unique across sections
+    (``{"max_num_seqs": 4, "model.path": "/x"}``); None values are skipped (unset CLI flags).
+    With ``check_plugins`` the plugin names are checked against the installed plugins
+    (``validate_plugin_names``), which loads them. Raises ``ConfigError``; ``PluginError`` when
+    an installed plugin is broken.
+    """
+    sources: list[PydanticBaseSettingsSource] = [
+        InitSettingsSource(TandemConfig, init_kwargs=_nest_overrides(overrides or {})),
+        EnvSettingsSource(TandemConfig) if env is None else _MappingEnvSource(TandemConfig, env),
+    ]
+    if config_file is not None:
+        sources.append(_toml_source(Path(config_file)))
+    try:
+        config = TandemConfig(_build_sources=(tuple(sources), {}))
+    except ValidationError as exc:
+        raise ConfigError(_describe_validation_error(exc)) from None
+    except SettingsError as exc:
+        cause = f": {exc.__cause__}" if exc.__cause__ else ""
+        raise ConfigError(f"invalid TANDEM_* environment variable, {exc}{cause}") from None
+    if check_plugins:
+        validate_plugin_names(config, get_registry())
+    return config
+
+
+def _toml_source(path: Path) -> TomlConfigSettingsSource:
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist or is not a file")
+    try:
+        return TomlConfigSettingsSource(TandemConfig, toml_file=path)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {exc}") from None
+
+
+def _field_index() -> dict[str, list[str]]:
+    index: dict[str, list[str]] = {}
+    for section, cls in SECTIONS.items():
+        for name in cls.model_fields:
+            index.setdefault(name, []).append(section)
+    return index
+
+
+def _nest_overrides(overrides: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    nested: dict[str, dict[str, Any]] = {}
+    for key, value in overrides.items():
+        if value is not None:
+            section, name = _resolve_key(key)
+            nested.setdefault(section, {})[name] = value
+    return nested
+
+
+def _resolve_key(key: str) -> tuple[str, str]:
+    index = _field_index()
+    if "." in key:
+        section, name = key.split(".", 1)
+        if section in SECTIONS and name in SECTIONS[section].model_fields:
+            return section, name
+    elif len(index.get(key, [])) == 1:
+        return index[key][0], key
+    elif key in index:
+        options = ", ".join(f"{s}.{key}" for s in index[key])
+        raise ConfigError(f"configuration key {key!r} is ambiguous: use one of {options}")
+    known = [f"{s}.{n}" for n, sections in index.items() for s in sections]
+    hint = difflib.get_close_matches(key, known + list(index), n=3)
+    raise ConfigError(
+        f"unknown configuration key {key!r}"
+        + (f"; did you mean {', '.join(hint)}?" if hint else f"; known keys: {', '.join(known)}")
+    )
+
+
+def _describe_validation_error(exc: ValidationError) -> str:
+    problems: dict[str, list[str]] = {}
+    for error in exc.errors():
+        if error["type"] == "extra_forbidden":
+            parent, owner = _known_prefix(error["loc"][:-1])
+            path = ".".join(filter(None, [parent, str(error["loc"][-1])]))
+            message = f"unknown key; allowed keys here: {', '.join(owner.model_fields)}"
+        else:
+            path, _ = _known_prefix(error["loc"])
+            message = error["msg"].removeprefix("Value error, ")
+            if repr(error["input"]) not in message:
+                message += f" (got {error['input']!r})"
+        if message not in problems.setdefault(path, []):
+            problems[path].append(message)
+    lines = [f"  {path}: {' | '.join(messages)}" for path, messages in problems.items()]
+    return "invalid configuration:\n" + "\n".join(lines)
+
+
+def _known_prefix(loc: tuple[str | int, ...]) -> tuple[str, Any]:
+    """The dotted path of the part of a pydantic error location made of field names and list
+    indices (a union member tag ends it), and the model class reached there (None at a leaf)."""
+    model: Any = TandemConfig
+    parts: list[str] = []
+    for part in loc:
+        if isinstance(part, int) and parts:
+            parts[-1] += f"[{part}]"
+        elif model is not None and part in model.model_fields:
+            parts.append(str(part))
+            model = _model_of(model.model_fields[part].annotation)
+        else:
+            break
+    return ".".join(parts), model
+
+
+def _model_of(annotation: Any) -> Any:
+    if get_origin(annotation) is list:
+        annotation = get_args(annotation)[0]
+    is_model = isinstance(annotation, type) and issubclass(annotation, BaseModel)
+    return annotation if is_model else None
+
+
+# --------------------------------------------------------------------------- plugin names
+
+# (section, field, plugin kind, values accepted besides the registered names)
+_PLUGIN_FIELDS = [
+    ("engine", "scheduler", "scheduler", ()),
+    ("engine", "kv_allocator", "kv_allocator", ()),
+    ("engine", "attention_backend", "attention_backend", ("auto",)),
+    ("model", "quantization", "quant_method", ("auto", "none")),
+]
+_DISAGGREGATION_PLUGIN_FIELDS = [
+    ("disaggregation", "kv_connector", "kv_connector", ()),
+    ("disaggregation", "routing_policy", "routing_policy", ()),
+    ("disaggregation", "decode_routing_policy", "routing_policy", ()),
+]
+
+
+def validate_plugin_names(config: TandemConfig, registry: Registry) -> None:
+    """Check every plugin name the config selects against ``registry``; raise one ``ConfigError``
+    listing each unknown name with the names that are installed.
+
+    The ``[disaggregation]`` names (KV connector, routing policies) are checked only when the
+    config is disaggregated (role prefill or decode, or instances listed for a router): a
+    colocated instance never loads them.
+    """
+    fields = list(_PLUGIN_FIELDS)
+    if config.disaggregation.role != "both" or config.disaggregation.instances:
+        fields += _DISAGGREGATION_PLUGIN_FIELDS
+    problems = []
+    for section, name, kind, builtin_values in fields:
+        value = getattr(getattr(config, section), name)
+        allowed = [*builtin_values, *registry.names(kind)]
+        if value not in allowed:
+            listed = ", ".join(repr(a) for a in allowed) or "none installed"
+            problems.append(f"  {section}.{name}: no {kind} named {value!r}; allowed: {listed}")
+    if problems:
+        raise ConfigError("invalid configuration:\n" + "\n".join(problems))

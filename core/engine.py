@@ -1,0 +1,282 @@
+"""The engine: one object that owns the scheduler, the model runner and the output processor.
+
+``step()`` is the whole loop — schedule, execute, update — and is what the offline ``LLM`` and the
+server's async engine drive. Not thread-safe: one thread calls it (and ``add_request`` /
+``abort_request``) at a time.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from itertools import count
+from typing import Any
+
+import torch
+
+from tandem.config import TandemConfig, parse_bytes
+from tandem.output_processor import OutputProcessor
+from tandem.outputs import RequestOutput
+from tandem.plugin_manager import get_plugin_manager, get_registry
+from tandem.sched.request import Request, RequestStatus
+from tandem.sched.sampling_params import SamplingParams
+from tandem.sched.scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger("tandem")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class RequestRejected(ValueError):
+    """A request that can never be served (too long, too many sequences for the KV pool…)."""
+
+
+@dataclass(slots=True, frozen=True)
+class StepStats:
+    """What one step did, for metrics: tokens computed, sequences in the batch, wall time."""
+
+    num_tokens: int
+    num_seqs: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    duration_s: float
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str | None = None) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
+class LLMEngine:
+    """Loads the model named by ``config`` and serves requests step by step."""
+
+    def __init__(self, config: TandemConfig) -> None:
+        from tandem.models.loader import load_generation_config, load_model, load_tokenizer
+
+        self.config = config
+        self.registry = get_registry()
+        eng = config.engine
+        if eng.num_threads:
+            torch.set_num_threads(eng.num_threads)
+        torch.manual_seed(config.model.seed)
+        path = config.model.path
+        self.device = resolve_device(eng.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        backend_name = eng.attention_backend
+        if backend_name == "auto":
+            backend_name = "torch"
+        self.attn_backend_cls = self.registry.get("attention_backend", backend_name)
+        self.quant_method = self._quant_method(path)
+        t0 = time.perf_counter()
+        self.model, self.arch = load_model(
+            path,
+            dtype=self.dtype,
+            device=self.device,
+            registry=self.registry,
+            attn_backend_cls=self.attn_backend_cls,
+            quant_method=self.quant_method,
+        )
+        logger.info("loaded %s (%s) on %s in %.1f s", path, self.arch.architectures[0], self.device,
+                    time.perf_counter() - t0)
+        self.tokenizer = load_tokenizer(config.model.tokenizer or path)
+        self.eos_token_ids = frozenset(load_generation_config(path)["eos_token_ids"])
+        self.kv_cache = self._allocate_kv_pool()
+        self.max_model_len = self._resolve_max_model_len()
+        self.scheduler = self._build_scheduler()
+        from tandem.worker.model_runner import ModelRunner
+
+        self.runner = ModelRunner(self.model, self.kv_cache, eng.block_size, self.eos_token_ids,
+                                  self.attn_backend_cls)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._ids = count()
+        self.last_step: StepStats | None = None
+        get_plugin_manager().hook.tandem_engine_started(config=config)
+
+    # ----------------------------------------------------------------------------- start-up
+
+    def _quant_method(self, path: str):
+        from tandem.models.config import ModelArchConfig
+
+        qcfg = ModelArchConfig.from_pretrained_dir(path).quantization_config or {}
+        ckpt_method = qcfg.get("quant_method")
+        chosen = self.config.model.quantization
+        if chosen == "auto":
+            chosen = ckpt_method or "unquantized"
+        elif chosen == "none":
+            chosen = "unquantized"
+        if ckpt_method and chosen != ckpt_method:
+            raise ValueError(
+                f"model.quantization = {chosen!r} contradicts the checkpoint's quantization_config "
+                f"(quant_method = {ckpt_method!r})"
+            )
+        return self.registry.get("quant_method", chosen).from_config(qcfg)
+
+    def kv_bytes_per_block(self) -> int:
+        a = self.arch
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return a.num_hidden_layers * 2 * self.config.engine.block_size * a.num_key_value_heads * a.head_dim * elem
+
+    def _num_kv_blocks(self) -> int:
+        eng = self.config.engine
+        if eng.num_kv_blocks is not None:
+            return eng.num_kv_blocks
+        block_bytes = self.kv_bytes_per_block()
+        if eng.kv_cache_memory is not None:
+            return parse_bytes(eng.kv_cache_memory) // block_bytes
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - eng.gpu_memory_utilization) * total
+            return int(max(budget, 0) // block_bytes)
+        return parse_bytes(eng.cpu_kv_cache_memory) // block_bytes
+
+    def _allocate_kv_pool(self) -> torch.Tensor:
+        a, bs = self.arch, self.config.engine.block_size
+        num_blocks = self._num_kv_blocks()
+        if num_blocks < 2:
+            raise ValueError(f"the KV pool holds {num_blocks} blocks; it needs at least 2 "
+                             "(raise engine.num_kv_blocks or engine.kv_cache_memory)")
+        shape = (num_blocks, a.num_hidden_layers, 2, bs, a.num_key_value_heads, a.head_dim)
+        pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        logger.info("KV pool: %d blocks of %d tokens (%.1f MiB)", num_blocks, bs,
+                    pool.numel() * pool.element_size() / 2**20)
+        return pool
+
+    def _resolve_max_model_len(self) -> int:
+        wanted = self.config.model.max_model_len
+        limit = self.arch.max_position_embeddings
+        capacity = (self.kv_cache.shape[0] - 1) * self.config.engine.block_size
+        if wanted == "auto":
+            if capacity < limit:
+                logger.warning("max_model_len lowered from %d to %d tokens to fit the KV pool",
+                               limit, capacity)
+            return min(limit, capacity)
+        if wanted > limit:
+            raise ValueError(f"model.max_model_len = {wanted} exceeds the model's "
+                             f"max_position_embeddings ({limit})")
+        if wanted > capacity:
+            raise ValueError(f"model.max_model_len = {wanted} tokens does not fit the KV pool "
+                             f"({capacity} tokens); raise engine.num_kv_blocks/kv_cache_memory or "
+                             "lower max_model_len")
+        return wanted
+
+    def _build_scheduler(self) -> Scheduler:
+        eng = self.config.engine
+        allocator_cls = self.registry.get("kv_allocator", eng.kv_allocator)
+        policy_cls = self.registry.get("scheduler", eng.scheduler)
+        kv = allocator_cls(self.kv_cache.shape[0], eng.block_size, eng.enable_prefix_caching)
+        cfg = SchedulerConfig(
+            max_num_seqs=eng.max_num_seqs,
+            max_num_batched_tokens=eng.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=eng.enable_chunked_prefill,
+        )
+        return Scheduler(cfg, kv, policy_cls())
+
+    # ----------------------------------------------------------------------------- requests
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt)
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request; returns its id. Raises RequestRejected (a ValueError) at once when
+        the request can never be served, and ValueError for bad input."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.outputs.states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.arch.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = max(self.max_model_len - len(token_ids), 1)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            priority=priority,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            max_tokens=max_tokens,
+        )
+        request = self.scheduler.add_request(request)
+        if request.status == RequestStatus.FINISHED_REJECTED:
+            raise RequestRejected(request.reject_reason)
+        self.outputs.add_request(request_id, prompt if isinstance(prompt, str) else None,
+                                 token_ids, params)
+        return request_id
+
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        """Abort requests at any moment: their blocks are free when this returns. Returns their
+        final outputs (finish reason "abort" for every sequence that had not finished)."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for request in self.scheduler.abort_requests(ids):
+            self._on_finished(request)
+        finals = []
+        for rid in ids:
+            self.outputs.finish_all(rid, "abort")
+            if (out := self.outputs.output(rid)) is not None:
+                finals.append(out)
+        return finals
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ----------------------------------------------------------------------------- the loop
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, execute, update. Returns the outputs of the requests that changed."""
+        t0 = time.perf_counter()
+        sched_out = self.scheduler.schedule()
+        runner_out = self.runner.execute(sched_out)
+        updates = self.scheduler.update_from_output(sched_out, runner_out)
+        changed: dict[str, None] = {}
+        for update in updates:
+            req = update.request
+            stop_str = self.outputs.process(req, update.new_token_ids, runner_out)
+            if stop_str is not None and not req.is_finished:
+                req.stop_reason = stop_str
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+            if req.is_finished:
+                self._on_finished(req)
+            changed[req.parent_id or req.request_id] = None
+        self._record_step(sched_out, runner_out, time.perf_counter() - t0)
+        return [o for rid in changed if (o := self.outputs.output(rid)) is not None]
+
+    def _on_finished(self, request: Request) -> None:
+        self.outputs.finish(request)
+        get_plugin_manager().hook.tandem_request_finished(
+            request_id=request.request_id,
+            finish_reason=request.status.finish_reason or "abort",
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+        )
+
+    def _record_step(self, sched_out: Any, runner_out: Any, duration_s: float) -> None:
+        gen = len(runner_out.sampled_token_ids)
+        total = sched_out.total_num_scheduled_tokens
+        self.last_step = StepStats(
+            num_tokens=total,
+            num_seqs=len(sched_out.num_scheduled_tokens),
+            num_prompt_tokens=max(total - gen, 0),
+            num_generation_tokens=gen,
+            duration_s=duration_s,
+        )

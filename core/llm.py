@@ -1,0 +1,108 @@
+"""The offline API, shaped like vLLM's ``LLM`` so that users' scripts carry over::
+
+    from tandem import LLM, SamplingParams
+    llm = LLM(model="/path/to/hf-folder", max_num_seqs=32)
+    for out in llm.generate(["Hello", "The capital of"], SamplingParams(temperature=0, max_tokens=32)):
+        print(out.outputs[0].text)
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tandem.config import load_config
+from tandem.engine import LLMEngine
+from tandem.outputs import RequestOutput
+from tandem.sched.sampling_params import SamplingParams
+
+PromptType = str | Sequence[int]
+
+
+class LLM:
+    """Loads a model and generates for batches of prompts with continuous batching.
+
+    ``model`` is a local Hugging Face folder; any other keyword overrides a config field by its
+    name (``max_num_seqs=8``, ``num_kv_blocks=64``, ``dtype="float32"``, ``"engine.block_size"``…),
+    on top of ``config_file`` (TOML) and ``TANDEM_*`` environment variables.
+    """
+
+    def __init__(self, model: str | None = None, *, config_file: str | None = None, **overrides: Any):
+        if model is not None:
+            overrides["model.path"] = model
+        self.config = load_config(config_file, overrides)
+        if self.config.model.path is None:
+            from tandem.models.presets import default_model_path
+
+            self.config.model.path = str(default_model_path("demo"))
+        self.engine = LLMEngine(self.config)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: Sequence[int] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; returns one finished RequestOutput per prompt, in input order.
+
+        ``prompts``: a string, a list of token ids, or a list of either. ``sampling_params``: one
+        for all prompts or one per prompt. A prompt that can never be served raises ValueError
+        before anything runs.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompt_list))
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
+        ids = []
+        try:
+            for prompt, p, prio in zip(prompt_list, params, priorities):
+                ids.append(self.engine.add_request(prompt, p, priority=prio))
+        except ValueError:
+            self.engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="requests", unit="req")
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [done[i] for i in ids]
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]
+    for p in prompts:
+        if not isinstance(p, str) and not all(isinstance(t, int) for t in p):
+            raise ValueError("each prompt must be a string or a list of token ids")
+    return prompts
+
+
+def _as_params_list(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return params

@@ -1,0 +1,173 @@
+"""The architecture of a checkpoint, parsed from its config.json by our own code.
+
+transformers is only the file format and the test oracle: the engine never builds a transformers
+config. Both spellings of config.json are read — transformers 4.x (``rope_theta``, ``rope_scaling``,
+``torch_dtype``) and 5.x (``rope_parameters = {"rope_type", "rope_theta", ...}``, ``dtype``).
+
+Also here: the shape of the instance's KV pool, which depends only on the architecture::
+
+    pool[num_blocks, num_hidden_layers, 2 (K, V), block_size, num_key_value_heads, head_dim]
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
+@dataclass(slots=True, frozen=True)
+class RopeScaling:
+    """A RoPE frequency scaling. ``linear`` divides every inverse frequency by ``factor``;
+    ``llama3`` divides the low frequencies by ``factor``, keeps the high ones and interpolates
+    between ``original_max_position_embeddings / low_freq_factor`` and ``/ high_freq_factor``
+    wavelengths."""
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(slots=True, frozen=True)
+class ModelArchConfig:
+    """What the model code needs to know about a decoder-only checkpoint (Llama family)."""
+
+    architectures: tuple[str, ...]
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    torch_dtype: str | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    quantization_config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.max_position_embeddings
+
+    def sliding_window_for(self, layer_idx: int) -> int | None:
+        """The sliding window of layer ``layer_idx`` (None = full causal attention)."""
+        if self.sliding_window is None or self.layer_types[layer_idx] != SLIDING_ATTENTION:
+            return None
+        return self.sliding_window
+
+    @classmethod
+    def from_pretrained_dir(cls, path: str | Path) -> ModelArchConfig:
+        config_file = Path(path) / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"{config_file} does not exist: not a Hugging Face model folder")
+        return cls.from_dict(json.loads(config_file.read_text()))
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> ModelArchConfig:
+        hidden = cfg["hidden_size"]
+        heads = cfg["num_attention_heads"]
+        layers = cfg["num_hidden_layers"]
+        rope_theta, rope_scaling = _parse_rope(cfg)
+        sliding_window = _sliding_window(cfg)
+        return cls(
+            architectures=tuple(cfg.get("architectures") or ()),
+            model_type=cfg.get("model_type", ""),
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            vocab_size=cfg["vocab_size"],
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            hidden_act=cfg.get("hidden_act", "silu"),
+            sliding_window=sliding_window,
+            layer_types=_layer_types(cfg, layers, sliding_window),
+            torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=_as_ids(cfg.get("eos_token_id")),
+            quantization_config=dict(cfg.get("quantization_config") or {}),
+        )
+
+
+def _parse_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    params = cfg.get("rope_parameters")
+    if params is None:
+        params = dict(cfg.get("rope_scaling") or {})
+    elif any(isinstance(v, dict) for v in params.values()):
+        raise ValueError("per-layer-type rope_parameters are not supported")
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "linear":
+        return theta, RopeScaling("linear", float(params["factor"]))
+    return theta, RopeScaling(
+        "llama3",
+        float(params["factor"]),
+        float(params["low_freq_factor"]),
+        float(params["high_freq_factor"]),
+        int(params.get("original_max_position_embeddings") or cfg["max_position_embeddings"]),
+    )
+
+
+def _sliding_window(cfg: dict[str, Any]) -> int | None:
+    # Qwen2 keeps a sliding_window value in config.json even when use_sliding_window is false.
+    if "use_sliding_window" in cfg and not cfg["use_sliding_window"]:
+        return None
+    return cfg.get("sliding_window")
+
+
+def _layer_types(cfg: dict[str, Any], layers: int, sliding_window: int | None) -> tuple[str, ...]:
+    if sliding_window is None:
+        return (FULL_ATTENTION,) * layers
+    if cfg.get("layer_types"):
+        return tuple(cfg["layer_types"])
+    # Qwen2 slides only from layer max_window_layers on; Mistral slides everywhere.
+    first_sliding = cfg.get("max_window_layers", 0) if "use_sliding_window" in cfg else 0
+    return tuple(SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION for i in range(layers))
+
+
+def _as_ids(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(value)
+
+
+def kv_cache_shape(config: ModelArchConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """``(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)``: block-major, so one
+    block's K and V of every layer are one contiguous region."""
+    return (num_blocks, config.num_hidden_layers, 2, block_size, config.num_key_value_heads, config.head_dim)
+
+
+def kv_bytes_per_block(config: ModelArchConfig, block_size: int, dtype: Any) -> int:
+    """Bytes of one block of the pool for element type ``dtype`` (a torch.dtype)."""
+    per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim
+    return per_token * block_size * dtype.itemsize

@@ -1,0 +1,160 @@
+"""The building blocks of the Llama-family models: norm, linear, embedding, LM head, MLP, attention.
+
+Parameters are created empty (``torch.empty``) in the current default dtype and device — the
+loader sets both — and filled by ``load_weights``; nothing here initialises weights randomly.
+Linear layers get their parameters from a ``tandem.interfaces.QuantMethod`` so that quantized
+formats plug in without touching the models; the embedding and the LM head stay unquantized.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.interfaces import AttentionBackend, AttentionMetadata, QuantMethod
+from tandem.models.rotary import apply_rotary
+
+if TYPE_CHECKING:
+    from tandem.models.config import ModelArchConfig
+
+
+def _empty_param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x²) + eps)``, computed in float32 and cast back as HF does.
+
+    With ``residual`` given, the residual add is fused in front: the input becomes
+    ``x + residual``, and that sum is returned as the new residual::
+
+        out, residual = norm(x)             # first layer: residual = x
+        out, residual = norm(x, residual)   # later: residual = x + residual
+    """
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = _empty_param(hidden_size)
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+        x32 = x.to(torch.float32)
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype), x
+
+
+class LinearLayer(nn.Module):
+    """``y = x @ W.T + b`` with ``sum(output_sizes)`` outputs made of fused shards.
+
+    Shard ``i`` (e.g. q, k, v of a fused QKV projection) occupies outputs
+    ``sum(output_sizes[:i]) .. sum(output_sizes[:i+1])-1`` and is loaded from its own checkpoint
+    tensors with ``load(name, tensor, shard=i)``. The weight's layout belongs to ``quant_method``;
+    the bias (when present) is a plain vector in the default dtype, loaded here.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, quant_method: QuantMethod):
+        super().__init__()
+        self.input_size = input_size
+        self.output_sizes = list(output_sizes)
+        self.quant_method = quant_method
+        quant_method.create_weights(self, input_size, self.output_sizes, torch.get_default_dtype())
+        self.bias = _empty_param(sum(output_sizes)) if bias else None
+
+    def load(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
+        """Load checkpoint tensor ``name`` ("weight", "bias", "qweight"…) of output ``shard``."""
+        if name != "bias":
+            self.quant_method.load_weight(self, name, tensor, shard)
+            return
+        if self.bias is None:
+            raise ValueError("the checkpoint has a bias for a linear layer configured without one")
+        start = sum(self.output_sizes[:shard])
+        target = self.bias.data[start : start + self.output_sizes[shard]]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(f"bias shard {shard} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+        target.copy_(tensor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x, self.bias)
+
+
+class Embedding(nn.Module):
+    """Token embedding table ``[vocab_size, hidden_size]`` (unquantized)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = _empty_param(vocab_size, hidden_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class LMHead(nn.Module):
+    """Hidden states → float32 logits. Unquantized; shares the embedding's weight when tied."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tied_to: Embedding | None = None) -> None:
+        super().__init__()
+        self.tied = tied_to is not None
+        self.weight = tied_to.weight if tied_to is not None else _empty_param(vocab_size, hidden_size)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight).float()
+
+
+class GatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one projection (shards 0, 1)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, hidden_act: str,
+                 quant_method: QuantMethod) -> None:
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {hidden_act!r}: only 'silu' is implemented")
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = LinearLayer(hidden_size, [intermediate_size] * 2, bias, quant_method)
+        self.down_proj = LinearLayer(intermediate_size, [hidden_size], bias, quant_method)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Attention(nn.Module):
+    """Self-attention of layer ``layer_idx``: fused QKV projection (shards q, k, v), rotary
+    embedding, one attention backend instance over ``kv_cache[:, layer_idx]``, output projection.
+    Query head ``h`` uses KV head ``h // (num_heads // num_kv_heads)`` (GQA as HF's repeat_kv)."""
+
+    def __init__(self, config: ModelArchConfig, layer_idx: int, quant_method: QuantMethod,
+                 attn_backend_cls: type[AttentionBackend], qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = LinearLayer(config.hidden_size, self.split_sizes, qkv_bias, quant_method)
+        self.o_proj = LinearLayer(q_size, [config.hidden_size], o_bias, quant_method)
+        self.attn = attn_backend_cls(
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            scale=self.head_dim**-0.5,
+            sliding_window=config.sliding_window_for(layer_idx),
+        )
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, k, cos, sin)
+        out = self.attn.forward(q, k, v, kv_cache[:, self.layer_idx], metadata)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))

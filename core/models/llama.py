@@ -1,0 +1,153 @@
+"""Llama (also Mistral: the same network with a sliding window) over the paged KV pool.
+
+Contract shared by every tandem model class::
+
+    model = Cls(config: ModelArchConfig, quant_method: QuantMethod, attn_backend_cls)
+    hidden = model(input_ids [T], positions [T], kv_cache, metadata)     # [T, hidden_size]
+    logits = model.compute_logits(hidden [N, hidden_size])               # float32 [N, vocab]
+    model.load_weights(iterable of (HF checkpoint name, tensor))         # once, all tensors
+
+``kv_cache`` is the whole pool ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``;
+layer ``l`` hands ``kv_cache[:, l]`` to its attention backend. Module names follow HF's, except
+the fused projections: ``self_attn.qkv_proj`` (q, k, v) and ``mlp.gate_up_proj`` (gate, up).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from tandem.interfaces import AttentionBackend, AttentionMetadata, QuantMethod
+from tandem.models.config import ModelArchConfig
+from tandem.models.layers import Attention, Embedding, GatedMLP, LinearLayer, LMHead, RMSNorm
+from tandem.models.rotary import RotaryEmbedding
+
+# checkpoint module name → (fused module name, shard index)
+FUSED_SHARDS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+# Tensors some checkpoints carry that the model recomputes.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelArchConfig, layer_idx: int, quant_method: QuantMethod,
+                 attn_backend_cls: type[AttentionBackend], qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx, quant_method, attn_backend_cls, qkv_bias, o_bias)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias,
+                            config.hidden_act, quant_method)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, metadata)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelArchConfig, quant_method: QuantMethod,
+                 attn_backend_cls: type[AttentionBackend], qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                          config.rope_theta, config.rope_scaling)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, quant_method, attn_backend_cls, qkv_bias, o_bias)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, h.dtype)
+        residual = None
+        for layer in self.layers:
+            h, residual = layer(h, residual, cos, sin, kv_cache, metadata)
+        h, _ = self.norm(h, residual)
+        return h
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral. q, k, v and o carry a bias when config.attention_bias says so."""
+
+    def __init__(self, config: ModelArchConfig, quant_method: QuantMethod,
+                 attn_backend_cls: type[AttentionBackend]) -> None:
+        super().__init__()
+        self.config = config
+        qkv_bias, o_bias = self.attention_biases(config)
+        self.model = LlamaModel(config, quant_method, attn_backend_cls, qkv_bias, o_bias)
+        tied_to = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to)
+
+    @staticmethod
+    def attention_biases(config: ModelArchConfig) -> tuple[bool, bool]:
+        """(q/k/v have a bias, o_proj has a bias)."""
+        return config.attention_bias, config.attention_bias
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_cache, metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load every tensor of an HF checkpoint (names as HF writes them), then let the quant
+        method post-process each linear layer. Raises ValueError on an unknown tensor name, and
+        on parameters or linear shards the checkpoint did not provide."""
+        modules = dict(self.named_modules())
+        params = dict(self.named_parameters())
+        loaded_params: set[str] = set()
+        loaded_shards: set[tuple[str, int, bool]] = set()
+        with torch.no_grad():
+            for name, tensor in weights:
+                if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.lm_head.tied):
+                    continue
+                module_name, _, suffix = name.rpartition(".")
+                parent, _, leaf = module_name.rpartition(".")
+                fused, shard = FUSED_SHARDS.get(leaf, (leaf, 0))
+                target = f"{parent}.{fused}" if parent else fused
+                module = modules.get(target)
+                if isinstance(module, LinearLayer):
+                    module.load(suffix, tensor, shard)
+                    loaded_shards.add((target, shard, suffix == "bias"))
+                elif name in params:
+                    _copy_param(name, params[name], tensor)
+                    loaded_params.add(name)
+                else:
+                    raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
+            self._check_complete(modules, params, loaded_params, loaded_shards)
+            for module in modules.values():
+                if isinstance(module, LinearLayer):
+                    module.quant_method.process_weights_after_loading(module)
+
+    def _check_complete(self, modules: dict[str, nn.Module], params: dict[str, nn.Parameter],
+                        loaded_params: set[str], loaded_shards: set[tuple[str, int, bool]]) -> None:
+        missing = []
+        for name, module in modules.items():
+            if isinstance(module, LinearLayer):
+                kinds = (False, True) if module.bias is not None else (False,)
+                missing += [f"{name} shard {i}{' bias' if is_bias else ''}"
+                            for i in range(len(module.output_sizes)) for is_bias in kinds
+                            if (name, i, is_bias) not in loaded_shards]
+        linear_prefixes = tuple(f"{n}." for n, m in modules.items() if isinstance(m, LinearLayer))
+        missing += [n for n in params if n not in loaded_params and not n.startswith(linear_prefixes)]
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise ValueError(f"the checkpoint lacks weights for {shown}")
+
+
+def _copy_param(name: str, param: nn.Parameter, tensor: torch.Tensor) -> None:
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    param.data.copy_(tensor)

@@ -1,0 +1,143 @@
+"""Load a Hugging Face model folder: config.json → model class (through the plugin registry),
+safetensors weights (one file or shards with an index; pytorch_model.bin as a fallback),
+generation config and tokenizer.
+
+    model, arch = load_model(path, dtype=torch.float32, device=torch.device("cpu"),
+                             registry=get_registry(), attn_backend_cls=TorchAttentionBackend,
+                             quant_method=UnquantizedLinearMethod())
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from tandem.interfaces import AttentionBackend, QuantMethod
+from tandem.models.config import ModelArchConfig
+
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+TORCH_FILE = "pytorch_model.bin"
+TORCH_INDEX = "pytorch_model.bin.index.json"
+
+
+class ModelRegistry(Protocol):
+    """What the loader needs of ``tandem.plugin_manager.Registry``."""
+
+    def get(self, kind: str, name: str) -> type: ...
+
+    def names(self, kind: str) -> list[str]: ...
+
+
+def resolve_model_class(registry: ModelRegistry, arch: ModelArchConfig) -> type:
+    """The registered class of the first architecture config.json names that is installed."""
+    supported = registry.names("model")
+    for name in arch.architectures:
+        if name in supported:
+            return registry.get("model", name)
+    named = ", ".join(arch.architectures) or "none"
+    raise ValueError(f"unsupported model architecture {named}; supported: {', '.join(sorted(supported))}")
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(
+    path: str | Path,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    registry: ModelRegistry,
+    attn_backend_cls: type[AttentionBackend],
+    quant_method: QuantMethod,
+) -> tuple[torch.nn.Module, ModelArchConfig]:
+    """Build the model of the folder ``path`` on ``device`` with parameters in ``dtype`` (the
+    quant method may store some in other types) and load its weights. Returns (model, config)."""
+    arch = ModelArchConfig.from_pretrained_dir(path)
+    cls = resolve_model_class(registry, arch)
+    with _default_dtype(dtype), torch.device(device):
+        model = cls(arch, quant_method, attn_backend_cls)
+    model.load_weights(iter_checkpoint(path))
+    return model.eval(), arch
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    """The weight files of the folder, safetensors preferred, shards in name order."""
+    root = Path(path)
+    for index_name, single in ((SAFETENSORS_INDEX, SAFETENSORS_FILE), (TORCH_INDEX, TORCH_FILE)):
+        index = root / index_name
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            return [root / s for s in shards]
+        if (root / single).is_file():
+            return [root / single]
+    raise FileNotFoundError(f"no {SAFETENSORS_FILE}, {SAFETENSORS_INDEX} or {TORCH_FILE} in {root}")
+
+
+def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every (name, tensor) of the checkpoint, on the CPU, with a progress bar over tensors
+    (shown on a terminal only)."""
+    files = checkpoint_files(path)
+    with tqdm(desc="loading weights", unit="tensor", disable=None, total=_count_tensors(files)) as bar:
+        for file in files:
+            for name, tensor in _iter_file(file):
+                yield name, tensor
+                bar.update(1)
+
+
+def _count_tensors(files: list[Path]) -> int | None:
+    if files[0].suffix != ".safetensors":
+        return None
+    total = 0
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            total += len(f.keys())
+    return total
+
+
+def _iter_file(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    if file.suffix == ".safetensors":
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+    else:
+        yield from torch.load(file, map_location="cpu", weights_only=True).items()
+
+
+def load_generation_config(path: str | Path) -> dict[str, Any]:
+    """generation_config.json's fields (empty without the file) plus ``eos_token_ids``: the set of
+    its ``eos_token_id`` (an int or a list), else config.json's."""
+    root = Path(path)
+    gen_file = root / "generation_config.json"
+    gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+    eos = gen.get("eos_token_id")
+    if eos is None:
+        config_file = root / "config.json"
+        eos = json.loads(config_file.read_text()).get("eos_token_id") if config_file.is_file() else None
+    if eos is None:
+        eos_ids: set[int] = set()
+    elif isinstance(eos, int):
+        eos_ids = {eos}
+    else:
+        eos_ids = set(eos)
+    return {**gen, "eos_token_ids": eos_ids}
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The folder's tokenizer through ``transformers.AutoTokenizer``."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))

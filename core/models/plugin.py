@@ -1,0 +1,14 @@
+"""Registers tandem's built-in model classes by architecture name (entry point ``builtin_models``)."""
+from __future__ import annotations
+
+import tandem
+from tandem.hookspecs import Register
+from tandem.models.llama import LlamaForCausalLM
+from tandem.models.qwen2 import Qwen2ForCausalLM
+
+
+@tandem.hookimpl
+def tandem_register_models(register: Register) -> None:
+    register("LlamaForCausalLM", LlamaForCausalLM)
+    register("MistralForCausalLM", LlamaForCausalLM)
+    register("Qwen2ForCausalLM", Qwen2ForCausalLM)

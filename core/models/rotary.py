@@ -1,0 +1,71 @@
+"""Rotary position embedding, "neox" style as in HF Llama: the head dimension is split in halves
+that rotate together (``rotate_half``), with optional linear or Llama 3 frequency scaling.
+
+The cos/sin tables for every position up to ``max_position`` are computed once, in float32, and
+looked up once per forward pass; every layer then applies the same (cos, sin) pair.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from tandem.models.config import RopeScaling
+
+
+def compute_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies ``base ** (-2i / head_dim)`` for i < head_dim/2, float32, scaled."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (base**exponents)
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    return _llama3_scale(inv_freq, scaling)
+
+
+def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    # Wavelengths longer than original/low_freq_factor are divided by factor; shorter than
+    # original/high_freq_factor are kept; in between, a linear blend by the smoothing weight.
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [T, H, D]``, ``k [T, Hkv, D]``, ``cos``/``sin [T, D]`` → rotated q and k."""
+    cos = cos[:, None, :]
+    sin = sin[:, None, :]
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables ``[max_position, head_dim]`` (float32, not saved in the state dict)."""
+
+    def __init__(self, head_dim: int, max_position: int, base: float, scaling: RopeScaling | None) -> None:
+        super().__init__()
+        inv_freq = compute_inv_freq(head_dim, base, scaling)
+        positions = torch.arange(max_position, dtype=torch.int64).to(torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_cache", angles.cos(), persistent=False)
+        self.register_buffer("sin_cache", angles.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions [T]`` → ``(cos, sin)``, each ``[T, head_dim]`` in ``dtype``."""
+        return self.cos_cache[positions].to(dtype), self.sin_cache[positions].to(dtype)

@@ -1,0 +1,110 @@
+"""The physical KV blocks of one instance: reference counts, a free queue in eviction order, and
+the prefix-cache map from chained block hashes to blocks. Pure Python.
+
+A block is *free* when no request holds it (``ref_count == 0``). A free block may still be
+*cached*: its KV stays valid and a request with the same prefix can take it back (``touch``)
+until its memory is needed. The free queue is ordered by eviction::
+
+    front (handed out first)                                        back (handed out last)
+    [ free, never cached ... | cached, released earliest ... cached, released latest ]
+
+Allocation pops the front; a popped block that was cached leaves the cache map (evicted).
+Block 0 is the null block: it is never queued, never handed out.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """The 128-bit chained hash of one full block: blake2b over the parent block's hash (nothing
+    for the first block) and the block's token ids as signed 64-bit integers. Equal hashes mean
+    equal token prefixes up to and including this block (a collision needs ~2**64 blocks)."""
+    digest = hashlib.blake2b(digest_size=16)
+    if parent_hash is not None:
+        digest.update(parent_hash)
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
+
+
+@dataclass(slots=True, eq=False)
+class KVBlock:
+    """One physical block. ``block_hash`` is set while the block is in the prefix cache."""
+
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None
+
+
+class BlockPool:
+    """Blocks ``0 .. num_blocks-1``; block 0 is the null block and is never handed out."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 2:
+            raise ValueError(
+                f"a block pool needs at least 2 blocks (block 0 is reserved), got {num_blocks}")
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
+        self._cache: dict[bytes, KVBlock] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no request holds: never-cached ones plus cached ones that can be evicted."""
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cache)
+
+    def allocate(self) -> KVBlock:
+        """Hand out the block at the front of the free queue with ``ref_count = 1``, evicting it
+        from the prefix cache if it was cached. The caller checks ``num_free_blocks`` first."""
+        _, block = self._free.popitem(last=False)
+        if block.block_hash is not None:
+            del self._cache[block.block_hash]
+            block.block_hash = None
+            self.num_evictions += 1
+        block.ref_count = 1
+        return block
+
+    def touch(self, block: KVBlock) -> None:
+        """Take one more reference; a free (cached) block leaves the free queue."""
+        if block.ref_count == 0:
+            del self._free[block.block_id]
+        block.ref_count += 1
+
+    def release(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference of each block, in the given order. A block reaching 0 joins the free
+        queue: at the back when cached (evicted after every block released before it), at the
+        front when not (reused before any cached block)."""
+        for block in blocks:
+            assert block.ref_count > 0, f"block {block.block_id} released more often than taken"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block.block_id] = block
+                if block.block_hash is None:
+                    self._free.move_to_end(block.block_id, last=False)
+
+    def lookup(self, block_hash: bytes) -> KVBlock | None:
+        return self._cache.get(block_hash)
+
+    def cache(self, block: KVBlock, block_hash: bytes) -> None:
+        """Register a full block under its chained hash. No-op when the block is already cached,
+        or when another block already holds that hash (the same tokens computed twice)."""
+        if block.block_hash is None and block_hash not in self._cache:
+            block.block_hash = block_hash
+            self._cache[block_hash] = block
+
+    def reset_cache(self) -> int:
+        """Forget every cached block no request holds; returns how many were forgotten."""
+        stale = [h for h, b in self._cache.items() if b.ref_count == 0]
+        for block_hash in stale:
+            block = self._cache.pop(block_hash)
+            block.block_hash = None
+            self._free.move_to_end(block.block_id, last=False)
+        return len(stale)

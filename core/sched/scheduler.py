@@ -1,0 +1,409 @@
+"""Continuous batching: tandem's one Scheduler. Pure Python.
+
+Each step hands out a token budget. Running requests come first, in order: each gets
+``num_tokens - num_computed_tokens`` tokens capped by what is left (1 for a decode, a chunk for an
+ongoing prefill). Then waiting requests are admitted in the policy's order, after a prefix-cache
+lookup, while budget, sequence seats and blocks last. There are no prefill or decode phases.
+
+When a running request cannot get a block, the policy names a victim (possibly the request itself)
+that is preempted by recompute: its blocks are freed, its progress reset, and it goes back to the
+waiting queue; a victim already scheduled this step gives its tokens back. A waiting request may
+preempt a running one only when the policy says so; otherwise admission stops at the first request
+that does not fit (head of line), which keeps FCFS free of starvation. No request is admitted in a
+step that preempted from the running ones.
+
+A request with ``n > 1`` is forked into ``n`` sequences at the end of the step that completes its
+prompt: the children share its blocks (copy-on-write on their first own token).
+
+``schedule()`` advances ``num_computed_tokens`` by the scheduled counts (the output carries the
+values from before). A request aborted between ``schedule()`` and ``update_from_output()`` has
+that step's tokens counted as never computed, so none of their KV enters the prefix cache.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.interfaces import KVAllocation, KVAllocator, SchedulingPolicy
+from tandem.sched.output import (
+    CachedRequestData,
+    ForkedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from tandem.sched.request import Request, RequestStatus
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerConfig:
+    """Per-step limits: sequences (a request with n > 1 counts n until it forks), tokens, and the
+    context length. Without chunked prefill a prompt is computed in one step or waits."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1 (got {getattr(self, name)})")
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """One request's result of a step: the tokens it got and whether it finished."""
+
+    request: Request
+    new_token_ids: list[int]
+    finished: bool
+
+
+@dataclass(slots=True)
+class _Scheduled:
+    """A request's share of the step being built; ``start`` is where its tokens start."""
+
+    request: Request
+    start: int
+    num_new: int
+    num_prompt_phase: int
+    allocation: KVAllocation
+    is_new: bool
+
+
+@dataclass(slots=True)
+class _Step:
+    token_budget: int
+    num_free_seats: int
+    prompt_cap: int | None
+    num_prompt_tokens: int = 0
+    scheduled: dict[str, _Scheduled] = field(default_factory=dict)
+    preempted: set[str] = field(default_factory=set)
+
+
+def _is_decode(request: Request, num_remaining: int) -> bool:
+    """One token left after the prompt: a decode step (not prompt-phase work)."""
+    return num_remaining == 1 and request.num_output_tokens > 0
+
+
+class Scheduler:
+    """Owns the waiting queue (a heap on the policy's key) and the running list (scheduling
+    order). Every method runs on the engine thread; per step the engine calls ``schedule()``,
+    runs the model, then ``update_from_output()``."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVAllocator, policy: SchedulingPolicy) -> None:
+        cap = policy.max_prompt_tokens_per_step()
+        if cap is not None and cap < 1:
+            raise ValueError(f"scheduling policy {policy.name!r} caps prompt tokens per step at {cap}; "
+                             "the cap must be at least 1 or None")
+        self.config = config
+        self.kv = kv
+        self.policy = policy
+        self._requests: dict[str, Request] = {}
+        self._waiting: list[tuple[Any, int, Request]] = []
+        self._running: list[Request] = []
+        self._queue_seq = itertools.count()
+        self._finished_ids: set[str] = set()
+        self._in_flight: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """An unfinished request (waiting or running); None once it finished."""
+        return self._requests.get(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # ------------------------------------------------------------------ admission and exits
+
+    def add_request(self, request: Request) -> Request:
+        """Enqueue ``request`` as WAITING, or reject it at once (FINISHED_REJECTED with a
+        ``reject_reason``) when it could never run, even alone."""
+        reason = self._reject_reason(request)
+        if reason is not None:
+            request.status = RequestStatus.FINISHED_REJECTED
+            request.reject_reason = reason
+            request.metrics.finished_time = time.monotonic()
+            return request
+        request.status = RequestStatus.WAITING
+        self._requests[request.request_id] = request
+        self._enqueue(request)
+        return request
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        """Abort the given requests and the sequences forked from them; unknown or finished ids
+        are ignored. Safe between ``schedule()`` and ``update_from_output()``: the tokens of the
+        step in flight are then treated as never computed."""
+        ids = set(request_ids)
+        aborted = [r for r in self._requests.values() if r.request_id in ids or r.parent_id in ids]
+        for request in aborted:
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return aborted
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """End the given unfinished requests with a final ``status`` (e.g. a stop string matched)."""
+        assert status.is_finished, f"{status!r} is not a final status"
+        for request_id in request_ids:
+            request = self._requests.get(request_id)
+            if request is not None:
+                self._finish(request, status)
+
+    def _reject_reason(self, request: Request) -> str | None:
+        cfg, kv = self.config, self.kv
+        n, prompt, max_tokens = request.num_sequences, request.num_prompt_tokens, request.max_tokens
+        if request.request_id in self._requests:
+            return f"request id {request.request_id!r} is already in use; give each request a unique id"
+        if prompt + max_tokens > cfg.max_model_len:
+            return (f"the prompt ({prompt} tokens) plus max_tokens ({max_tokens}) exceeds the model's "
+                    f"context length ({cfg.max_model_len} tokens); shorten the prompt or lower "
+                    "max_tokens")
+        num_blocks = kv.blocks_for(prompt + max_tokens) + (n - 1) * (kv.blocks_for(max_tokens) + 1)
+        if num_blocks > kv.num_usable_blocks:
+            return (f"the request needs {num_blocks} KV blocks at its longest but the KV cache holds "
+                    f"{kv.num_usable_blocks}; shorten the prompt, lower max_tokens or n, or give the "
+                    "engine more KV cache")
+        if n > cfg.max_num_seqs:
+            return f"n={n} exceeds max_num_seqs={cfg.max_num_seqs}; lower n"
+        if not cfg.enable_chunked_prefill and prompt > cfg.max_num_batched_tokens:
+            return (f"the prompt ({prompt} tokens) exceeds max_num_batched_tokens "
+                    f"({cfg.max_num_batched_tokens}) and chunked prefill is disabled; shorten the "
+                    "prompt, raise max_num_batched_tokens or enable chunked prefill")
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self._running.remove(request)
+        else:
+            self._waiting = [e for e in self._waiting if e[2] is not request]
+            heapq.heapify(self._waiting)
+        request.num_computed_tokens -= self._in_flight.pop(request.request_id, 0)
+        request.status = status
+        request.metrics.finished_time = time.monotonic()
+        self.kv.free(request.request_id)
+        del self._requests[request.request_id]
+        self._finished_ids.add(request.request_id)
+
+    def _enqueue(self, request: Request) -> None:
+        heapq.heappush(self._waiting, (self.policy.sort_key(request), next(self._queue_seq), request))
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step and advance each scheduled request's ``num_computed_tokens`` by its
+        scheduled count (the output carries the values from before)."""
+        step = _Step(
+            token_budget=self.config.max_num_batched_tokens,
+            num_free_seats=self.config.max_num_seqs - sum(r.num_sequences for r in self._running),
+            prompt_cap=self.policy.max_prompt_tokens_per_step(),
+        )
+        self._schedule_running(step)
+        if not step.preempted:
+            self._schedule_waiting(step)
+        forked = self._fork_completed_prompts(step)
+        out = self._build_output(step, forked)
+        self._in_flight = dict(out.num_scheduled_tokens)
+        return out
+
+    def _schedule_running(self, step: _Step) -> None:
+        """Give each running request its next tokens, preempting the policy's victims until its
+        blocks fit. A request that has to preempt itself ends the pass: the pool is exhausted."""
+        for request in list(self._running):
+            if step.token_budget == 0:
+                return
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_remaining = request.num_tokens - request.num_computed_tokens
+            num_new = min(num_remaining, self._token_limit(step, request, num_remaining))
+            if num_new == 0:
+                continue
+            allocation = self.kv.allocate(request, num_new)
+            while allocation is None:
+                victim = self.policy.select_victim(self._running)
+                self._preempt(victim, step)
+                if victim is request:
+                    return
+                allocation = self.kv.allocate(request, num_new)
+            self._record(step, request, 0, num_new, allocation, is_new=False)
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        """Admit from the head of the queue until one does not fit (no skipping ahead). A request
+        preempted in this step is not readmitted in it."""
+        while self._waiting and step.token_budget > 0:
+            entry = heapq.heappop(self._waiting)
+            request = entry[2]
+            admitted = (
+                request.request_id not in step.preempted
+                and request.num_sequences <= step.num_free_seats
+                and self._try_admit(step, request)
+            )
+            if not admitted:
+                heapq.heappush(self._waiting, entry)
+                return
+
+    def _try_admit(self, step: _Step, request: Request) -> bool:
+        """Prefix lookup, then allocation, preempting running requests while the policy allows."""
+        num_cached = self.kv.get_num_cached_tokens(request)
+        num_new = self._num_admitted_tokens(step, request, request.num_tokens - num_cached)
+        if num_new == 0:
+            return False
+        allocation = self.kv.allocate(request, num_new, num_cached)
+        while allocation is None and self._running:
+            victim = self.policy.select_victim(self._running)
+            if not self.policy.should_preempt_for(request, victim):
+                return False
+            self._preempt(victim, step)
+            allocation = self.kv.allocate(request, num_new, num_cached)
+        if allocation is None:
+            return False
+        request.status = RequestStatus.RUNNING
+        self._running.append(request)
+        step.num_free_seats -= request.num_sequences
+        if request.metrics.first_scheduled_time is None:
+            request.metrics.first_scheduled_time = time.monotonic()
+            request.metrics.num_cached_prompt_tokens = num_cached
+        self._record(step, request, num_cached, num_new, allocation, is_new=True)
+        return True
+
+    def _token_limit(self, step: _Step, request: Request, num_remaining: int) -> int:
+        """Tokens ``request`` may get now: the budget left, and for prompt-phase work also what
+        is left under the policy's prompt cap."""
+        limit = step.token_budget
+        if step.prompt_cap is not None and not _is_decode(request, num_remaining):
+            limit = min(limit, step.prompt_cap - step.num_prompt_tokens)
+        return max(limit, 0)
+
+    def _num_admitted_tokens(self, step: _Step, request: Request, num_remaining: int) -> int:
+        """With chunked prefill, as many as the limits allow. Without it, all or nothing, and a
+        whole prompt is admitted while the step's prompt tokens are under the cap — except a
+        resumed request longer than the whole budget, which could never run again otherwise."""
+        limit = self._token_limit(step, request, num_remaining)
+        if self.config.enable_chunked_prefill or num_remaining > self.config.max_num_batched_tokens:
+            return min(num_remaining, limit)
+        return num_remaining if limit > 0 and num_remaining <= step.token_budget else 0
+
+    def _record(self, step: _Step, request: Request, num_cached: int, num_new: int,
+                allocation: KVAllocation, is_new: bool) -> None:
+        start = request.num_computed_tokens + num_cached
+        num_prompt_phase = 0 if _is_decode(request, request.num_tokens - start) else num_new
+        step.scheduled[request.request_id] = _Scheduled(request, start, num_new, num_prompt_phase,
+                                                        allocation, is_new)
+        step.token_budget -= num_new
+        step.num_prompt_tokens += num_prompt_phase
+        request.num_computed_tokens = start + num_new
+
+    def _preempt(self, victim: Request, step: _Step) -> None:
+        """Preempt by recompute; a victim scheduled earlier in this step gives its tokens back
+        (its ``num_computed_tokens`` goes back first, so the allocator caches only computed KV)."""
+        record = step.scheduled.pop(victim.request_id, None)
+        if record is not None:
+            step.token_budget += record.num_new
+            step.num_prompt_tokens -= record.num_prompt_phase
+            victim.num_computed_tokens = record.start
+        self.kv.free(victim.request_id)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.PREEMPTED
+        victim.metrics.num_preemptions += 1
+        self._running.remove(victim)
+        step.num_free_seats += victim.num_sequences
+        step.preempted.add(victim.request_id)
+        self._enqueue(victim)
+
+    def _fork_completed_prompts(self, step: _Step) -> list[ForkedRequestData]:
+        """Fork every not-yet-forked request with n > 1 whose prompt this step completes. Done
+        after all preemptions, so a fork is never undone; the seats were held from admission."""
+        forked = []
+        for record in list(step.scheduled.values()):
+            parent = record.request
+            if parent.num_sequences == 1 or parent.num_computed_tokens < parent.num_prompt_tokens:
+                continue
+            parent.forked = True
+            for index in range(1, parent.sampling_params.n):
+                child = parent.fork(f"{parent.request_id}#{index}", index)
+                self.kv.fork(parent.request_id, child.request_id)
+                self._requests[child.request_id] = child
+                self._running.append(child)
+                forked.append(ForkedRequestData(child.request_id, parent.request_id, index))
+        return forked
+
+    def _build_output(self, step: _Step, forked: list[ForkedRequestData]) -> SchedulerOutput:
+        out = SchedulerOutput(
+            forked_requests=forked,
+            finished_req_ids=self._finished_ids,
+            preempted_req_ids=set(step.preempted),
+        )
+        self._finished_ids = set()
+        for request_id, record in step.scheduled.items():
+            request, allocation = record.request, record.allocation
+            if record.is_new:
+                out.new_requests.append(NewRequestData(
+                    request_id=request_id,
+                    token_ids=list(request.all_token_ids),
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    sampling_params=request.sampling_params,
+                    sample_index=request.sample_index,
+                    block_ids=self.kv.get_block_ids(request_id),
+                    num_computed_tokens=record.start,
+                ))
+            else:
+                out.cached_requests.append(CachedRequestData(
+                    request_id=request_id,
+                    new_block_ids=allocation.new_block_ids,
+                    num_computed_tokens=record.start,
+                    replaced_blocks=allocation.replaced_blocks,
+                ))
+            out.num_scheduled_tokens[request_id] = record.num_new
+            out.block_copies.extend(allocation.block_copies)
+        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        return out
+
+    # ------------------------------------------------------------------ results
+
+    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
+        """Append each sampled token, then check, in order: EOS, stop token ids (both only once
+        ``min_tokens`` are out), ``max_tokens``, the context length. A finished request frees
+        its blocks at once. Tokens for requests aborted meanwhile are dropped."""
+        for request_id in out.num_scheduled_tokens:
+            self._in_flight.pop(request_id, None)
+        now = time.monotonic()
+        updates = []
+        for request_id, token_id in result.sampled_token_ids.items():
+            request = self._requests.get(request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            request.append_output_token(token_id)
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            request.metrics.last_token_time = now
+            status = self._stop_status(request, token_id)
+            if status is not None:
+                self._finish(request, status)
+            updates.append(RequestUpdate(request, [token_id], status is not None))
+        return updates
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id in request.eos_token_ids and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,178 @@
+"""The FastAPI app of one tandem instance: the OpenAI routes, /health, /metrics.
+
+``create_app(config)`` builds everything an instance needs (the async engine, its metrics) and
+starts the engine in the app's lifespan: the model loads in the engine thread while the server
+already answers /health with 503. Every /v1 route needs ``Authorization: Bearer KEY`` when
+``server.api_key`` is set. Errors use OpenAI's body; FastAPI's 422 becomes a 400.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tandem import __version__
+from tandem.async_engine import AsyncEngine, EngineState, QueueLimits
+from tandem.config import TandemConfig
+from tandem.engine import LLMEngine
+from tandem.server.chat import create_chat_completion
+from tandem.server.completions import create_completion
+from tandem.server.errors import APIError
+from tandem.server.metrics import ServerMetrics
+from tandem.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+from tandem.server.serving import ClientDisconnected, ServingContext
+
+logger = logging.getLogger("tandem.server")
+
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 429, 500, 503)}
+
+
+def create_app(config: TandemConfig, engine_factory: Callable[[], LLMEngine] | None = None) -> FastAPI:
+    """The app serving ``config.model.path`` (which must be set). ``engine_factory`` replaces
+    ``LLMEngine(config)``, to wrap the engine (tests inject faults this way)."""
+    assert config.model.path is not None, "resolve the model path before building the app"
+    metrics = ServerMetrics()
+    engine = AsyncEngine(
+        engine_factory or (lambda: LLMEngine(config)),
+        QueueLimits(config.server.max_queued_requests, config.server.max_queued_tokens),
+        step_listener=metrics.observe_step,
+    )
+    metrics.track(lambda: engine.snapshot)
+    ctx = ServingContext(engine, config.model.served_model_name or config.model.path,
+                         config.model.path, metrics, config.server.log_requests)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await engine.start()
+        yield
+        await engine.shutdown(config.server.shutdown_timeout_s)
+
+    app = FastAPI(title="tandem", version=__version__, lifespan=lifespan,
+                  description="An OpenAI-compatible LLM inference server.")
+    app.state.tandem = ctx
+    _add_error_handlers(app, metrics)
+    app.include_router(_v1_router(ctx, config.server.api_key))
+    _add_operator_routes(app, ctx)
+    return app
+
+
+def _v1_router(ctx: ServingContext, api_key: str | None) -> APIRouter:
+    async def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise APIError(401, "a valid API key is required: Authorization: Bearer KEY",
+                           code="invalid_api_key")
+
+    router = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)], responses=_ERRORS)
+
+    @router.get("/models", response_model=ModelList)
+    async def list_models() -> ModelList:
+        max_len = ctx.engine.engine.max_model_len if ctx.engine.engine is not None else None
+        return ModelList(data=[ModelCard(id=ctx.model_name, root=ctx.model_path, max_model_len=max_len)])
+
+    @router.post("/completions", response_model=CompletionResponse)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        """OpenAI completions; with ``stream`` the answer is text/event-stream chunks."""
+        return await create_completion(ctx, body, request)
+
+    @router.post("/chat/completions", response_model=ChatCompletionResponse)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        """OpenAI chat completions through the model's chat template."""
+        return await create_chat_completion(ctx, body, request)
+
+    return router
+
+
+def _add_operator_routes(app: FastAPI, ctx: ServingContext) -> None:
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 when ready to serve; 503 while loading, shutting down or failed."""
+        state = ctx.engine.state
+        status = 200 if state == EngineState.READY else 503
+        return JSONResponse({"status": state.value}, status_code=status)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus text format."""
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    def answer(error: APIError) -> JSONResponse:
+        metrics.record_error(error.code)
+        return error.response()
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return answer(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return answer(_validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = str(exc.detail)
+        if isinstance(exc.__cause__, UnicodeDecodeError):
+            message = "the request body is not valid UTF-8"
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
+        return answer(APIError(exc.status_code, message, code=code))
+
+    @app.exception_handler(ClientDisconnected)
+    async def disconnected(request: Request, exc: ClientDisconnected) -> Response:
+        metrics.record_error("client_disconnected")
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        return answer(APIError(500, f"internal error: {exc}", code="internal_error"))
+
+
+_FORMS = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of text parts",
+}
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    """One 400 naming every bad field (or the JSON syntax error)."""
+    problems: dict[str, str] = {}
+    for err in exc.errors():
+        loc = [str(part) for part in err.get("loc", ()) if part != "body"]
+        if err.get("type") == "json_invalid":
+            detail = err.get("ctx", {}).get("error", "")
+            return APIError(400, f"the request body is not valid JSON: {detail}".rstrip(": "),
+                            code="invalid_json")
+        if not loc:
+            return APIError(400, "the request body must be a JSON object", code="invalid_json")
+        tag = next((i for i, part in enumerate(loc) if _is_union_tag(part)), None)
+        if tag is None:
+            problems.setdefault(".".join(loc), err.get("msg", "invalid value"))
+        else:  # pydantic tried every member of a union: name the accepted forms once
+            path = ".".join(loc[:tag])
+            problems[path] = f"must be {_FORMS.get(loc[tag - 1], 'one of the accepted types')}"
+    message = "; ".join(f"{path}: {msg}" for path, msg in problems.items())
+    return APIError(400, message, param=next(iter(problems)).split(".")[0])
+
+
+def _is_union_tag(part: str) -> bool:
+    return part in ("str", "int", "float", "bool") or "[" in part or part[:1].isupper()

@@ -1,0 +1,196 @@
+"""POST /v1/completions: one engine request per prompt, ``n`` choices each, choice index
+``prompt_index * n + sequence_index``; OpenAI's completions logprobs shape; echo; SSE streaming.
+"""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from tandem.outputs import CompletionOutput, Logprob, RequestOutput
+from tandem.server.errors import APIError, bad_request
+from tandem.server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+)
+from tandem.server.serving import (
+    SSE_DONE,
+    ServingContext,
+    SSEResponse,
+    admit,
+    check_prompt,
+    log_unknown_fields,
+    merged,
+    sampling_params,
+    sse,
+    sse_error,
+    until_disconnect,
+)
+
+
+async def create_completion(ctx: ServingContext, body: CompletionRequest, request: Request) -> Response:
+    log_unknown_fields(body, "/v1/completions")
+    ctx.check_model(body.model)
+    ctx.check_ready()
+    prompts, texts = _prompts(ctx, body.prompt)
+    for token_ids in prompts:
+        check_prompt(ctx, token_ids, body.max_tokens)
+    echo_logprobs = body.logprobs if body.echo else None
+    params = sampling_params(body, body.max_tokens, body.logprobs, echo_logprobs)
+    view = _CompletionView(ctx, body, f"cmpl-{uuid.uuid4().hex}", prompts, texts)
+    streams = await admit(ctx, prompts, params, view.request_id, body.priority)
+    if body.stream:
+        return SSEResponse(view.stream(streams), ctx, streams)
+    finals = await until_disconnect(request, lambda: view.collect(streams))
+    return JSONResponse(view.response(finals).model_dump())
+
+
+def _prompts(ctx: ServingContext, prompt) -> tuple[list[list[int]], list[str | None]]:
+    """Token ids and text of each prompt (text None for a token-id prompt)."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise bad_request("the prompt is empty", "prompt")
+    if isinstance(prompt[0], int):
+        prompt = [prompt]
+    ids, texts = [], []
+    for p in prompt:
+        if isinstance(p, str):
+            if not p:
+                raise bad_request("the prompt is empty", "prompt")
+            ids.append(ctx.engine.tokenize(p))
+            texts.append(p)
+        else:
+            ids.append(list(p))
+            texts.append(None)
+    return ids, texts
+
+
+@dataclass(slots=True)
+class _ChoiceState:
+    """What a stream has sent of one choice so far."""
+
+    text_len: int = 0
+    num_tokens: int = 0
+    text_offset: int = 0
+    finished: bool = False
+
+
+@dataclass(slots=True)
+class _CompletionView:
+    """Renders engine outputs of one HTTP request as OpenAI completions."""
+
+    ctx: ServingContext
+    body: CompletionRequest
+    request_id: str
+    prompts: list[list[int]]
+    texts: list[str | None]
+    states: dict[int, _ChoiceState] = field(default_factory=dict)
+
+    async def collect(self, streams) -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        async for index, out in merged(self.ctx, streams):
+            finals[index] = out
+        return finals
+
+    def response(self, finals: list[RequestOutput]) -> CompletionResponse:
+        choices = []
+        for index, out in enumerate(finals):
+            for seq in out.outputs:
+                st = _ChoiceState()
+                choices.append(self._choice(index, out, seq, st, first=True, last=True))
+        return CompletionResponse(id=self.request_id, model=self.ctx.model_name, choices=choices,
+                                  usage=self._usage(finals))
+
+    def _usage(self, finals: list[RequestOutput]) -> UsageInfo:
+        prompt = sum(len(p) for p in self.prompts)
+        completion = sum(len(seq.token_ids) for out in finals for seq in out.outputs)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    async def stream(self, streams):
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        try:
+            async for index, out in merged(self.ctx, streams):
+                finals[index] = out
+                for seq in out.outputs:
+                    chunk = self._delta(index, out, seq)
+                    if chunk is not None:
+                        yield sse(chunk.model_dump_json())
+            options = self.body.stream_options
+            if options is not None and options.include_usage:
+                usage = CompletionResponse(id=self.request_id, model=self.ctx.model_name, choices=[],
+                                           usage=self._usage(finals))
+                yield sse(usage.model_dump_json())
+        except APIError as exc:
+            self.ctx.metrics.record_error(exc.code)
+            yield sse_error(exc)
+        yield SSE_DONE
+
+    def _delta(self, index: int, out: RequestOutput, seq: CompletionOutput) -> CompletionResponse | None:
+        key = index * self.body.n + seq.index
+        first = key not in self.states
+        st = self.states.setdefault(key, _ChoiceState())
+        if st.finished or not (first or seq.finished or len(seq.token_ids) > st.num_tokens):
+            return None
+        choice = self._choice(index, out, seq, st, first=first, last=seq.finished)
+        return CompletionResponse(id=self.request_id, model=self.ctx.model_name, choices=[choice])
+
+    def _choice(self, index: int, out: RequestOutput, seq: CompletionOutput, st: _ChoiceState,
+                first: bool, last: bool) -> CompletionChoice:
+        """The part of choice ``seq`` not yet in ``st`` (everything when ``st`` is fresh)."""
+        text = seq.text[st.text_len:]
+        lp = None
+        if self.body.logprobs is not None:
+            lp = CompletionLogprobs()
+            if first and self.body.echo:
+                self._add_prompt_logprobs(lp, index, out, st)
+            self._add_logprobs(lp, seq.token_ids[st.num_tokens:], seq.logprobs[st.num_tokens:], st)
+        if first and self.body.echo:
+            text = self._prompt_text(index) + text
+        st.text_len, st.num_tokens, st.finished = len(seq.text), len(seq.token_ids), seq.finished
+        return CompletionChoice(index=index * self.body.n + seq.index, text=text, logprobs=lp,
+                                finish_reason=seq.finish_reason if last else None,
+                                stop_reason=seq.stop_reason if last else None)
+
+    def _prompt_text(self, index: int) -> str:
+        text = self.texts[index]
+        if text is None:
+            text = self.ctx.engine.engine.tokenizer.decode(self.prompts[index])
+        return text
+
+    def _add_prompt_logprobs(self, lp: CompletionLogprobs, index: int, out: RequestOutput,
+                             st: _ChoiceState) -> None:
+        entries = out.prompt_logprobs or []
+        prompt = self.prompts[index]
+        tokenizer = self.ctx.engine.engine.tokenizer
+        for pos, token_id in enumerate(prompt):
+            entry = entries[pos] if pos < len(entries) else None
+            if entry is None:
+                self._append(lp, tokenizer.decode([token_id]), None, None, st)
+            else:
+                chosen = entry[token_id]
+                self._append(lp, chosen.decoded_token or "", chosen.logprob, _top(entry), st)
+
+    def _add_logprobs(self, lp: CompletionLogprobs, token_ids: list[int],
+                      entries: list[dict[int, Logprob]], st: _ChoiceState) -> None:
+        for token_id, entry in zip(token_ids, entries):
+            chosen = entry[token_id]
+            self._append(lp, chosen.decoded_token or "", chosen.logprob, _top(entry), st)
+
+    @staticmethod
+    def _append(lp: CompletionLogprobs, token: str, logprob: float | None,
+                top: dict[str, float] | None, st: _ChoiceState) -> None:
+        lp.tokens.append(token)
+        lp.token_logprobs.append(logprob)
+        lp.top_logprobs.append(top)
+        lp.text_offset.append(st.text_offset)
+        st.text_offset += len(token)
+
+
+def _top(entry: dict[int, Logprob]) -> dict[str, float]:
+    return {lp.decoded_token or "": lp.logprob for lp in sorted(entry.values(), key=lambda lp: lp.rank)}

@@ -1,0 +1,71 @@
+"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status.
+
+Every failure a client can cause or observe becomes an ``APIError``; ``api_error_from`` maps the
+async engine's exceptions onto statuses (503 not ready / shutting down, 429 queue full with
+Retry-After, 400 a request the engine refuses, 500 an engine failure).
+"""
+from __future__ import annotations
+
+import re
+
+from fastapi.responses import JSONResponse
+
+from tandem.async_engine import EngineError, EngineUnavailable, QueueFull, RequestAbortedByShutdown
+from tandem.server.protocol import ErrorInfo, ErrorResponse
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    """An error answered to the client. ``code`` is a short machine-readable reason, also the
+    ``reason`` label of ``tandem:request_errors_total``."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str = "invalid_request", headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=_TYPES.get(self.status, "error"),
+                                             param=self.param, code=self.code))
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body().model_dump(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+_PARAM = re.compile(r"SamplingParams\.(\w+)")
+
+
+def api_error_from(exc: BaseException) -> APIError:
+    """The client-facing error of an exception raised while admitting or running a request."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, QueueFull):
+        return APIError(429, str(exc), code="queue_full",
+                        headers={"Retry-After": str(exc.retry_after_s)})
+    if isinstance(exc, EngineUnavailable):
+        return APIError(503, str(exc), code="unavailable")
+    if isinstance(exc, RequestAbortedByShutdown):
+        return APIError(503, str(exc), code="shutdown")
+    if isinstance(exc, EngineError):
+        return APIError(500, str(exc), code="engine_error")
+    if isinstance(exc, ValueError):
+        match = _PARAM.search(str(exc))
+        return bad_request(str(exc), match.group(1) if match else None)
+    return APIError(500, f"internal error: {exc}", code="internal_error")

@@ -1,0 +1,220 @@
+"""What the completions and chat endpoints share: sampling parameters from a request body,
+prompt checks, admitting one engine request per prompt, merging their streams, and aborting
+them when the client goes away.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from fastapi import Request
+from starlette.responses import StreamingResponse
+
+from tandem.async_engine import AsyncEngine, EngineUnavailable, RequestStream
+from tandem.outputs import RequestOutput
+from tandem.sched.sampling_params import SamplingParams
+from tandem.server.errors import APIError, api_error_from, bad_request
+from tandem.server.metrics import RequestTimer, ServerMetrics
+from tandem.server.protocol import SamplingFields
+
+logger = logging.getLogger("tandem.server")
+
+
+@dataclass(slots=True)
+class ServingContext:
+    """What every endpoint needs: the engine, the name it is served under, the metrics."""
+
+    engine: AsyncEngine
+    model_name: str
+    model_path: str
+    metrics: ServerMetrics
+    log_requests: bool = False
+
+    def check_model(self, requested: str | None) -> None:
+        if requested is not None and requested != self.model_name:
+            raise APIError(404, f"the model {requested!r} does not exist; this server serves "
+                                f"{self.model_name!r}", param="model", code="model_not_found")
+
+    def check_ready(self) -> None:
+        try:
+            self.engine.check_admitting()
+        except EngineUnavailable as exc:
+            raise api_error_from(exc) from exc
+
+
+def log_unknown_fields(body: SamplingFields, route: str) -> None:
+    extra = sorted(body.model_extra or {})
+    if extra:
+        logger.warning("%s: ignoring unknown fields %s", route, ", ".join(extra))
+
+
+def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
+    """The engine's parameters for ``body``; a value SamplingParams refuses is a 400."""
+    fields = {
+        "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
+        "min_p": body.min_p, "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty, "repetition_penalty": body.repetition_penalty,
+    }
+    try:
+        return SamplingParams(
+            n=body.n,
+            seed=body.seed,
+            max_tokens=max_tokens,
+            min_tokens=body.min_tokens,
+            stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+            stop_token_ids=list(body.stop_token_ids or []),
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=body.skip_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            **{k: v for k, v in fields.items() if v is not None},
+        )
+    except ValueError as exc:
+        raise api_error_from(exc) from exc
+
+
+def check_prompt(ctx: ServingContext, token_ids: list[int], max_tokens: int | None,
+                 param: str = "prompt") -> None:
+    """400 for an empty prompt, ids outside the vocabulary, or no room for ``max_tokens``."""
+    engine = ctx.engine.engine
+    if not token_ids:
+        raise bad_request("the prompt is empty", param)
+    vocab = engine.arch.vocab_size
+    bad = [t for t in token_ids if not 0 <= t < vocab]
+    if bad:
+        raise bad_request(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param)
+    limit = engine.max_model_len
+    if max_tokens is None and len(token_ids) >= limit:
+        raise bad_request(f"the prompt has {len(token_ids)} tokens; the context length is {limit}, "
+                          "which leaves no room for output", param)
+    if max_tokens is not None and len(token_ids) + max_tokens > limit:
+        raise bad_request(f"the prompt ({len(token_ids)} tokens) plus max_tokens ({max_tokens}) "
+                          f"exceeds the context length ({limit} tokens)", "max_tokens")
+
+
+async def admit(ctx: ServingContext, prompts: list[list[int]], params: SamplingParams,
+                request_id: str, priority: int) -> list[RequestStream]:
+    """One engine request per prompt, all or none: a refusal aborts those already admitted and
+    raises the matching APIError (429, 400, 503)."""
+    streams: list[RequestStream] = []
+    try:
+        for i, token_ids in enumerate(prompts):
+            streams.append(await ctx.engine.add_request(token_ids, params, f"{request_id}-{i}", priority))
+    except BaseException as exc:
+        close_all(streams)
+        if isinstance(exc, Exception):
+            raise api_error_from(exc) from exc
+        raise
+    if ctx.log_requests:
+        logger.info("%s: admitted %d prompt(s) of %s tokens, priority %d, %s", request_id, len(prompts),
+                    [len(p) for p in prompts], priority, params)
+    return streams
+
+
+def close_all(streams: list[RequestStream]) -> None:
+    """Abort the unfinished streams."""
+    for stream in streams:
+        stream.close()
+
+
+async def merged(ctx: ServingContext,
+                 streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, cumulative output) as the outputs of any stream arrive; engine failures
+    raise as APIError. Closing the iterator early aborts the unfinished requests."""
+    inbox: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        timer = RequestTimer(ctx.metrics, stream.arrival_time)
+        try:
+            async for out in stream:
+                timer.on_output(out)
+                if out.finished and ctx.log_requests:
+                    _log_finished(stream, out)
+                inbox.put_nowait((index, out))
+        except Exception as exc:  # noqa: BLE001 — handed to the consumer
+            inbox.put_nowait((index, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(streams)
+    try:
+        while remaining:
+            index, item = await inbox.get()
+            if isinstance(item, Exception):
+                raise api_error_from(item) from item
+            if item.finished:
+                remaining -= 1
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        close_all(streams)
+
+
+def _log_finished(stream: RequestStream, out: RequestOutput) -> None:
+    logger.info("%s: finished in %.3f s, %d prompt tokens, output tokens %s, finish reasons %s",
+                stream.request_id, time.monotonic() - stream.arrival_time, stream.num_prompt_tokens,
+                [len(o.token_ids) for o in out.outputs], [o.finish_reason for o in out.outputs])
+
+
+async def until_disconnect(request: Request, work: Callable[[], object]) -> object:
+    """Run the coroutine ``work()`` unless the client disconnects first; then cancel it (which
+    aborts its engine requests) and raise ``ClientDisconnected``."""
+    task = asyncio.ensure_future(work())
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the answer was ready."""
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events: ``data: <json>`` per chunk, ``data: [DONE]`` at the end. However the
+    response ends (finished, client gone, cancelled), the unfinished engine requests are aborted,
+    even when the body iterator never started; a client that left counts as an error."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, chunks: AsyncIterator[str], ctx: ServingContext, streams: list[RequestStream]) -> None:
+        super().__init__(chunks, headers={"Cache-Control": "no-cache"})
+        self._ctx = ctx
+        self._streams = streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close_all(self._streams)
+            if any(s.aborted for s in self._streams):
+                self._ctx.metrics.record_error("client_disconnected")
+
+
+def sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+def sse_error(error: APIError) -> str:
+    return sse(json.dumps(error.body().model_dump()))
+
+
+SSE_DONE = sse("[DONE]")

@@ -1,0 +1,129 @@
+"""The model runner's per-request state and the flattening of one step into model inputs.
+
+The runner receives diffs (tandem.sched.output) and keeps, per request, the token ids it knows and
+its block table. Building a step's inputs turns the scheduled requests into one flattened batch
+without padding::
+
+    request A: 5 prompt tokens (no prefix)      → rows 0..4,  positions 0..4
+    request B: decode, 37 tokens computed       → row 5,      position 37
+    request C: chunk 16..31 of a long prompt    → rows 6..21, positions 16..31
+
+Token t of a request at position p is written to slot ``block_ids[p // bs] * bs + p % bs``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.interfaces import AttentionMetadata
+from tandem.sched.output import NewRequestData, SchedulerOutput
+from tandem.sched.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class RunnerRequest:
+    """What the runner remembers of one running request between steps."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    sample_index: int
+    block_ids: list[int]
+    generator: torch.Generator | None = None
+
+    @classmethod
+    def from_new(cls, data: NewRequestData) -> RunnerRequest:
+        return cls(
+            request_id=data.request_id,
+            token_ids=list(data.token_ids),
+            num_prompt_tokens=data.num_prompt_tokens,
+            params=data.sampling_params,
+            sample_index=data.sample_index,
+            block_ids=list(data.block_ids),
+        )
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's flattened inputs. ``sample_rows[i]`` is the row of ``hidden`` whose logits
+    request ``sample_request_ids[i]`` samples from; ``prompt_rows[rid]`` are the rows whose
+    logits give prompt logprobs (positions ``prompt_positions[rid]``)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    sample_request_ids: list[str] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    prompt_rows: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+
+
+def build_step_inputs(
+    requests: dict[str, RunnerRequest],
+    out: SchedulerOutput,
+    starts: dict[str, int],
+    block_size: int,
+    device: torch.device,
+) -> StepInputs:
+    """Flatten the requests scheduled in ``out``; ``starts[rid]`` is the position of the first
+    token each computes this step (its num_computed_tokens before the step)."""
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_start = [0]
+    seq_lens: list[int] = []
+    context_lens: list[int] = []
+    tables: list[list[int]] = []
+    sample_ids: list[str] = []
+    sample_rows: list[int] = []
+    prompt_rows: dict[str, tuple[int, int, int]] = {}
+    for rid, n in out.num_scheduled_tokens.items():
+        req = requests[rid]
+        start, end = starts[rid], starts[rid] + n
+        row0 = len(ids)
+        ids.extend(req.token_ids[start:end])
+        positions.extend(range(start, end))
+        table = req.block_ids
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        query_start.append(len(ids))
+        seq_lens.append(end)
+        context_lens.append(start)
+        tables.append(table)
+        if end == len(req.token_ids):
+            sample_ids.append(rid)
+            sample_rows.append(len(ids) - 1)
+        if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens:
+            last = min(end, req.num_prompt_tokens - 1)
+            prompt_rows[rid] = (row0, start, last)
+    max_blocks = max((len(t) for t in tables), default=0)
+    block_tables = torch.zeros((len(tables), max(max_blocks, 1)), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        if t:
+            block_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    query_lens = [b - a for a, b in zip(query_start, query_start[1:])]
+    metadata = AttentionMetadata(
+        num_tokens=len(ids),
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device),
+        max_query_len=max(query_lens, default=0),
+        max_seq_len=max(seq_lens, default=0),
+        block_size=block_size,
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+    )
+    return StepInputs(
+        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        metadata=metadata,
+        sample_request_ids=sample_ids,
+        sample_rows=sample_rows,
+        prompt_rows=prompt_rows,
+    )

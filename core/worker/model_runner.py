@@ -1,0 +1,134 @@
+"""The model runner: the only engine part that touches tensors.
+
+It keeps per-request state from the scheduler's diffs, executes copy-on-write block copies, builds
+one flattened batch per step (tandem.worker.input_batch), runs the model over the paged KV pool and
+samples. ``execute`` is called once per step by the engine thread.
+"""
+from __future__ import annotations
+
+import torch
+
+from tandem.sched.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from tandem.worker.input_batch import RunnerRequest, StepInputs, build_step_inputs
+from tandem.worker.sampler import Sampler, SamplingRow, compute_logprobs, make_generator
+
+
+class ModelRunner:
+    """Runs ``model`` (see tandem.models: ``model(input_ids, positions, kv_cache, metadata)`` and
+    ``model.compute_logits(hidden)``) over ``kv_cache``, the instance's block-major KV pool."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: torch.Tensor,
+        block_size: int,
+        eos_token_ids: frozenset[int],
+        attn_backend_cls: type,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.device = kv_cache.device
+        self.eos_token_ids = eos_token_ids
+        self.attn_backend_cls = attn_backend_cls
+        self.sampler = Sampler()
+        self.requests: dict[str, RunnerRequest] = {}
+        # Seeded requests keep their random stream across preemptions (dropped when they finish).
+        self.generators: dict[str, torch.Generator] = {}
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        starts = self._update_states(out)
+        self._copy_blocks(out.block_copies)
+        result = ModelRunnerOutput()
+        if out.total_num_scheduled_tokens == 0:
+            return result
+        inputs = build_step_inputs(self.requests, out, starts, self.block_size, self.device)
+        self.attn_backend_cls.prepare_metadata(inputs.metadata)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
+        self._prompt_logprobs(hidden, inputs, result)
+        self._sample(hidden, inputs, out, result)
+        return result
+
+    def _update_states(self, out: SchedulerOutput) -> dict[str, int]:
+        for rid in out.finished_req_ids:
+            self.requests.pop(rid, None)
+            self.generators.pop(rid, None)
+        for rid in out.preempted_req_ids:
+            self.requests.pop(rid, None)
+        starts: dict[str, int] = {}
+        for data in out.new_requests:
+            req = RunnerRequest.from_new(data)
+            req.generator = self._generator(data.request_id, data.sampling_params.seed, data.sample_index)
+            self.requests[data.request_id] = req
+            starts[data.request_id] = data.num_computed_tokens
+        for data in out.cached_requests:
+            req = self.requests[data.request_id]
+            for index, block_id in data.replaced_blocks:
+                req.block_ids[index] = block_id
+            req.block_ids.extend(data.new_block_ids)
+            starts[data.request_id] = data.num_computed_tokens
+        return starts
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if copies:
+            src = torch.tensor([s for s, _ in copies], device=self.device)
+            dst = torch.tensor([d for _, d in copies], device=self.device)
+            self.kv_cache[dst] = self.kv_cache[src]
+
+    def _sample(
+        self, hidden: torch.Tensor, inputs: StepInputs, out: SchedulerOutput, result: ModelRunnerOutput
+    ) -> None:
+        rids = list(inputs.sample_request_ids)
+        rows = list(range(len(rids)))
+        row_of = {rid: i for i, rid in enumerate(rids)}
+        for fork in out.forked_requests:
+            parent = self.requests[fork.parent_id]
+            child = RunnerRequest(
+                request_id=fork.request_id,
+                token_ids=list(parent.token_ids),
+                num_prompt_tokens=parent.num_prompt_tokens,
+                params=parent.params,
+                sample_index=fork.sample_index,
+                block_ids=list(parent.block_ids),
+            )
+            child.generator = self._generator(fork.request_id, parent.params.seed, fork.sample_index)
+            self.requests[fork.request_id] = child
+            rids.append(fork.request_id)
+            rows.append(row_of[fork.parent_id])
+        if not rids:
+            return
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])[rows]
+        sampling_rows = [self._sampling_row(self.requests[rid]) for rid in rids]
+        sampled = self.sampler(logits, sampling_rows)
+        for rid, token, lp in zip(rids, sampled.token_ids, sampled.logprobs):
+            self.requests[rid].token_ids.append(token)
+            result.sampled_token_ids[rid] = token
+            if lp is not None:
+                result.logprobs[rid] = lp
+
+    def _generator(self, request_id: str, seed: int | None, sample_index: int) -> torch.Generator | None:
+        if seed is None:
+            return None
+        if request_id not in self.generators:
+            self.generators[request_id] = make_generator(seed, sample_index, self.device)
+        return self.generators[request_id]
+
+    def _sampling_row(self, req: RunnerRequest) -> SamplingRow:
+        return SamplingRow(
+            params=req.params,
+            generator=req.generator,
+            prompt_token_ids=req.token_ids[: req.num_prompt_tokens],
+            output_token_ids=req.output_token_ids,
+            eos_token_ids=self.eos_token_ids,
+        )
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs, result: ModelRunnerOutput) -> None:
+        for rid, (row0, start, last) in inputs.prompt_rows.items():
+            req = self.requests[rid]
+            entries: list[TokenLogprobs | None] = [None] if start == 0 else []
+            if last > start:
+                logits = self.model.compute_logits(hidden[row0 : row0 + last - start])
+                targets = req.token_ids[start + 1 : last + 1]
+                entries.extend(compute_logprobs(logits, targets, req.params.prompt_logprobs))
+            result.prompt_logprobs[rid] = entries

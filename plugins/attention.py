@@ -1,0 +1,12 @@
+"""Registers the built-in "torch" attention backend (entry point ``builtin_attention``)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import tandem
+from tandem.plugins.attention_torch import TorchAttentionBackend
+
+
+@tandem.hookimpl
+def tandem_register_attention_backends(register: Callable[[str, type], None]) -> None:
+    register("torch", TorchAttentionBackend)

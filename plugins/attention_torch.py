@@ -1,0 +1,211 @@
+"""The torch attention backend: paged KV writes plus ``scaled_dot_product_attention``.
+
+Runs wherever torch runs (CPU and CUDA; float32, float16, bfloat16). Per layer and step:
+
+1. Write the K and V of every token at its slot (``slot_mapping``; -1 writes nothing)::
+
+       pool[:, layer] = [num_blocks, 2, block_size, num_kv_heads, head_dim]
+       slot s → block s // block_size, offset s % block_size, for K (index 0) and V (index 1)
+
+2. Attend. Every sequence with one query token (decode) goes into ONE batched SDPA call: its
+   blocks are gathered through the block table into ``[B, max_blocks * block_size, Hkv, D]`` and
+   padded keys are masked. The query heads of one KV head ride as that head's "query rows"
+   (``[B, Hkv, G, D]``), so GQA needs no copy of K/V. Sequences with several query tokens
+   (prefill, chunked prefill, extend) get one SDPA call each: causal over the fresh K/V when they
+   have no cached prefix, else over their gathered context with an explicit mask.
+
+Query row ``t`` of a sequence sits at position ``p = context_len + t`` and sees key positions
+``k <= p``, and with a sliding window ``W`` only ``k > p - W`` (HF's Mistral semantics: the last
+W positions, itself included). ``prepare_metadata`` turns the step's metadata into index tensors
+once; masks are built on first use and shared by every layer of the step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import accumulate
+
+import torch
+import torch.nn.functional as F
+
+from tandem.interfaces import AttentionBackend, AttentionMetadata
+
+PLAN_KEY = "torch_attention_plan"
+
+
+@dataclass(slots=True)
+class _PrefillSeq:
+    """A sequence with several query tokens: rows ``start:end`` at positions ``context_len..``."""
+
+    start: int
+    end: int
+    context_len: int
+    seq_len: int
+    block_ids: torch.Tensor
+
+
+@dataclass(slots=True)
+class _DecodeBatch:
+    """Sequences with one query token: their rows, and their block tables flattened
+    ``[num_seqs * num_blocks]`` (padded tables point at block 0, masked out)."""
+
+    rows: torch.Tensor
+    seq_lens: torch.Tensor
+    block_ids: torch.Tensor
+    num_blocks: int
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    write_rows: torch.Tensor | None
+    write_blocks: torch.Tensor
+    write_offsets: torch.Tensor
+    padded: bool
+    decode: _DecodeBatch | None
+    prefills: list[_PrefillSeq]
+    block_size: int
+    masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
+    buffers: dict[tuple, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, md: AttentionMetadata) -> _StepPlan:
+        bs = md.block_size
+        slots = md.slot_mapping.long()
+        valid = slots >= 0
+        write_rows = None
+        if not bool(valid.all()):
+            write_rows = valid.nonzero().squeeze(1)
+            slots = slots[write_rows]
+        starts = [0, *accumulate(md.query_lens_cpu)]
+        decode = [i for i, n in enumerate(md.query_lens_cpu) if n == 1]
+        prefills = [
+            _PrefillSeq(starts[i], starts[i + 1], md.seq_lens_cpu[i] - n, md.seq_lens_cpu[i],
+                        md.block_tables[i, : -(-md.seq_lens_cpu[i] // bs)].long())
+            for i, n in enumerate(md.query_lens_cpu) if n > 1
+        ]
+        return cls(
+            write_rows=write_rows,
+            write_blocks=slots // bs,
+            write_offsets=slots % bs,
+            padded=starts[-1] < md.num_tokens,
+            decode=cls._decode_batch(md, decode, starts) if decode else None,
+            prefills=prefills,
+            block_size=bs,
+        )
+
+    @staticmethod
+    def _decode_batch(md: AttentionMetadata, seqs: list[int], starts: list[int]) -> _DecodeBatch:
+        device = md.block_tables.device
+        index = torch.tensor(seqs, dtype=torch.long, device=device)
+        num_blocks = -(-max(md.seq_lens_cpu[i] for i in seqs) // md.block_size)
+        tables = md.block_tables.index_select(0, index)[:, :num_blocks].long().clamp(min=0)
+        return _DecodeBatch(
+            rows=torch.tensor([starts[i] for i in seqs], dtype=torch.long, device=device),
+            seq_lens=md.seq_lens.index_select(0, index).long(),
+            block_ids=tables.reshape(-1),
+            num_blocks=num_blocks,
+        )
+
+    def decode_mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask ``[B, 1, 1, num_blocks * block_size]``: key k of row b is visible iff
+        ``k < seq_len[b]`` (and ``k >= seq_len[b] - window``)."""
+        key = ("decode", window, dtype)
+        if key not in self.masks:
+            d = self.decode
+            seq_lens = d.seq_lens[:, None]
+            key_pos = torch.arange(d.num_blocks * self.block_size, device=seq_lens.device)[None, :]
+            visible = key_pos < seq_lens
+            if window is not None:
+                visible &= key_pos >= seq_lens - window
+            self.masks[key] = _additive(visible, dtype)[:, None, None, :]
+        return self.masks[key]
+
+    def prefill_mask(self, index: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask ``[query_len, seq_len]`` of prefill sequence ``index``."""
+        key = ("prefill", index, window, dtype)
+        if key not in self.masks:
+            seq = self.prefills[index]
+            device = seq.block_ids.device
+            query_pos = torch.arange(seq.context_len, seq.seq_len, device=device)[:, None]
+            key_pos = torch.arange(seq.seq_len, device=device)[None, :]
+            visible = key_pos <= query_pos
+            if window is not None:
+                visible &= key_pos > query_pos - window
+            self.masks[key] = _additive(visible, dtype)
+        return self.masks[key]
+
+    def gather(self, kv_cache: torch.Tensor, kv: int, block_ids: torch.Tensor, key: tuple) -> torch.Tensor:
+        """``[len(block_ids), block_size, Hkv, D]``: the blocks' K (kv=0) or V (kv=1), copied into a
+        buffer that every layer of the step reuses (a fresh multi-MB tensor per layer costs more
+        in page faults on the CPU than the copy itself)."""
+        source = kv_cache[:, kv]
+        buf_key = (kv, *key, source.dtype)
+        buf = self.buffers.get(buf_key)
+        if buf is None:
+            buf = torch.empty((block_ids.shape[0], *source.shape[1:]), dtype=source.dtype, device=source.device)
+            self.buffers[buf_key] = buf
+        return torch.index_select(source, 0, block_ids, out=buf)
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return mask.masked_fill_(~visible, float("-inf"))
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    @classmethod
+    def prepare_metadata(cls, metadata: AttentionMetadata) -> None:
+        metadata.extra[PLAN_KEY] = _StepPlan.build(metadata)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        plan = metadata.extra.get(PLAN_KEY)
+        if plan is None:
+            self.prepare_metadata(metadata)
+            plan = metadata.extra[PLAN_KEY]
+        self._write(key, value, kv_cache, plan)
+        out = torch.zeros_like(query) if plan.padded else torch.empty_like(query)
+        if plan.decode is not None:
+            out[plan.decode.rows] = self._decode(query, kv_cache, plan)
+        for i, seq in enumerate(plan.prefills):
+            out[seq.start : seq.end] = self._prefill(query, key, value, kv_cache, plan, i)
+        return out
+
+    @staticmethod
+    def _write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan) -> None:
+        if plan.write_rows is not None:
+            key, value = key[plan.write_rows], value[plan.write_rows]
+        kv_cache[:, 0][plan.write_blocks, plan.write_offsets] = key.to(kv_cache.dtype)
+        kv_cache[:, 1][plan.write_blocks, plan.write_offsets] = value.to(kv_cache.dtype)
+
+    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan) -> torch.Tensor:
+        d = plan.decode
+        num_seqs = d.rows.shape[0]
+        groups = self.num_heads // self.num_kv_heads
+        ctx = d.num_blocks * plan.block_size
+        q = query.index_select(0, d.rows).view(num_seqs, self.num_kv_heads, groups, self.head_dim)
+        k = plan.gather(kv_cache, 0, d.block_ids, ("decode",)).view(num_seqs, ctx, self.num_kv_heads, self.head_dim)
+        v = plan.gather(kv_cache, 1, d.block_ids, ("decode",)).view(num_seqs, ctx, self.num_kv_heads, self.head_dim)
+        out = F.scaled_dot_product_attention(
+            q, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+            attn_mask=plan.decode_mask(self.sliding_window, q.dtype), scale=self.scale,
+        )
+        return out.reshape(num_seqs, self.num_heads, self.head_dim)
+
+    def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 plan: _StepPlan, index: int) -> torch.Tensor:
+        seq = plan.prefills[index]
+        q = query[seq.start : seq.end].transpose(0, 1)[None]
+        if seq.context_len == 0:
+            k, v = key[seq.start : seq.end], value[seq.start : seq.end]
+        else:
+            k = plan.gather(kv_cache, 0, seq.block_ids, ("prefill", index)).flatten(0, 1)[: seq.seq_len].to(q.dtype)
+            v = plan.gather(kv_cache, 1, seq.block_ids, ("prefill", index)).flatten(0, 1)[: seq.seq_len].to(q.dtype)
+        causal_only = seq.context_len == 0 and self.sliding_window is None
+        mask = None if causal_only else plan.prefill_mask(index, self.sliding_window, q.dtype)
+        out = F.scaled_dot_product_attention(
+            q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, is_causal=causal_only,
+            scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return out[0].transpose(0, 1)

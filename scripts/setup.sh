@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Create .venv at the project root and install tandem with everything its tests and server need.
+# torch is pinned to the CPU build (torch==2.13.0): an unpinned torch pulls a multi-GB CUDA build.
+# Use pip, not uv (uv does not see the CPU wheel on the development machines' disk).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    echo "tandem: creating .venv with $($PYTHON --version)"
+    "$PYTHON" -m venv .venv
+fi
+pip_install() { .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt "$@"; }
+pip_install torch==2.13.0
+pip_install -e ".[server,kernels,test]"
+pip_install --no-deps -e examples/plugins/tandem-spf
+echo "tandem: .venv ready ($(.venv/bin/tandem --version))"

@@ -1,0 +1,123 @@
+"""Layers against their transformers counterparts (LlamaRMSNorm, rope init functions,
+LlamaRotaryEmbedding, apply_rotary_pos_emb, LlamaMLP) and the fused linear layer against plain
+F.linear on the separate shards."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+from tandem.models.config import RopeScaling
+from tandem.models.layers import GatedMLP, LinearLayer, RMSNorm
+from tandem.models.rotary import RotaryEmbedding, apply_rotary, compute_inv_freq
+from tandem.quant.unquantized import UnquantizedLinearMethod
+
+gen = torch.Generator().manual_seed(0)
+
+
+def randn(*shape):
+    return torch.randn(*shape, generator=gen)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_hf_and_fuses_the_residual_add(dtype):
+    hf = LlamaRMSNorm(32, eps=1e-5)
+    ours = RMSNorm(32, eps=1e-5)
+    weight = 1 + 0.1 * randn(32)
+    hf.weight.data.copy_(weight)
+    ours.weight.data.copy_(weight)
+    hf, ours = hf.to(dtype), ours.to(dtype)
+    x, residual = randn(5, 32).to(dtype), randn(5, 32).to(dtype)
+    out, res = ours(x)
+    assert torch.equal(out, hf(x)) and res is x
+    out, res = ours(x, residual)
+    assert torch.equal(res, x + residual)
+    assert torch.equal(out, hf(x + residual))
+
+
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def hf_config(rope_parameters, head_dim=32):
+    return LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim,
+                       max_position_embeddings=512, rope_parameters=rope_parameters)
+
+
+def test_inverse_frequencies_match_hf_for_default_linear_and_llama3():
+    default = {"rope_type": "default", "rope_theta": 10000.0}
+    hf_default, _ = LlamaRotaryEmbedding.compute_default_rope_parameters(hf_config(default))
+    assert torch.equal(compute_inv_freq(32, 10000.0, None), hf_default)
+    linear = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+    hf_linear, _ = ROPE_INIT_FUNCTIONS["linear"](hf_config(linear))
+    assert torch.equal(compute_inv_freq(32, 10000.0, RopeScaling("linear", 4.0)), hf_linear)
+    hf_llama3, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config(LLAMA3))
+    ours = compute_inv_freq(32, 500000.0, RopeScaling("llama3", 8.0, 1.0, 4.0, 64))
+    torch.testing.assert_close(ours, hf_llama3, rtol=1e-6, atol=0)
+    # the test spans all three regimes: kept, blended and divided frequencies
+    base = compute_inv_freq(32, 500000.0, None)
+    ratio = base / ours
+    assert (ratio == 1).any() and (ratio == 8).any() and ((ratio > 1) & (ratio < 8)).any()
+
+
+def test_cos_sin_tables_and_rotation_match_hf():
+    config = hf_config(LLAMA3)
+    positions = torch.tensor([0, 1, 7, 63, 64, 200, 511])
+    x = randn(1, len(positions), 4 * 32)
+    hf_cos, hf_sin = LlamaRotaryEmbedding(config)(x, positions[None])
+    ours = RotaryEmbedding(32, 512, 500000.0, RopeScaling("llama3", 8.0, 1.0, 4.0, 64))
+    cos, sin = ours(positions, torch.float32)
+    torch.testing.assert_close(cos, hf_cos[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(sin, hf_sin[0], rtol=1e-6, atol=1e-6)
+    q, k = randn(len(positions), 4, 32), randn(len(positions), 2, 32)
+    hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], hf_cos, hf_sin)
+    our_q, our_k = apply_rotary(q, k, cos, sin)
+    torch.testing.assert_close(our_q, hf_q[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(our_k, hf_k[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_linear_loads_shards_at_their_offsets():
+    layer = LinearLayer(16, [12, 4, 4], bias=True, quant_method=UnquantizedLinearMethod())
+    weights = [randn(n, 16) for n in (12, 4, 4)]
+    biases = [randn(n) for n in (12, 4, 4)]
+    for shard in (2, 0, 1):
+        layer.load("weight", weights[shard], shard)
+        layer.load("bias", biases[shard], shard)
+    x = randn(3, 16)
+    expected = torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases)], dim=-1)
+    torch.testing.assert_close(layer(x), expected)
+
+
+def test_linear_rejects_wrong_shapes_and_unknown_tensors():
+    layer = LinearLayer(16, [8, 8], bias=False, quant_method=UnquantizedLinearMethod())
+    with pytest.raises(ValueError, match="shape"):
+        layer.load("weight", randn(16, 16), 0)
+    with pytest.raises(ValueError, match="qweight"):
+        layer.load("qweight", randn(8, 16), 0)
+    with pytest.raises(ValueError, match="bias"):
+        layer.load("bias", randn(8), 0)
+
+
+def test_gated_mlp_matches_hf():
+    config = LlamaConfig(hidden_size=16, intermediate_size=24, num_attention_heads=2)
+    hf = LlamaMLP(config)
+    ours = GatedMLP(16, 24, bias=False, hidden_act="silu", quant_method=UnquantizedLinearMethod())
+    ours.gate_up_proj.load("weight", hf.gate_proj.weight.data, 0)
+    ours.gate_up_proj.load("weight", hf.up_proj.weight.data, 1)
+    ours.down_proj.load("weight", hf.down_proj.weight.data, 0)
+    x = randn(4, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), hf(x))
+
+
+def test_unsupported_activation_is_named():
+    with pytest.raises(ValueError, match="gelu"):
+        GatedMLP(16, 24, bias=False, hidden_act="gelu", quant_method=UnquantizedLinearMethod())

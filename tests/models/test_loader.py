@@ -1,0 +1,139 @@
+"""The loader: weight files (single, sharded, pytorch_model.bin), generation config, tokenizer,
+architecture lookup through the registry, and its error messages."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tandem.models.llama import LlamaForCausalLM
+from tandem.models.loader import checkpoint_files, load_generation_config, load_tokenizer
+from tandem.models.qwen2 import Qwen2ForCausalLM
+from tandem.plugins.attention_torch import TorchAttentionBackend
+from tandem.quant.unquantized import UnquantizedLinearMethod
+from tests.helpers.tiny_models import (  # noqa: F401  (fixtures)
+    builtin_registry,
+    load_tiny_model,
+    tiny_llama_dir,
+    tiny_llama_sharded_dir,
+    tiny_tokenizer,
+)
+
+
+def copy_without_weights(src, dst):
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    return dst
+
+
+def assert_same_state(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        assert torch.equal(sa[name], sb[name]), name
+
+
+def test_sharded_checkpoint_loads_the_same_weights_as_the_single_file(tiny_llama_dir, tiny_llama_sharded_dir):
+    files = checkpoint_files(tiny_llama_sharded_dir)
+    assert len(files) > 1 and files == sorted(files)
+    single, arch = load_tiny_model(tiny_llama_dir)
+    sharded, arch_sharded = load_tiny_model(tiny_llama_sharded_dir)
+    assert arch == arch_sharded
+    assert_same_state(single, sharded)
+
+
+def test_loaded_weights_equal_the_checkpoint_tensors(tiny_llama_dir):
+    model, _ = load_tiny_model(tiny_llama_dir)
+    ckpt = load_file(tiny_llama_dir / "model.safetensors")
+    qkv = model.model.layers[1].self_attn.qkv_proj.weight
+    expected = torch.cat([ckpt[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(qkv, expected)
+    gate_up = model.model.layers[0].mlp.gate_up_proj.weight
+    assert torch.equal(gate_up, torch.cat([ckpt["model.layers.0.mlp.gate_proj.weight"],
+                                           ckpt["model.layers.0.mlp.up_proj.weight"]]))
+    assert torch.equal(model.lm_head.weight, ckpt["lm_head.weight"])
+
+
+def test_pytorch_model_bin_is_accepted(tiny_llama_dir, tmp_path):
+    folder = copy_without_weights(tiny_llama_dir, tmp_path / "bin")
+    torch.save(load_file(tiny_llama_dir / "model.safetensors"), folder / "pytorch_model.bin")
+    assert_same_state(load_tiny_model(folder)[0], load_tiny_model(tiny_llama_dir)[0])
+
+
+def test_parameters_get_the_requested_dtype_and_the_default_dtype_is_restored(tiny_llama_dir):
+    model, _ = load_tiny_model(tiny_llama_dir, dtype=torch.float16)
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+    assert torch.get_default_dtype() == torch.float32
+    assert not any(p.requires_grad for p in model.parameters())
+
+
+def test_unsupported_architecture_names_it_and_the_supported_list(tiny_llama_dir, tmp_path):
+    folder = shutil.copytree(tiny_llama_dir, tmp_path / "gpt2")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+        load_tiny_model(folder)
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_a_missing_tensor_is_named(tiny_llama_dir, tmp_path):
+    folder = copy_without_weights(tiny_llama_dir, tmp_path / "missing")
+    tensors = load_file(tiny_llama_dir / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    del tensors["model.norm.weight"]
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.qkv_proj shard 1.*model\.norm\.weight"):
+        load_tiny_model(folder)
+
+
+def test_an_unknown_tensor_is_named(tiny_llama_dir, tmp_path):
+    folder = copy_without_weights(tiny_llama_dir, tmp_path / "extra")
+    tensors = load_file(tiny_llama_dir / "model.safetensors")
+    tensors["model.layers.0.self_attn.mystery.weight"] = torch.zeros(2)
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(ValueError, match="mystery"):
+        load_tiny_model(folder)
+
+
+def test_no_weight_file_is_an_error(tiny_llama_dir, tmp_path):
+    folder = copy_without_weights(tiny_llama_dir, tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_tiny_model(folder)
+
+
+def test_eos_ids_come_from_generation_config_as_a_set(tiny_llama_dir):
+    tok = tiny_tokenizer()
+    gen = load_generation_config(tiny_llama_dir)
+    assert gen["eos_token_ids"] == {tok.eos_token_id, tok.convert_tokens_to_ids("<|eot|>")}
+    assert gen["bos_token_id"] == tok.bos_token_id
+
+
+def test_eos_ids_fall_back_to_config_json(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert load_generation_config(tmp_path) == {"eos_token_ids": {7}}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 3, "temperature": 0.5}))
+    assert load_generation_config(tmp_path) == {"eos_token_id": 3, "temperature": 0.5, "eos_token_ids": {3}}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": True}))
+    assert load_generation_config(tmp_path)["eos_token_ids"] == {7}
+    (tmp_path / "config.json").write_text(json.dumps({}))
+    assert load_generation_config(tmp_path)["eos_token_ids"] == set()
+
+
+def test_load_tokenizer_round_trips_text(tiny_llama_dir):
+    tok = load_tokenizer(tiny_llama_dir)
+    text = "for i in range(3):\n    print(i)  # é"
+    ids = tok.encode(text)
+    assert ids == tiny_tokenizer().encode(text) and ids[0] == tok.bos_token_id
+    assert tok.decode(ids, skip_special_tokens=True) == text
+
+
+def test_builtin_plugins_register_models_backend_and_method():
+    registry = builtin_registry()
+    assert registry.get("model", "LlamaForCausalLM") is LlamaForCausalLM
+    assert registry.get("model", "MistralForCausalLM") is LlamaForCausalLM
+    assert registry.get("model", "Qwen2ForCausalLM") is Qwen2ForCausalLM
+    assert registry.get("attention_backend", "torch") is TorchAttentionBackend
+    assert registry.get("quant_method", "unquantized") is UnquantizedLinearMethod

@@ -1,0 +1,235 @@
+"""Property tests: Scheduler + PagedKVAllocator under random workloads, against a simulated runner.
+
+Random arrivals, prompts that often share prefixes, output lengths, n, priorities, aborts (between
+steps and while a step is in flight), stop-string finishes, tiny KV pools and small budgets, both
+policies and a prompt cap. Checked at every step: the token budget and the sequence limit hold;
+every block's ref count equals the number of block tables holding it and the free count matches;
+tables cover exactly ``num_computed_tokens``; waiting requests hold no blocks; the runner's view of
+every table (rebuilt from the diffs alone) equals the allocator's; every context slot a request
+reads holds that request's own prefix (see sim_runner); under FCFS no request is admitted while an
+earlier one waits. At the end: every request finished, was aborted, or was rejected with a
+reason, within a step bound, and the whole pool is free again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tandem.plugins.policies import FCFSPolicy, PriorityPolicy
+from tandem.sched.kv_manager import PagedKVAllocator
+from tandem.sched.request import Request, RequestStatus
+from tandem.sched.sampling_params import SamplingParams
+from tandem.sched.scheduler import Scheduler, SchedulerConfig
+
+from tests.sched.sim_runner import EOS, SimulatedRunner
+
+PREFIXES = [tuple(range(101, 113)), tuple(range(201, 207)), (7, 7, 7, 7, 7, 7, 7, 7)]
+MAX_STEPS = 2000
+
+
+@dataclass(frozen=True)
+class Spec:
+    rid: str
+    prompt: tuple[int, ...]
+    arrival_step: int
+    max_tokens: int
+    n: int
+    priority: int
+    ignore_eos: bool
+    prompt_logprobs: bool
+    exit_step: int | None
+    exit_kind: str
+
+
+@dataclass(frozen=True)
+class Workload:
+    block_size: int
+    num_blocks: int
+    caching: bool
+    config: SchedulerConfig
+    specs: tuple[Spec, ...]
+
+
+@st.composite
+def prompts(draw):
+    prefix = draw(st.sampled_from(PREFIXES))
+    prefix = prefix[: draw(st.integers(0, len(prefix)))]
+    suffix = draw(st.lists(st.integers(1, 30), min_size=0 if prefix else 1, max_size=8))
+    return (*prefix, *suffix)
+
+
+@st.composite
+def specs(draw, index, with_priorities):
+    return Spec(
+        rid=f"r{index}",
+        prompt=draw(prompts()),
+        arrival_step=draw(st.sampled_from([0, 0, 0, 1, 2, 3, 5, 8, 13])),
+        max_tokens=draw(st.integers(1, 10)),
+        n=draw(st.sampled_from([1, 1, 1, 2, 3])),
+        priority=draw(st.integers(0, 3)) if with_priorities else 0,
+        ignore_eos=draw(st.booleans()),
+        prompt_logprobs=draw(st.integers(0, 5)) == 0,
+        exit_step=draw(st.integers(0, 30)) if draw(st.integers(0, 3)) == 0 else None,
+        exit_kind=draw(st.sampled_from(["abort", "abort_in_flight", "finish"])),
+    )
+
+
+@st.composite
+def workloads(draw, with_priorities=False):
+    num_requests = draw(st.integers(1, 12))
+    block_size = draw(st.sampled_from([1, 2, 4]))
+    return Workload(
+        block_size=block_size,
+        num_blocks=draw(st.integers(16, 64)) // block_size + 1,
+        caching=draw(st.booleans()),
+        config=SchedulerConfig(
+            max_num_seqs=draw(st.integers(2, 8)),
+            max_num_batched_tokens=draw(st.integers(3, 32)),
+            max_model_len=draw(st.integers(16, 48)),
+            enable_chunked_prefill=draw(st.booleans()),
+        ),
+        specs=tuple(draw(specs(i, with_priorities)) for i in range(num_requests)),
+    )
+
+
+def build(spec: Spec) -> Request:
+    return Request(
+        request_id=spec.rid,
+        prompt_token_ids=list(spec.prompt),
+        sampling_params=SamplingParams(
+            n=spec.n, max_tokens=spec.max_tokens, ignore_eos=spec.ignore_eos,
+            prompt_logprobs=0 if spec.prompt_logprobs else None,
+        ),
+        eos_token_ids=frozenset({EOS}),
+        priority=spec.priority,
+        arrival_time=spec.arrival_step + int(spec.rid[1:]) * 1e-3,
+        max_tokens=spec.max_tokens,
+    )
+
+
+class Harness:
+    def __init__(self, workload: Workload, policy) -> None:
+        self.w = workload
+        self.kv = PagedKVAllocator(workload.num_blocks, workload.block_size, workload.caching)
+        self.sched = Scheduler(workload.config, self.kv, policy)
+        self.runner = SimulatedRunner(workload.num_blocks, workload.block_size)
+        self.policy = policy
+        self.requests: dict[str, Request] = {}
+
+    def run(self) -> None:
+        for step in range(MAX_STEPS):
+            self._arrive(step)
+            self._exit(step, ("abort", "finish"))
+            out = self.sched.schedule()
+            self._check_step(out)
+            self._exit(step, ("abort_in_flight",))
+            result = self.runner.execute(out)
+            self.sched.update_from_output(out, result)
+            self._check_blocks(runner_synced=True)
+            all_arrived = step >= max(s.arrival_step for s in self.w.specs)
+            if all_arrived and not self.sched.has_unfinished_requests():
+                break
+        else:
+            raise AssertionError(f"requests still unfinished after {MAX_STEPS} steps")
+        self._check_end()
+
+    def _arrive(self, step: int) -> None:
+        for spec in self.w.specs:
+            if spec.arrival_step == step:
+                request = self.sched.add_request(build(spec))
+                self.requests[spec.rid] = request
+                if request.status is RequestStatus.FINISHED_REJECTED:
+                    assert request.reject_reason
+
+    def _exit(self, step: int, kinds: tuple[str, ...]) -> None:
+        ids = [s.rid for s in self.w.specs if s.exit_step == step and s.exit_kind in kinds]
+        if "finish" in kinds:
+            finish = [s.rid for s in self.w.specs if s.exit_step == step and s.exit_kind == "finish"]
+            self.sched.finish_requests(finish, RequestStatus.FINISHED_STOPPED)
+            ids = [i for i in ids if i not in finish]
+        for request in self.sched.abort_requests(ids):
+            assert request.status is RequestStatus.FINISHED_ABORTED
+
+    def _live(self) -> list[Request]:
+        return [r for r in self.requests.values() if not r.is_finished]
+
+    def _check_step(self, out) -> None:
+        cfg, bs = self.w.config, self.w.block_size
+        for fork in out.forked_requests:
+            self.requests[fork.request_id] = self.sched.get_request(fork.request_id)
+        assert all(n >= 1 for n in out.num_scheduled_tokens.values())
+        assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
+        assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
+        running = [r for r in self._live() if r.status is RequestStatus.RUNNING]
+        assert sum(r.num_sequences for r in running) <= cfg.max_num_seqs
+        assert len(running) == self.sched.num_running
+        for r in self._live():
+            table = self.kv.get_block_ids(r.request_id)
+            if r.status is RequestStatus.RUNNING:
+                assert len(table) == -(-r.num_computed_tokens // bs)
+            else:
+                assert table == [] and r.num_computed_tokens == 0
+        self._check_blocks(runner_synced=False)
+        if isinstance(self.policy, FCFSPolicy):
+            waiting = [r for r in self._live() if r.status is not RequestStatus.RUNNING]
+            for new in out.new_requests:
+                key = self.policy.sort_key(self.requests[new.request_id])
+                assert all(key < self.policy.sort_key(w) for w in waiting), "a request was overtaken"
+
+    def _check_blocks(self, runner_synced: bool) -> None:
+        refs = [0] * self.w.num_blocks
+        for r in self.requests.values():
+            table = self.kv.get_block_ids(r.request_id)
+            assert not (r.is_finished and table), f"finished {r.request_id} still holds blocks"
+            held = self.runner.held.get(r.request_id)
+            if runner_synced and held is not None and r.status is RequestStatus.RUNNING:
+                assert held.table == table, f"runner's table of {r.request_id} is out of sync"
+            for block_id in table:
+                refs[block_id] += 1
+        pool = self.kv.block_pool
+        assert refs[0] == 0
+        assert refs == [b.ref_count for b in pool.blocks]
+        assert pool.num_free_blocks == self.w.num_blocks - 1 - sum(1 for c in refs if c)
+
+    def _check_end(self) -> None:
+        for r in self.requests.values():
+            assert r.is_finished, f"{r.request_id} ended as {r.status!r}"
+            if r.status is RequestStatus.FINISHED_REJECTED:
+                assert r.reject_reason
+            assert r.num_output_tokens <= r.max_tokens
+        assert self.kv.stats().num_free_blocks == self.w.num_blocks - 1
+        assert all(b.ref_count == 0 for b in self.kv.block_pool.blocks)
+
+
+PROPERTY_SETTINGS = settings(max_examples=250, deadline=None,
+                             suppress_health_check=[HealthCheck.too_slow])
+
+
+@PROPERTY_SETTINGS
+@given(workloads())
+def test_fcfs_workloads_keep_every_invariant_and_finish(workload):
+    Harness(workload, FCFSPolicy()).run()
+
+
+@PROPERTY_SETTINGS
+@given(workloads(with_priorities=True))
+def test_priority_workloads_keep_every_invariant_and_finish(workload):
+    Harness(workload, PriorityPolicy()).run()
+
+
+class CappedFCFS(FCFSPolicy):
+    """FCFS that admits at most ``cap`` prompt-phase tokens per step."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+
+    def max_prompt_tokens_per_step(self) -> int:
+        return self.cap
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(), st.integers(1, 12))
+def test_capped_prompt_workloads_keep_every_invariant_and_finish(workload, cap):
+    Harness(workload, CappedFCFS(cap)).run()

@@ -1,0 +1,87 @@
+"""``tandem serve`` as a subprocess: it prints where it listens, and on SIGTERM stops admitting,
+lets a running stream finish within server.shutdown_timeout_s (or aborts it with an error when
+the timeout is shorter than the stream), and exits 0."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(model_dir, shutdown_timeout_s: float) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    env = {**os.environ, "TANDEM_SERVER__SHUTDOWN_TIMEOUT_S": str(shutdown_timeout_s)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem.server.launch", str(model_dir), "--port", str(port),
+         "--num-kv-blocks", "64", "--max-num-seqs", "8"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1]
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise TimeoutError("the server did not start")
+
+
+def _stream_until_sigterm(proc: subprocess.Popen, url: str, max_tokens: int) -> list[dict]:
+    """Stream a completion; SIGTERM the server once the first token arrived; return the events."""
+    body = {"prompt": "def main():", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    events = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if not events:
+                proc.send_signal(signal.SIGTERM)
+            events.append(line[6:])
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_lets_the_stream_finish_and_exits_0(model_dir):
+    proc, url = _start(model_dir, shutdown_timeout_s=60)
+    try:
+        events = _stream_until_sigterm(proc, url, max_tokens=300)
+        texts = [e for e in events if "choices" in e]
+        assert texts[-1]["choices"][0]["finish_reason"] == "length"
+        assert not any("error" in e for e in events)
+        assert proc.wait(timeout=60) == 0
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{url}/health", timeout=2)
+        stdout = proc.stdout.read()
+        assert f"serving model '{model_dir}'" in stdout and url in stdout
+    finally:
+        proc.kill()
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_aborts_what_outlives_the_timeout_and_exits_0(model_dir):
+    proc, url = _start(model_dir, shutdown_timeout_s=0)
+    try:
+        events = _stream_until_sigterm(proc, url, max_tokens=480)
+        assert events[-1]["error"]["code"] == "shutdown"
+        generated = sum(1 for e in events if "choices" in e)
+        assert generated < 480
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()

@@ -1,0 +1,119 @@
+"""Every bad request gets a 400 (404 for an unknown model) with an OpenAI error body naming the
+problem, and none of them disturbs the server or a request running beside them.
+
+The tiny model: vocabulary 512, context 512 tokens; the server's KV pool holds 63 blocks of 16."""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import threading
+
+import httpx
+import pytest
+
+from tandem import SamplingParams
+from tests.server.conftest import running_server, server_config
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+# (route, body, status, param, a fragment of the message)
+CASES = [
+    ("completions", {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens", "valid integer"),
+    ("completions", {"prompt": "x", "max_tokens": 2.5}, 400, "max_tokens", "valid integer"),
+    ("completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature", "valid number"),
+    ("completions", {"prompt": "x", "stream": "yes"}, 400, "stream", "valid boolean"),
+    ("completions", {"prompt": [1, "a"]}, 400, "prompt", "a list of token ids"),
+    ("completions", {"max_tokens": 3}, 400, "prompt", "Field required"),
+    ("completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "'gpt-4' does not exist"),
+    ("completions", {"prompt": ""}, 400, "prompt", "empty"),
+    ("completions", {"prompt": []}, 400, "prompt", "empty"),
+    ("completions", {"prompt": ["ok", ""]}, 400, "prompt", "empty"),
+    ("completions", {"prompt": "x", "max_tokens": 600}, 400, "max_tokens", "context length (512"),
+    ("completions", {"prompt": [7] * 500, "max_tokens": 20}, 400, "max_tokens", "context length"),
+    ("completions", {"prompt": [7] * 512, "max_tokens": None}, 400, "prompt", "no room"),
+    ("completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
+    ("completions", {"prompt": "x", "n": 0}, 400, "n", "greater than or equal to 1"),
+    ("completions", {"prompt": "x", "n": 8, "max_tokens": 500}, 400, None, "KV"),
+    ("completions", {"prompt": "x", "logprobs": -1}, 400, "logprobs", "greater than or equal to 0"),
+    ("completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", "less than or equal to 20"),
+    ("completions", {"prompt": [5, 512]}, 400, "prompt", "outside the vocabulary"),
+    ("completions", {"prompt": [[5], [-1]]}, 400, "prompt", "outside the vocabulary"),
+    ("completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p", "less than or equal to 1"),
+    ("completions", {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty", "less than or equal"),
+    ("completions", {"prompt": "x", "stop": [""]}, 400, "stop", "non-empty"),
+    ("chat/completions", {"messages": []}, 400, "messages", "at least 1"),
+    ("chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages", "role"),
+    ("chat/completions", {**CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens", "greater"),
+    ("chat/completions", {**CHAT, "max_tokens": 600}, 400, "max_tokens", "context length"),
+    ("chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs", "logprobs = true"),
+    ("chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "less than"),
+    ("chat/completions", {**CHAT, "logprobs": 3}, 400, "logprobs", "valid boolean"),
+    ("chat/completions", {**CHAT, "model": "other"}, 404, "model", "does not exist"),
+]
+
+
+def _check_error(response: httpx.Response, status: int, param: str | None, fragment: str) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == ("invalid_request_error" if status in (400, 404) else error["type"])
+    assert error["param"] == param
+    assert fragment in error["message"]
+
+
+@pytest.mark.parametrize("route, body, status, param, fragment", CASES,
+                         ids=[f"{r}-{i}" for i, (r, *_) in enumerate(CASES)])
+def test_bad_request(server, route, body, status, param, fragment):
+    response = httpx.post(f"{server.url}/v1/{route}", json=body, timeout=30)
+    _check_error(response, status, param, fragment)
+
+
+@pytest.mark.parametrize("raw, fragment", [
+    (b'{"prompt": "x", ', "not valid JSON"),
+    (b'{"prompt": "\xff\xfe"}', "not valid UTF-8"),
+    (b'["x"]', "JSON object"),
+    (b'', "JSON"),
+])
+def test_bad_body(server, raw, fragment):
+    response = httpx.post(f"{server.url}/v1/completions", content=raw,
+                          headers={"content-type": "application/json"}, timeout=30)
+    _check_error(response, 400, None, fragment)
+
+
+def test_unknown_fields_are_ignored_and_logged(server, caplog):
+    with caplog.at_level(logging.WARNING, logger="tandem.server"):
+        response = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                              json={"prompt": "x", "max_tokens": 2, "frobnicate": 1, "best_of": 3})
+    assert response.status_code == 200
+    assert any("best_of" in r.getMessage() and "frobnicate" in r.getMessage() for r in caplog.records)
+
+
+def test_bad_requests_do_not_disturb_a_running_request(server, offline):
+    want = offline.generate("def main():", SamplingParams(temperature=0, max_tokens=60))[0].outputs[0]
+    result = {}
+
+    def good():
+        result["response"] = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+            "prompt": "def main():", "max_tokens": 60, "temperature": 0})
+
+    thread = threading.Thread(target=good)
+    thread.start()
+    for route, body, status, param, fragment in CASES:
+        _check_error(httpx.post(f"{server.url}/v1/{route}", json=body, timeout=30), status, param, fragment)
+    thread.join(60)
+    assert result["response"].status_code == 200
+    assert result["response"].json()["choices"][0]["text"] == want.text
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_model_without_chat_template(model_dir, tmp_path):
+    plain = tmp_path / "no-template"
+    shutil.copytree(model_dir, plain)
+    (plain / "chat_template.jinja").unlink()
+    with running_server(server_config(plain)) as srv:
+        response = httpx.post(f"{srv.url}/v1/chat/completions", json=CHAT, timeout=30)
+        _check_error(response, 400, "messages", "has no chat template")
+        ok = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+        assert ok.status_code == 200
+        assert json.loads(ok.text)["model"] == str(plain)

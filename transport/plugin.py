@@ -1,0 +1,1 @@
+"""Registers the built-in KV connectors."""
