@@ -210,6 +210,18 @@ def _run_serve(args: argparse.Namespace) -> int:
     return run_serve(args)
 
 
+def _add_router_arguments(parser: argparse.ArgumentParser) -> None:
+    from tandem.router.launch import add_router_arguments
+
+    add_router_arguments(parser)
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    from tandem.router.launch import run_router
+
+    return run_router(args)
+
+
 def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     from tandem.bench.cli import add_bench_arguments
 
@@ -222,9 +234,23 @@ def _run_bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def _add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
+    from tandem.quant.quantize import add_arguments
+
+    add_arguments(parser)
+
+
+def _run_quantize(args: argparse.Namespace) -> int:
+    from tandem.quant.quantize import run
+
+    return run(args)
+
+
 SUBCOMMANDS: list[Subcommand] = [
     Subcommand("serve", "serve a model over an OpenAI-compatible HTTP API (default: the demo model)",
                _run_serve, _add_serve_arguments),
+    Subcommand("router", "route OpenAI requests over prefill and decode instances (--config FILE)",
+               _run_router, _add_router_arguments),
     Subcommand("generate", "generate completions for prompts offline and print them",
                run_generate, _add_generate_arguments),
     Subcommand("bench", "benchmarks against baselines measured in the same run",
@@ -234,6 +260,8 @@ SUBCOMMANDS: list[Subcommand] = [
                run_config, add_config_flags),
     Subcommand("make-demo-model", "write a small random-weight model folder for tests and demos",
                run_make_demo_model, _add_make_demo_model_arguments),
+    Subcommand("quantize", "write a GPTQ, AWQ or FP8 copy of a model folder (round-to-nearest, no GPU)",
+               _run_quantize, _add_quantize_arguments),
 ]
 
 

@@ -71,7 +71,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         backend_name = eng.attention_backend
         if backend_name == "auto":
-            backend_name = "torch"
+            backend_name = "triton" if self.device.type == "cuda" else "torch"
         self.attn_backend_cls = self.registry.get("attention_backend", backend_name)
         self.quant_method = self._quant_method(path)
         t0 = time.perf_counter()

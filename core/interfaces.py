@@ -7,6 +7,8 @@ it once at start-up. No hook and no plugin method is called per token unless its
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -287,10 +289,23 @@ class QuantMethod(ABC):
 # --------------------------------------------------------------------------- KV connectors
 
 
+def compat_hash(**fields: Any) -> str:
+    """A short hash over what must agree for two instances to exchange KV blocks: pass the model
+    name or path, dtype, number of layers, KV heads, head size and block size as keywords
+    (JSON-serialisable values). Keyword order does not matter; any changed value changes it."""
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
 @dataclass(slots=True, frozen=True)
 class KVPoolDescriptor:
     """The KV pool as a connector registers it: one contiguous buffer, block-major, each block
-    ``block_bytes`` long at ``base_address + block_id * block_bytes``."""
+    ``block_bytes`` long at ``base_address + block_id * block_bytes``::
+
+        base_address
+        |<- block 0 ->|<- block 1 ->| ... |<- block num_blocks-1 ->|
+        each block = [num_layers, 2 (K, V), block_size, num_kv_heads, head_dim] elements
+    """
 
     base_address: int
     num_blocks: int
@@ -298,11 +313,40 @@ class KVPoolDescriptor:
     device: str
     compat_hash: str
 
+    @classmethod
+    def for_pool(cls, pool: torch.Tensor, compat_hash: str) -> KVPoolDescriptor:
+        """Describe a contiguous block-major pool tensor ``[num_blocks, ...]``."""
+        if not pool.is_contiguous():
+            raise ValueError("the KV pool must be one contiguous tensor")
+        num_blocks = pool.shape[0]
+        return cls(
+            base_address=pool.data_ptr(),
+            num_blocks=num_blocks,
+            block_bytes=pool.numel() * pool.element_size() // num_blocks,
+            device=str(pool.device),
+            compat_hash=compat_hash,
+        )
+
 
 class KVConnector(ABC):
     """Moves whole KV blocks between instances. It knows block ids and bytes, nothing of requests'
     tokens, the scheduler or the runner. Failures are states the engine polls, never exceptions
-    that unwind the step loop. Called from the engine thread."""
+    that unwind the step loop. Built with no arguments; every method is called from the engine
+    thread, except ``handshake_info``, which any thread may call once the pool is registered.
+
+    Pull model, one connector per instance::
+
+        owner (prefill)                          reader (decode)
+        register_pool(pool, desc)                register_pool(pool, desc)
+        handshake_info() ── served over HTTP ──> peer = add_peer(info)       once per peer
+        blocks pinned under transfer_id ──────> start_read(transfer_id, peer, remote, local, t)
+                                                 poll() → {transfer_id: "done" | "error:..."}
+        get_notifications() → [transfer_id] <── (sent when the read completes, or by
+        → free the pinned blocks                  notify_release when nothing is read)
+
+    ``transfer_id`` is the id the owner pinned the blocks under; the reader echoes it so the owner
+    learns which blocks it may free. An owner that never hears back frees them at its own expiry.
+    """
 
     name: ClassVar[str] = ""
 
@@ -312,22 +356,50 @@ class KVConnector(ABC):
 
     @abstractmethod
     def handshake_info(self) -> dict[str, Any]:
-        """What a peer needs to read from this instance (agent metadata, addresses, layout)."""
+        """What a peer needs to read from this instance (agent metadata, addresses, layout,
+        ``compat_hash``): a JSON-serialisable dict."""
+
+    @abstractmethod
+    def add_peer(self, handshake: dict[str, Any]) -> str:
+        """Make the instance that produced ``handshake`` readable; returns the peer name that
+        ``start_read`` takes. Idempotent: adding a known peer again is cheap and returns the same
+        name. Raises ``ValueError`` with a message naming both sides when the peer's
+        ``compat_hash`` or block size differs from this instance's: its blocks would be garbage
+        here, so no transfer may start."""
 
     @abstractmethod
     def start_read(
         self,
         transfer_id: str,
-        peer: dict[str, Any],
+        peer: str,
         remote_block_ids: list[int],
         local_block_ids: list[int],
         deadline_s: float,
     ) -> None:
-        """Start reading ``remote_block_ids`` of ``peer`` into ``local_block_ids``."""
+        """Start reading ``remote_block_ids`` of ``peer`` into ``local_block_ids`` (pairwise) as
+        one-sided reads; the transfer fails with "error:deadline" when it is not done
+        ``deadline_s`` seconds from now. Transport failures are reported by ``poll``; a
+        malformed call (lengths differ, ids out of range, duplicate local ids, a transfer_id
+        still in flight) raises ``ValueError``."""
 
     @abstractmethod
     def poll(self) -> dict[str, str]:
-        """States of unfinished transfers that changed: transfer_id → "done" or "error:<reason>"."""
+        """States of unfinished transfers that changed: transfer_id → "done" or "error:<reason>"
+        ("peer": the peer died or is unknown; "deadline"; "transfer": anything else). Each
+        transfer is reported exactly once; from then on its local blocks are the caller's.
+        Never raises."""
+
+    @abstractmethod
+    def get_notifications(self) -> list[str]:
+        """Owner side: transfer ids whose reader finished (or gave up) since the last call."""
+
+    @abstractmethod
+    def notify_release(self, peer: str, transfer_id: str) -> None:
+        """Reader side: tell ``peer`` that ``transfer_id``'s blocks will not be read (the request
+        was aborted, or the prefix cache already held them). Never raises."""
+
+    def close(self) -> None:
+        """Release the transport's resources (optional; idempotent)."""
 
 
 # --------------------------------------------------------------------------- routing policies
@@ -342,6 +414,8 @@ class InstanceInfo:
     num_waiting: int = 0
     num_running: int = 0
     kv_usage: float = 0.0
+    num_in_flight: int = 0
+    """Requests the router has sent the instance and not yet seen finish (exact, current)."""
 
 
 class RoutingPolicy(ABC):
@@ -351,4 +425,7 @@ class RoutingPolicy(ABC):
 
     @abstractmethod
     def select(self, instances: Sequence[InstanceInfo], prompt_token_ids: Sequence[int]) -> InstanceInfo:
-        """``instances`` is non-empty and holds only healthy instances of the wanted role."""
+        """``instances`` is non-empty and holds only healthy instances of the wanted role.
+        The router does not tokenize: ``prompt_token_ids`` are the prompt's token ids when the
+        client sent ids, else the UTF-8 bytes of its text (of a chat, each message's role and
+        content). Called on the router's event loop: must be fast and must not block."""

@@ -33,6 +33,7 @@ from tandem.kernels.paged_prefill_attention import paged_attention_reference
 
 MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 256
+PROGRAMS_PER_SM = 8
 
 
 @triton.jit
@@ -123,10 +124,13 @@ def _merge_splits_kernel(
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """Enough splits that about two programs run per multiprocessor, but no split shorter than
-    MIN_TOKENS_PER_SPLIT tokens, at most MAX_SPLITS."""
+    """No split when the (sequence, KV head) programs already fill every multiprocessor; else
+    enough splits for about PROGRAMS_PER_SM programs per multiprocessor, but no split shorter
+    than MIN_TOKENS_PER_SPLIT tokens and at most MAX_SPLITS (the best of a sweep on an H200)."""
     programs = max(num_seqs * num_kv_heads, 1)
-    by_occupancy = triton.cdiv(2 * num_sms, programs)
+    if programs >= num_sms:
+        return 1
+    by_occupancy = triton.cdiv(PROGRAMS_PER_SM * num_sms, programs)
     by_length = triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT)
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
@@ -169,7 +173,7 @@ def paged_decode_attention(
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
     group = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
-    block_n = 64 if head_dim <= 128 else 32
+    block_n = 128 if head_dim <= 128 else 32
     parts = num_seqs * num_heads * num_splits if num_splits > 1 else 0
     part_m = torch.empty(parts, dtype=torch.float32, device=query.device)
     part_l = torch.empty(parts, dtype=torch.float32, device=query.device)

@@ -143,7 +143,13 @@ class _StepPlan:
         if buf is None:
             buf = torch.empty((block_ids.shape[0], *source.shape[1:]), dtype=source.dtype, device=source.device)
             self.buffers[buf_key] = buf
-        return torch.index_select(source, 0, block_ids, out=buf)
+        # Each block's K (or V) is one contiguous chunk: select whole chunks as rows of a 2-D
+        # strided view, which is ~8x faster on the CPU than index_select over the 4-D view.
+        chunk = buf[0].numel()
+        assert source[0].is_contiguous()
+        rows = torch.as_strided(source, (source.shape[0], chunk), (source.stride(0), 1))
+        torch.index_select(rows, 0, block_ids, out=buf.view(-1, chunk))
+        return buf
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -176,8 +182,15 @@ class TorchAttentionBackend(AttentionBackend):
     def _write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan) -> None:
         if plan.write_rows is not None:
             key, value = key[plan.write_rows], value[plan.write_rows]
-        kv_cache[:, 0][plan.write_blocks, plan.write_offsets] = key.to(kv_cache.dtype)
-        kv_cache[:, 1][plan.write_blocks, plan.write_offsets] = value.to(kv_cache.dtype)
+        # Index the layer's slots as rows of one strided view: index_copy_ on it is ~100x faster on
+        # the CPU than advanced-index assignment into the (non-contiguous) layer view.
+        block_stride, kv_stride, slot_stride = kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2)
+        assert block_stride % slot_stride == 0 and kv_stride % slot_stride == 0
+        num_rows = (kv_cache.shape[0] - 1) * (block_stride // slot_stride) + (kv_stride // slot_stride) + kv_cache.shape[2]
+        rows = torch.as_strided(kv_cache, (num_rows, *kv_cache.shape[3:]), (slot_stride, *kv_cache.stride()[3:]))
+        slots = plan.write_blocks * (block_stride // slot_stride) + plan.write_offsets
+        rows.index_copy_(0, slots, key.to(kv_cache.dtype))
+        rows.index_copy_(0, slots + kv_stride // slot_stride, value.to(kv_cache.dtype))
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan) -> torch.Tensor:
         d = plan.decode

@@ -11,6 +11,10 @@ import importlib
 BENCHMARKS = {
     "offline": ("tandem.bench.offline", "offline throughput of tandem vs HF transformers "
                 "(sequential, static batching, continuous batching)"),
+    "serve": ("tandem.bench.serve", "serving benchmark over HTTP: request and token throughput, "
+              "TTFT, TPOT, ITL and latency percentiles, goodput under SLOs"),
+    "kv-transfer": ("tandem.bench.kv_transfer", "KV block hand-over bandwidth over NIXL vs an "
+                    "in-process torch copy of the same blocks"),
 }
 
 

@@ -290,7 +290,7 @@ def stop_server(proc: subprocess.Popen) -> None:
 # ----------------------------------------------------------------------------- the command
 
 
-def add_bench_serve_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", help="a running server (default: start one for --model)")
     p.add_argument("--model", help="model folder: the server's (when starting one) and the "
                                    "workload's vocabulary (default with --url: /v1/models' root)")
@@ -311,7 +311,7 @@ def add_bench_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--result-json", metavar="FILE", help="write the summary as JSON")
 
 
-def run_bench_serve(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     if args.url is None and args.model is None:
         print("tandem bench serve: give --url of a running server or --model to start one", file=sys.stderr)
         return 2
@@ -359,8 +359,8 @@ def _bench(args: argparse.Namespace, url: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem bench serve", description=__doc__.splitlines()[0])
-    add_bench_serve_arguments(parser)
-    return run_bench_serve(parser.parse_args(argv))
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

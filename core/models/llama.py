@@ -31,8 +31,10 @@ FUSED_SHARDS = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
-# Tensors some checkpoints carry that the model recomputes.
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Tensors some checkpoints carry that the model recomputes, and FP8 checkpoints' KV-cache scales
+# (tandem's KV cache stays in the model's dtype).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "self_attn.k_scale", "self_attn.v_scale", "self_attn.kv_scale",
+                    "k_proj.output_scale", "v_proj.output_scale")
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -45,13 +45,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x [T, heads, D]`` rotated by ``cos``/``sin [T, D]`` (neox style, as HF Llama)."""
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q [T, H, D]``, ``k [T, Hkv, D]``, ``cos``/``sin [T, D]`` → rotated q and k."""
-    cos = cos[:, None, :]
-    sin = sin[:, None, :]
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    return rotate(q, cos, sin), rotate(k, cos, sin)
 
 
 class RotaryEmbedding(nn.Module):

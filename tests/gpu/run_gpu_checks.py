@@ -96,7 +96,8 @@ def run_pytest(smoke: bool) -> Row:
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     seconds = time.perf_counter() - t0
     print(proc.stdout[-6000:], proc.stderr[-2000:], sep="\n", flush=True)
-    summary = [line for line in proc.stdout.splitlines() if re.search(r"\d+ (passed|failed|error)", line)]
+    counts = re.compile(r"\d+ (passed|failed|error|skipped)")
+    summary = [line for line in proc.stdout.splitlines() if counts.search(line)]
     detail = summary[-1].strip("= ") if summary else f"exit status {proc.returncode}"
     return Row(f"pytest {' '.join(folders)}", "ok" if proc.returncode == 0 else "FAILED",
                f"{detail} ({seconds:.0f} s wall)")
@@ -240,8 +241,10 @@ def throughput(sizes: Sizes, device, dtype) -> list[Row]:
         with torch.inference_mode():
             for batch in sizes.batches:
                 ids = torch.randint(3, vocab, (batch, sizes.prompt_len), generator=gen).to(device)
-                run = lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,  # noqa: E731
-                                          min_new_tokens=new, do_sample=False, pad_token_id=0)
+                def run(ids=ids):
+                    return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                       min_new_tokens=new, do_sample=False, pad_token_id=0)
+
                 hf_tok_s[batch] = batch * new / time_s(run, 1, device)
         del hf
         if device.type == "cuda":

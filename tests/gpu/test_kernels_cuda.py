@@ -67,7 +67,8 @@ def test_rmsnorm_and_rotary_bf16(gen):
     assert torch.equal(residual, expected_residual)
     torch.testing.assert_close(out, expected, **BF16)
 
-    angles = torch.arange(4096, device=CUDA)[:, None] * (10000.0 ** (-torch.arange(0, 64, 2, device=CUDA) / 64))
+    inv_freq = 10000.0 ** (-torch.arange(0, 64, 2, device=CUDA) / 64)
+    angles = torch.arange(4096, device=CUDA)[:, None] * inv_freq
     angles = torch.cat((angles, angles), dim=-1)
     qkv = _randn(333, (32 + 16) * 64, gen=gen)
     q, k = qkv[:, :2048].view(333, 32, 64), qkv[:, 2048:2560].view(333, 8, 64)

@@ -28,8 +28,9 @@ class Batch:
         self.block_tables = scattered_block_tables(seq_lens, block_size, NUM_BLOCKS, gen, device)
         poison_unused(self.cache, self.block_tables, seq_lens)
         self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-        self.query = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
-        self.out = torch.full((len(seq_lens) + 1, num_heads, head_dim), float("nan"), dtype=dtype, device=device)
+        num_seqs = len(seq_lens)
+        self.query = torch.randn(num_seqs, num_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+        self.out = torch.full((num_seqs + 1, num_heads, head_dim), float("nan"), dtype=dtype, device=device)
         self.scale = head_dim ** -0.5
 
     def check(self, num_splits=None, sliding_window=None):
@@ -89,9 +90,9 @@ def test_empty_sequence_gives_zeros(num_splits, device, gen):
 
 @pytest.mark.parametrize("num_seqs,num_kv_heads,max_seq_len,num_sms,expected", [
     (64, 8, 4096, 132, 1),       # 512 programs already fill 132 multiprocessors
-    (1, 8, 4096, 132, 16),       # ceil(264 / 8) = 33 splits wanted, 4096 / 256 = 16 allowed
-    (2, 8, 32768, 132, 17),      # ceil(264 / 16) = 17
-    (1, 1, 100, 132, 1),         # too short to split
+    (16, 8, 128, 132, 1),        # 128 programs, but the contexts are too short to split
+    (1, 8, 4096, 132, 16),       # ceil(1056 / 8) = 132 splits wanted, 4096 / 256 = 16 allowed
+    (8, 8, 16384, 132, 17),      # ceil(1056 / 64) = 17
     (1, 1, 10**6, 132, MAX_SPLITS),
 ])
 def test_choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms, expected):

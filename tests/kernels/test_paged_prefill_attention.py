@@ -30,7 +30,8 @@ class Batch:
         self.query_start_loc = starts.to(device=device, dtype=torch.int32)
         self.seq_lens = torch.tensor(self.seq_lens_list, dtype=torch.int32, device=device)
         num_tokens = sum(self.query_lens)
-        self.query = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+        self.query = torch.randn(num_tokens, num_heads, head_dim, generator=gen)
+        self.query = self.query.to(device=device, dtype=dtype)
         self.out = torch.full((num_tokens + 2, num_heads, head_dim), float("nan"), dtype=dtype, device=device)
         self.scale = head_dim ** -0.5
 

@@ -8,33 +8,24 @@ from __future__ import annotations
 import argparse
 import json
 
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
-from tandem.bench.serve import add_bench_serve_arguments, run_bench_serve
+from tandem.bench.serve import add_arguments, run
+from tests.server.server_helpers import scrape
 
 
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    add_bench_serve_arguments(parser)
+    add_arguments(parser)
     return parser.parse_args(list(argv))
 
 
-def _counter(url: str, name: str) -> float:
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
-        for sample in family.samples:
-            if sample.name == name:
-                return sample.value
-    raise KeyError(name)
-
-
 def test_bench_against_a_running_server(server, model_dir, tmp_path, capsys):
-    generated_before = _counter(server.url, "tandem:generation_tokens_total")
+    generated_before = scrape(server.url)["tandem:generation_tokens_total"]
     result = tmp_path / "result.json"
     png = tmp_path / "latency.png"
-    status = run_bench_serve(_args(
+    status = run(_args(
         "--url", server.url, "--model", str(model_dir), "--num-prompts", "6", "--prompt-len", "4", "12",
         "--output-len", "5", "8", "--max-concurrency", "3", "--slo-ttft-ms", "1e9", "--slo-tpot-ms", "1e9",
         "--result-json", str(result), "--plot", str(png)))
@@ -42,7 +33,7 @@ def test_bench_against_a_running_server(server, model_dir, tmp_path, capsys):
     summary = json.loads(result.read_text())
     assert summary["completed"] == 6 and summary["failed"] == 0
     warmup_tokens = 2
-    generated = _counter(server.url, "tandem:generation_tokens_total") - generated_before
+    generated = scrape(server.url)["tandem:generation_tokens_total"] - generated_before
     assert summary["total_output_tokens"] == generated - warmup_tokens
     assert 6 * 5 <= summary["total_output_tokens"] <= 6 * 8
     throughput = summary["total_output_tokens"] / summary["duration_s"]
@@ -66,7 +57,7 @@ def test_bench_starts_its_own_server_on_a_dataset(model_dir, tmp_path):
              {"prompt": "import os", "output_len": 3}]
     dataset.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     result = tmp_path / "result.json"
-    status = run_bench_serve(_args(
+    status = run(_args(
         "--model", str(model_dir), "--dataset", str(dataset), "--request-rate", "20",
         "--slo-ttft-ms", "0.001", "--server-args", "--num-kv-blocks 64 --max-num-seqs 4",
         "--result-json", str(result)))

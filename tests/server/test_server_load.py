@@ -14,10 +14,10 @@ import time
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.engine import LLMEngine
-from tests.server.conftest import running_server, server_config
+from tandem.server.app import create_app
+from tests.server.server_helpers import ServerThread, running_server, scrape, server_config
 
 
 def _slow_engine(config, step_delay_s: float = 0.0, load_delay_s: float = 0.0, fail_after_steps=None):
@@ -39,16 +39,6 @@ def _slow_engine(config, step_delay_s: float = 0.0, load_delay_s: float = 0.0, f
     return build
 
 
-def _metrics(url: str) -> dict[str, float]:
-    """Every sample of /metrics by name (with labels in the key when there are any)."""
-    samples = {}
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return samples
-
-
 def _wait_for(predicate, timeout_s: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -59,7 +49,7 @@ def _wait_for(predicate, timeout_s: float = 10.0) -> bool:
 
 
 def test_concurrent_requests_share_batches(server):
-    before = _metrics(server.url)
+    before = scrape(server.url)
 
     async def burst():
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
@@ -70,7 +60,7 @@ def test_concurrent_requests_share_batches(server):
 
     responses = asyncio.run(burst())
     assert all(r.status_code == 200 for r in responses)
-    after = _metrics(server.url)
+    after = scrape(server.url)
     steps = after["tandem:batch_size_count"] - before["tandem:batch_size_count"]
     single = after['tandem:batch_size_bucket{le=1.0}'] - before['tandem:batch_size_bucket{le=1.0}']
     assert steps > 0 and single < steps, "some steps ran more than one sequence"
@@ -111,10 +101,10 @@ def test_client_disconnect_mid_stream_frees_blocks(model_dir):
             for _ in range(3):
                 while not next(lines).startswith("data: "):
                     pass
-            in_use = _metrics(srv.url)["tandem:kv_blocks_used"]
+            in_use = scrape(srv.url)["tandem:kv_blocks_used"]
         assert in_use > 0
-        assert _wait_for(lambda: _metrics(srv.url)["tandem:kv_blocks_used"] == 0, 5.0)
-        after = _metrics(srv.url)
+        assert _wait_for(lambda: scrape(srv.url)["tandem:kv_blocks_used"] == 0, 5.0)
+        after = scrape(srv.url)
         assert after["tandem:num_requests_running"] == 0
         assert after["tandem:generation_tokens_total"] < 100, "the request stopped early"
         assert after["tandem:request_errors_total{reason=client_disconnected}"] == 1
@@ -126,9 +116,9 @@ def test_client_disconnect_while_waiting_aborts(model_dir):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{srv.url}/v1/completions", timeout=0.5,
                        json={"prompt": "def main():", "max_tokens": 400, "ignore_eos": True})
-        assert _wait_for(lambda: _metrics(srv.url)["tandem:kv_blocks_used"] == 0, 5.0)
-        assert _metrics(srv.url)["tandem:generation_tokens_total"] < 200
-        assert _metrics(srv.url)["tandem:request_errors_total{reason=client_disconnected}"] == 1
+        assert _wait_for(lambda: scrape(srv.url)["tandem:kv_blocks_used"] == 0, 5.0)
+        assert scrape(srv.url)["tandem:generation_tokens_total"] < 200
+        assert scrape(srv.url)["tandem:request_errors_total{reason=client_disconnected}"] == 1
 
 
 def test_full_queue_answers_429_then_drains(model_dir):
@@ -155,7 +145,7 @@ def test_full_queue_answers_429_then_drains(model_dir):
             assert dt < min(d for _, d in served), "a 429 comes at once"
         again = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
         assert again.status_code == 200
-        assert _metrics(srv.url)["tandem:request_errors_total{reason=queue_full}"] == len(rejected)
+        assert scrape(srv.url)["tandem:request_errors_total{reason=queue_full}"] == len(rejected)
 
 
 def test_engine_failure_fails_requests_and_health(model_dir):
@@ -172,9 +162,6 @@ def test_engine_failure_fails_requests_and_health(model_dir):
 
 
 def test_health_is_503_while_loading(model_dir):
-    from tandem.server.app import create_app
-    from tests.server.conftest import ServerThread
-
     config = server_config(model_dir)
     srv = ServerThread(create_app(config, engine_factory=_slow_engine(config, load_delay_s=1.5)))
     srv.start(wait_ready=False)

@@ -1,6 +1,7 @@
-"""``tandem serve`` as a subprocess: it prints where it listens, and on SIGTERM stops admitting,
-lets a running stream finish within server.shutdown_timeout_s (or aborts it with an error when
-the timeout is shorter than the stream), and exits 0."""
+"""``tandem serve`` as a subprocess: with no model it builds and serves the demo preset, it prints
+where it listens and what it serves, and on SIGTERM it stops admitting, lets a running stream
+finish within server.shutdown_timeout_s (or aborts it with an error when the timeout is shorter
+than the stream), and exits 0."""
 from __future__ import annotations
 
 import json
@@ -21,12 +22,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(model_dir, shutdown_timeout_s: float) -> tuple[subprocess.Popen, str]:
+def _start(model_args: list[str], shutdown_timeout_s: float, **env) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    env = {**os.environ, "TANDEM_SERVER__SHUTDOWN_TIMEOUT_S": str(shutdown_timeout_s)}
+    env = {**os.environ, "TANDEM_SERVER__SHUTDOWN_TIMEOUT_S": str(shutdown_timeout_s),
+           "TANDEM_ENGINE__NUM_KV_BLOCKS": "64", **env}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.server.launch", str(model_dir), "--port", str(port),
-         "--num-kv-blocks", "64", "--max-num-seqs", "8"],
+        [sys.executable, "-m", "tandem.server.launch", *model_args, "--port", str(port)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -57,9 +58,9 @@ def _stream_until_sigterm(proc: subprocess.Popen, url: str, max_tokens: int) -> 
     return [json.loads(e) for e in events[:-1]]
 
 
-@pytest.mark.timeout(180)
-def test_sigterm_lets_the_stream_finish_and_exits_0(model_dir):
-    proc, url = _start(model_dir, shutdown_timeout_s=60)
+@pytest.mark.timeout(240)
+def test_no_model_serves_the_demo_preset_and_sigterm_lets_the_stream_finish(tmp_path):
+    proc, url = _start([], shutdown_timeout_s=60, TANDEM_CACHE_DIR=str(tmp_path))
     try:
         events = _stream_until_sigterm(proc, url, max_tokens=300)
         texts = [e for e in events if "choices" in e]
@@ -68,15 +69,17 @@ def test_sigterm_lets_the_stream_finish_and_exits_0(model_dir):
         assert proc.wait(timeout=60) == 0
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{url}/health", timeout=2)
+        demo = tmp_path / "models" / "demo"
+        assert (demo / "config.json").is_file()
         stdout = proc.stdout.read()
-        assert f"serving model '{model_dir}'" in stdout and url in stdout
+        assert f"serving model '{demo}'" in stdout and url in stdout
     finally:
         proc.kill()
 
 
 @pytest.mark.timeout(180)
 def test_sigterm_aborts_what_outlives_the_timeout_and_exits_0(model_dir):
-    proc, url = _start(model_dir, shutdown_timeout_s=0)
+    proc, url = _start([str(model_dir)], shutdown_timeout_s=0)
     try:
         events = _stream_until_sigterm(proc, url, max_tokens=480)
         assert events[-1]["error"]["code"] == "shutdown"

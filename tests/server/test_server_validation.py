@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tandem import SamplingParams
-from tests.server.conftest import running_server, server_config
+from tests.server.server_helpers import running_server, server_config
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
@@ -117,3 +117,12 @@ def test_model_without_chat_template(model_dir, tmp_path):
         ok = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
         assert ok.status_code == 200
         assert json.loads(ok.text)["model"] == str(plain)
+
+
+def test_null_means_the_default(server, offline):
+    want = offline.generate("x", SamplingParams(temperature=0, max_tokens=3))[0].outputs[0]
+    response = httpx.post(f"{server.url}/v1/completions", timeout=30, json={
+        "prompt": "x", "max_tokens": 3, "temperature": 0, "n": None, "stream": None, "echo": None,
+        "logprobs": None, "stop": None, "seed": None})
+    assert response.status_code == 200, response.text
+    assert [c["text"] for c in response.json()["choices"]] == [want.text]

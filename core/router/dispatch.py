@@ -1,0 +1,238 @@
+"""The flow of one client request through the router (ARCHITECTURE.md §2, pull model).
+
+    plan      no instance of role "prefill" registered, several prompts, or an unreadable
+              body                                                        → decode step ("direct")
+              estimated prompt tokens < min_disaggregated_prompt_tokens   → decode step ("short_prompt")
+              otherwise                                     → prefill step, then decode step
+    prefill   the prefill policy picks among the healthy prefill-capable instances not yet
+              tried, which gets the request reduced to one token (prompts.prefill_body):
+                200          → its answer's kv_transfer_params go to the decode step ("disaggregated";
+                               an answer without them leaves the prompt to the decode instance)
+                429          → the next instance
+                503, no answer → out of rotation, the next instance
+                other status → relayed to the client (the decode instance would refuse it too)
+              none left → the decode instance computes the prompt itself ("local_prefill")
+    decode    the decode policy picks among the healthy decode-capable instances not yet tried,
+              which gets the client's request plus the hand-over (prompts.decode_body):
+                200          → relayed (a stream from its first token on)
+                429          → the next instance; the last 429 is relayed when none is left
+                503, no answer → out of rotation, the next instance; when the request may have
+                               reached the failed instance, the retry carries no hand-over (that
+                               instance may have claimed the prefill's blocks: the next one
+                               recomputes the prompt, and the prefill instance frees its blocks
+                               at its own expiry)
+                other status → relayed
+              none left → 503 "no_instance"
+
+A stream is retried until its first token reaches the client; if the connection breaks after
+that, the stream ends with an error event and ``[DONE]``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+import httpx
+from fastapi.responses import Response
+
+from tandem.interfaces import RoutingPolicy
+from tandem.router.errors import RouterError
+from tandem.router.metrics import RouterMetrics
+from tandem.router.prompts import KV_TRANSFER_PARAMS, PromptInfo, decode_body, prefill_body
+from tandem.router.proxy import (
+    SSE_DONE,
+    Answer,
+    OpenedStream,
+    RelayedStream,
+    Unreachable,
+    open_stream,
+    post,
+)
+from tandem.router.registry import InstanceRegistry
+
+logger = logging.getLogger("tandem.router")
+
+
+@dataclass(slots=True, frozen=True)
+class RouterRequest:
+    """A client request as the router handles it: ``path`` is the route ("/v1/completions"),
+    ``headers`` those relayed to instances, ``arrival`` its ``time.monotonic()`` arrival."""
+
+    path: str
+    body: dict
+    headers: dict[str, str]
+    prompt: PromptInfo
+    arrival: float
+
+    @property
+    def stream(self) -> bool:
+        return self.body.get("stream") is True
+
+
+@dataclass(slots=True, frozen=True)
+class _Prefilled:
+    """The prefill step's result: the hand-over (None: the decode instance computes the
+    prompt), and whether a prefill instance did the work."""
+
+    kv_transfer_params: dict | None
+    by_instance: bool
+
+
+class Dispatcher:
+    """Routes requests over ``registry``'s instances; one per router app."""
+
+    def __init__(self, registry: InstanceRegistry, prefill_policy: RoutingPolicy,
+                 decode_policy: RoutingPolicy, metrics: RouterMetrics, client: httpx.AsyncClient,
+                 min_disaggregated_prompt_tokens: int) -> None:
+        self.registry = registry
+        self.policies = {"prefill": prefill_policy, "decode": decode_policy}
+        self.metrics = metrics
+        self.client = client
+        self.min_disaggregated_prompt_tokens = min_disaggregated_prompt_tokens
+
+    async def handle(self, request: RouterRequest) -> Response:
+        path = self._plan(request)
+        kv_transfer_params = None
+        if path == "disaggregated":
+            prefilled = await self._prefill(request)
+            if isinstance(prefilled, Answer):
+                self.metrics.dispatched(path)
+                self._done(request)
+                return prefilled.response()
+            kv_transfer_params = prefilled.kv_transfer_params
+            path = "disaggregated" if prefilled.by_instance else "local_prefill"
+        self.metrics.dispatched(path)
+        return await self._decode(request, kv_transfer_params)
+
+    def _plan(self, request: RouterRequest) -> str:
+        estimate = request.prompt.estimated_tokens
+        if estimate is None or not self.registry.has_role("prefill"):
+            return "direct"
+        if estimate < self.min_disaggregated_prompt_tokens:
+            return "short_prompt"
+        return "disaggregated"
+
+    def _pick(self, step: str, request: RouterRequest, tried: set[str]) -> str | None:
+        candidates = self.registry.candidates(step, exclude=tried)
+        if not candidates:
+            return None
+        policy = self.policies[step]
+        url = policy.select(candidates, request.prompt.key).url
+        if url not in {c.url for c in candidates}:
+            raise RuntimeError(f"routing policy {type(policy).__qualname__} chose {url}, which is "
+                               f"not one of the {step} candidates {[c.url for c in candidates]}")
+        return url
+
+    def _lost(self, url: str, step: str, outcome: str, reason: str) -> None:
+        self.registry.mark_down(url, reason)
+        self.metrics.attempt(url, step, outcome)
+
+    def _done(self, request: RouterRequest) -> None:
+        self.metrics.e2e.observe(time.monotonic() - request.arrival)
+
+    # ----------------------------------------------------------------------- prefill
+
+    async def _prefill(self, request: RouterRequest) -> _Prefilled | Answer:
+        body = prefill_body(request.body)
+        tried: set[str] = set()
+        while (url := self._pick("prefill", request, tried)) is not None:
+            tried.add(url)
+            try:
+                with self.registry.in_flight(url):
+                    answer = await post(self.client, url + request.path, body, request.headers)
+            except Unreachable as exc:
+                self._lost(url, "prefill", "unreachable", f"prefill request failed: {exc}")
+                continue
+            if answer.status == 429:
+                self.metrics.attempt(url, "prefill", "busy")
+                continue
+            if answer.status == 503:
+                self._lost(url, "prefill", "unavailable", "answered 503")
+                continue
+            self.metrics.attempt(url, "prefill", "ok" if answer.status == 200 else "error")
+            if answer.status != 200:
+                return answer
+            return _Prefilled(_hand_over(answer), by_instance=True)
+        logger.info("no prefill instance took the request: the decode instance computes it")
+        return _Prefilled(None, by_instance=False)
+
+    # ----------------------------------------------------------------------- decode
+
+    async def _decode(self, request: RouterRequest, kv_transfer_params: dict | None) -> Response:
+        tried: set[str] = set()
+        busy: Answer | None = None
+        while (url := self._pick("decode", request, tried)) is not None:
+            tried.add(url)
+            flight = ExitStack()
+            flight.enter_context(self.registry.in_flight(url))
+            try:
+                result = await self._send(request, url, decode_body(request.body, kv_transfer_params))
+            except Unreachable as exc:
+                flight.close()
+                self._lost(url, "decode", "unreachable", f"decode request failed: {exc}")
+                if exc.connected:
+                    kv_transfer_params = None
+                continue
+            except BaseException:
+                flight.close()
+                raise
+            if isinstance(result, OpenedStream):
+                return self._relay(request, url, result, flight)
+            flight.close()
+            if result.status == 429:
+                self.metrics.attempt(url, "decode", "busy")
+                busy = result
+                continue
+            if result.status == 503:
+                self._lost(url, "decode", "unavailable", "answered 503")
+                continue
+            self.metrics.attempt(url, "decode", "ok" if result.status == 200 else "error")
+            self._done(request)
+            return result.response()
+        self._done(request)
+        if busy is not None:
+            return busy.response()
+        return RouterError(503, "no healthy decode instance could take the request",
+                           code="no_instance").response()
+
+    async def _send(self, request: RouterRequest, url: str, body: dict) -> Answer | OpenedStream:
+        if request.stream:
+            return await open_stream(self.client, url + request.path, body, request.headers)
+        return await post(self.client, url + request.path, body, request.headers)
+
+    def _relay(self, request: RouterRequest, url: str, opened: OpenedStream,
+               flight: ExitStack) -> RelayedStream:
+        self.metrics.ttft.observe(time.monotonic() - request.arrival)
+        outcome = ["ok"]
+
+        async def events() -> AsyncIterator[str]:
+            for event in opened.head:
+                yield event
+            try:
+                async for event in opened.rest:
+                    yield event
+            except httpx.TransportError as exc:
+                outcome[0] = "broken"
+                self.registry.mark_down(url, f"a stream broke: {type(exc).__name__}: {exc}")
+                yield RouterError(502, f"the decode instance {url} failed mid-stream",
+                                  code="instance_failed").sse()
+                yield SSE_DONE
+
+        async def close() -> None:
+            try:
+                await opened.close()
+            finally:
+                flight.close()
+                self.metrics.attempt(url, "decode", outcome[0])
+                self._done(request)
+
+        return RelayedStream(events(), close)
+
+
+def _hand_over(answer: Answer) -> dict | None:
+    body = answer.json()
+    params = body.get(KV_TRANSFER_PARAMS) if isinstance(body, dict) else None
+    return params if isinstance(params, dict) else None

@@ -1,0 +1,83 @@
+"""``tandem router --config FILE [--host H] [--port N]``: the router app under uvicorn.
+
+The instances, routing policies, conditional-disaggregation threshold and admin key come from
+the config's ``[disaggregation]`` section, the address from ``[server]`` (127.0.0.1:8000 unless
+told otherwise). SIGTERM or Ctrl-C stops it (streams in flight get a few seconds to finish; a
+second signal forces the exit), with exit status 0.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import uvicorn
+
+from tandem.config import ConfigError, load_config
+from tandem.plugin_manager import UnknownPluginError
+from tandem.router.app import create_router_app
+
+logger = logging.getLogger("tandem.router")
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+SHUTDOWN_GRACE_S = 5.0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without re-raising the captured signal at exit (the exit status stays 0)."""
+
+    def handle_exit(self, sig, frame) -> None:
+        self.force_exit = self.should_exit
+        self.should_exit = True
+
+
+def add_router_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", dest="config_file", metavar="FILE",
+                        help="TOML config file; its [disaggregation] section lists the instances")
+    parser.add_argument("--host", default=None, help="address to listen on [server.host]")
+    parser.add_argument("--port", type=int, default=None, help="TCP port [server.port]")
+    parser.add_argument("--health-interval-s", type=float, default=1.0, metavar="SECONDS",
+                        help="seconds between two health checks of each instance (default: 1.0)")
+    parser.add_argument("--uvicorn-log-level", default="warning",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"],
+                        help="uvicorn's own log level (default: warning)")
+
+
+def run_router(args: argparse.Namespace) -> int:
+    """Route until a signal; 0 after it, 2 for a bad configuration."""
+    if args.health_interval_s <= 0:
+        print("tandem router: --health-interval-s must be positive", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        config = load_config(args.config_file, {"server.host": args.host, "server.port": args.port})
+        app = create_router_app(config, health_interval_s=args.health_interval_s)
+    except (ConfigError, UnknownPluginError) as exc:
+        print(f"tandem router: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    disagg, srv = config.disaggregation, config.server
+    if disagg.router_admin_key is None:
+        logger.warning("disaggregation.router_admin_key is unset: anyone who reaches the router "
+                       "can add and remove instances")
+    if not disagg.instances:
+        logger.warning("no instances configured: add them with POST /admin/instances")
+    print(f"tandem: routing {len(disagg.instances)} instance(s) at http://{srv.host}:{srv.port} "
+          f"(prefill policy {disagg.routing_policy}, decode policy {disagg.decode_routing_policy})",
+          flush=True)
+    server = _Server(uvicorn.Config(app, host=srv.host, port=srv.port, log_level=args.uvicorn_log_level,
+                                    timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
+    server.run()
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tandem router", description=__doc__.splitlines()[0])
+    add_router_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("tandem").setLevel(logging.INFO)
+    return run_router(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

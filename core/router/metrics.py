@@ -1,0 +1,87 @@
+"""The router's Prometheus metrics (its own registry; an instance's metrics stay on the instance).
+
+| metric | type | labels |
+|---|---|---|
+| ``tandem:router_upstream_requests_total`` | counter | instance, step (prefill/decode), outcome |
+| ``tandem:router_requests_total`` | counter | path (how the request was dispatched) |
+| ``tandem:router_time_to_first_token_seconds`` | histogram | (streamed requests) |
+| ``tandem:router_e2e_request_latency_seconds`` | histogram | |
+| ``tandem:router_instance_healthy`` | gauge, 1 in rotation | instance, role |
+| ``tandem:router_instance_in_flight`` | gauge | instance, role |
+
+Outcomes of one attempt on an instance: ``ok`` (200), ``error`` (another status, relayed to the
+client), ``busy`` (429: the next instance is tried), ``unavailable`` (503: out of rotation),
+``unreachable`` (no answer: out of rotation), ``broken`` (a stream whose connection broke after
+its first token). Paths: ``disaggregated`` (prefill instance, then decode instance),
+``local_prefill`` (no prefill instance could take it: the decode instance computed the prompt),
+``short_prompt`` (under ``min_disaggregated_prompt_tokens``), ``direct`` (no prefill instance
+registered, several prompts in one request, or a body the router cannot read).
+
+Time to first token runs from the moment the router receives the request to the moment it
+relays the first event that carries a token: prefill, hand-over and the first decode step,
+as the client sees them less its own network.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tandem.router.registry import InstanceRegistry
+
+OUTCOMES = ("ok", "error", "busy", "unavailable", "unreachable", "broken")
+PATHS = ("disaggregated", "local_prefill", "short_prompt", "direct")
+
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                      1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS_S = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                  60.0, 120.0, 240.0, 480.0)
+
+
+class _InstanceCollector(Collector):
+    """Health and in-flight gauges, read from the registry at scrape time."""
+
+    def __init__(self, instances: InstanceRegistry) -> None:
+        self._instances = instances
+
+    def collect(self) -> Iterator[Metric]:
+        healthy = GaugeMetricFamily("tandem:router_instance_healthy",
+                                    "1 while the instance is in rotation.", labels=["instance", "role"])
+        in_flight = GaugeMetricFamily("tandem:router_instance_in_flight",
+                                      "Requests the router has on the instance now.",
+                                      labels=["instance", "role"])
+        for state in self._instances.all():
+            healthy.add_metric([state.url, state.role], 1.0 if state.healthy else 0.0)
+            in_flight.add_metric([state.url, state.role], state.num_in_flight)
+        yield healthy
+        yield in_flight
+
+
+class RouterMetrics:
+    def __init__(self, instances: InstanceRegistry) -> None:
+        r = self.registry = CollectorRegistry()
+        self.upstream = Counter("tandem:router_upstream_requests",
+                                "Requests the router sent instances, by instance, step and outcome.",
+                                ["instance", "step", "outcome"], registry=r)
+        self.requests = Counter("tandem:router_requests", "Client requests by dispatch path.",
+                                ["path"], registry=r)
+        self.ttft = Histogram("tandem:router_time_to_first_token_seconds",
+                              "Time to first token of streamed requests, measured at the router.",
+                              buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.e2e = Histogram("tandem:router_e2e_request_latency_seconds",
+                             "Request latency at the router, end to end.", buckets=_E2E_BUCKETS_S,
+                             registry=r)
+        r.register(_InstanceCollector(instances))
+
+    def attempt(self, url: str, step: str, outcome: str) -> None:
+        assert outcome in OUTCOMES, outcome
+        self.upstream.labels(instance=url, step=step, outcome=outcome).inc()
+
+    def dispatched(self, path: str) -> None:
+        assert path in PATHS, path
+        self.requests.labels(path=path).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

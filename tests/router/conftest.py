@@ -1,0 +1,36 @@
+"""Shared instances for the router tests: one prefill and two decode ``tandem serve``
+subprocesses of the tiny Llama, started once per session (they are colocated instances: until
+the engine reads kv_transfer_params they ignore it, so a decode instance recomputes the prompt
+and its greedy output must equal a direct request's)."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.tiny_models import tiny_model_dir
+from tests.router.instances import InstanceProcess, instances
+
+
+@dataclass
+class Cluster:
+    prefill: InstanceProcess
+    decode: list[InstanceProcess]
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="session")
+def log_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("router-instance-logs")
+
+
+@pytest.fixture(scope="session")
+def cluster(model_dir, log_dir) -> Iterator[Cluster]:
+    with instances(model_dir, log_dir, 3) as (prefill, decode0, decode1):
+        yield Cluster(prefill, [decode0, decode1])

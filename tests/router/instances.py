@@ -1,0 +1,150 @@
+"""What the router tests run against: ``tandem serve`` subprocesses of the tiny Llama on free
+ports of 127.0.0.1 (killable with -9 without touching the test process), the router app under a
+real uvicorn in a thread, and scraping of Prometheus text with prometheus_client's own parser."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tandem.config import load_config
+from tandem.router.app import create_router_app
+from tests.server.conftest import ServerThread
+
+MODEL_NAME = "tiny"
+INSTANCE_FLAGS = ["--served-model-name", MODEL_NAME, "--num-kv-blocks", "64", "--max-num-seqs", "8",
+                  "--max-num-batched-tokens", "256"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class InstanceProcess:
+    """``tandem serve MODEL --port N`` as a subprocess; its output goes to ``log_dir``."""
+
+    def __init__(self, model_dir: Path, log_dir: Path, port: int | None = None, **env: str) -> None:
+        self.model_dir = model_dir
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"instance-{self.port}.log"
+        self.env = {**os.environ, "TANDEM_ENGINE__NUM_THREADS": "1", "OMP_NUM_THREADS": "1", **env}
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> InstanceProcess:
+        with open(self.log_path, "a") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tandem.cli", "serve", str(self.model_dir), "--port", str(self.port),
+                 *INSTANCE_FLAGS], env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        return self
+
+    def wait_ready(self, timeout_s: float = 180.0) -> InstanceProcess:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"the instance exited:\n{self.log_path.read_text()}"
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"the instance did not start:\n{self.log_path.read_text()}")
+
+    def send_signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        """kill -9, and wait until the process is gone (its port is closed)."""
+        self.proc.kill()
+        self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGCONT)
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+@contextmanager
+def instances(model_dir: Path, log_dir: Path, count: int, **env: str) -> Iterator[list[InstanceProcess]]:
+    """``count`` instances, started together, stopped at the end."""
+    procs = [InstanceProcess(model_dir, log_dir, **env).start() for _ in range(count)]
+    try:
+        for proc in procs:
+            proc.wait_ready()
+        yield procs
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+@contextmanager
+def running_router(instance_list: list[tuple[str, str]], health_interval_s: float = 0.2,
+                   **overrides) -> Iterator[ServerThread]:
+    """The router over ``[(url, role), ...]`` under uvicorn; ``overrides`` are config fields by
+    name (routing_policy="round_robin", api_key="k", ...)."""
+    instances_field = [{"url": u, "role": r} for u, r in instance_list]
+    config = load_config(overrides={"disaggregation.instances": instances_field, **overrides}, env={})
+    server = ServerThread(create_router_app(config, health_interval_s=health_interval_s))
+    server.start(wait_ready=False)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Every sample of ``url``/metrics: ``name{label=value,...}`` (labels sorted) → value."""
+    samples = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return samples
+
+
+def upstream(router_url: str, instance: str, step: str, outcome: str) -> float:
+    """The router's count of attempts on ``instance`` for ``step`` with ``outcome``."""
+    key = f"tandem:router_upstream_requests_total{{instance={instance},outcome={outcome},step={step}}}"
+    return scrape(router_url).get(key, 0.0)
+
+
+def dispatched(router_url: str, path: str) -> float:
+    return scrape(router_url).get(f"tandem:router_requests_total{{path={path}}}", 0.0)
+
+
+def router_instance(router_url: str, url: str, admin_key: str | None = None) -> dict:
+    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+    listed = httpx.get(f"{router_url}/admin/instances", headers=headers, timeout=10).json()["instances"]
+    return next(i for i in listed if i["url"] == url)
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def completion(url: str, body: dict, path: str = "/v1/completions") -> dict:
+    """A non-streamed answer of ``url`` (an instance: the oracle, or the router)."""
+    response = httpx.post(f"{url}{path}", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()

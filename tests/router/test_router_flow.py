@@ -1,0 +1,175 @@
+"""The router in front of real ``tandem serve`` instances (one prefill, two decode subprocesses),
+driven by the official ``openai`` client. Oracle: the same greedy request sent straight to a
+colocated instance; the instances' own /metrics show which of them did the work."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.router.instances import (
+    MODEL_NAME,
+    completion,
+    dispatched,
+    running_router,
+    scrape,
+    upstream,
+    wait_for,
+)
+
+LONG_PROMPT = ("The router sends the prompt to a prefill instance, which computes its KV cache and "
+               "hands the blocks to a decode instance that streams the answer back. ") * 4
+PROMPTS = {
+    "text shorter than a block": "def main():",
+    "text of many blocks": LONG_PROMPT,
+    "one block of token ids": list(range(100, 116)),
+    "token ids of many blocks": list(range(40, 90)),
+}
+
+
+@pytest.fixture(scope="module")
+def router(cluster):
+    instances = [(cluster.prefill.url, "prefill")] + [(d.url, "decode") for d in cluster.decode]
+    with running_router(instances) as server:
+        yield server
+
+
+def client(router, **kwargs) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0, **kwargs)
+
+
+def generated(instance_url: str) -> float:
+    return scrape(instance_url)["tandem:generation_tokens_total"]
+
+
+def direct_text(cluster, prompt, max_tokens: int) -> str:
+    """The oracle: a colocated instance's greedy completion."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    return completion(cluster.decode[0].url, body)["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("name", list(PROMPTS))
+def test_greedy_completions_through_prefill_and_decode_equal_a_direct_request(cluster, router, name, stream):
+    prompt = PROMPTS[name]
+    expected = direct_text(cluster, prompt, 12)
+    before = generated(cluster.prefill.url)
+    kwargs = dict(model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0)
+    if stream:
+        text = "".join(c.choices[0].text for c in client(router).completions.create(stream=True, **kwargs)
+                       if c.choices)
+    else:
+        text = client(router).completions.create(**kwargs).choices[0].text
+    assert text == expected
+    assert generated(cluster.prefill.url) == before + 1  # the prefill step: one token
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_greedy_chat_through_prefill_and_decode_equals_a_direct_request(cluster, router, stream):
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "Name three prime numbers and nothing else."}]
+    body = {"messages": messages, "max_tokens": 10, "temperature": 0}
+    expected = completion(cluster.decode[1].url, body, "/v1/chat/completions")["choices"][0]["message"]["content"]
+    before = generated(cluster.prefill.url)
+    chat = client(router).chat.completions
+    if stream:
+        text = "".join(c.choices[0].delta.content or "" for c in chat.create(model=MODEL_NAME, stream=True, **body)
+                       if c.choices)
+    else:
+        text = chat.create(model=MODEL_NAME, **body).choices[0].message.content
+    assert text == expected
+    assert generated(cluster.prefill.url) == before + 1
+
+
+def test_concurrent_streams_all_complete_and_spread_over_decode_instances(cluster, router):
+    prompts = [f"Request number {i} asks about" + " the weather" * (i % 5) for i in range(16)]
+    expected = [direct_text(cluster, p, 16) for p in prompts]
+    decode_before = [upstream(router.url, d.url, "decode", "ok") for d in cluster.decode]
+    aclient = openai.AsyncOpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0)
+
+    async def one(prompt: str) -> str:
+        stream = await aclient.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=16,
+                                                  temperature=0, stream=True)
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def all_of_them() -> list[str]:
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            await aclient.close()
+
+    assert asyncio.run(all_of_them()) == expected
+    served = [upstream(router.url, d.url, "decode", "ok") - b for d, b in zip(cluster.decode, decode_before)]
+    assert sum(served) == 16 and min(served) > 0  # least_loaded counts the router's in-flight requests
+    samples = scrape(router.url)
+    assert all(v == 0 for k, v in samples.items() if k.startswith("tandem:router_instance_in_flight"))
+
+
+def test_time_to_first_token_is_measured_at_the_router(router):
+    before = scrape(router.url)
+    client_ttfts = []
+    for i in range(3):
+        start = time.monotonic()
+        stream = client(router).completions.create(model=MODEL_NAME, prompt=f"Count to {i}:", max_tokens=8,
+                                                   temperature=0, stream=True)
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                client_ttfts.append(time.monotonic() - start)
+                break
+        stream.close()
+    after = scrape(router.url)
+    count = "tandem:router_time_to_first_token_seconds_count"
+    total = "tandem:router_time_to_first_token_seconds_sum"
+    assert after[count] - before[count] == 3
+    # the router's clock starts after the client's and stops before the client sees the token
+    assert 0 < after[total] - before[total] <= sum(client_ttfts)
+
+
+def test_a_client_leaving_mid_stream_aborts_the_decode_request(cluster, router):
+    errors = "tandem:request_errors_total{reason=client_disconnected}"
+    before = {d.url: scrape(d.url).get(errors, 0.0) for d in cluster.decode}
+    body = {"prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        assert [next(lines) for _ in range(3)][0].startswith("data: ")
+    assert wait_for(lambda: sum(scrape(d.url).get(errors, 0.0) - before[d.url] for d in cluster.decode) == 1)
+    assert wait_for(lambda: all(scrape(d.url)["tandem:num_requests_running"] == 0 for d in cluster.decode))
+    assert wait_for(lambda: all(v == 0 for k, v in scrape(router.url).items()
+                                if k.startswith("tandem:router_instance_in_flight")))
+
+
+def test_short_prompts_go_straight_to_a_decode_instance(cluster):
+    instances = [(cluster.prefill.url, "prefill"), (cluster.decode[0].url, "decode")]
+    with running_router(instances, min_disaggregated_prompt_tokens=8) as router:
+        cases = [("x" * 31, "short_prompt"),           # 31 characters // 4 = 7 < 8
+                 ("x" * 32, "disaggregated"),          # 8
+                 (list(range(200, 207)), "short_prompt"),  # 7 token ids
+                 (list(range(200, 208)), "disaggregated")]
+        for prompt, path in cases:
+            before, routed = generated(cluster.prefill.url), dispatched(router.url, path)
+            text = client(router).completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4,
+                                                     temperature=0).choices[0].text
+            assert text == direct_text(cluster, prompt, 4)
+            assert generated(cluster.prefill.url) == before + (path == "disaggregated")
+            assert dispatched(router.url, path) == routed + 1
+
+
+def test_models_and_health_come_from_the_instances(cluster, router):
+    assert [m.id for m in client(router).models.list()] == [MODEL_NAME]
+    health = httpx.get(f"{router.url}/health", timeout=10)
+    assert health.status_code == 200
+    assert {(i["url"], i["role"], i["healthy"]) for i in health.json()["instances"]} == {
+        (cluster.prefill.url, "prefill", True), (cluster.decode[0].url, "decode", True),
+        (cluster.decode[1].url, "decode", True)}
+
+
+def test_the_router_api_key_guards_the_v1_routes(cluster):
+    with running_router([(cluster.decode[0].url, "decode")], api_key="router-key") as router:
+        with pytest.raises(openai.AuthenticationError):
+            client(router).models.list()
+        keyed = openai.OpenAI(base_url=f"{router.url}/v1", api_key="router-key", max_retries=0)
+        assert keyed.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2).choices[0].text
