@@ -67,10 +67,15 @@ class FP8LinearMethod(QuantMethod):
         return cls(FP8Config.from_dict(quant_config))
 
     @property
-    def scale_names(self) -> tuple[str, ...]:
-        """The checkpoint's names of the weight scale and, when static, the input scale."""
-        weight_scale = self.config.block_scale_name if self.config.weight_block_size else "weight_scale"
-        return (weight_scale, "input_scale") if self.config.activation_scheme == "static" else (weight_scale,)
+    def weight_scale_name(self) -> str:
+        return self.config.block_scale_name if self.config.weight_block_size else "weight_scale"
+
+    @property
+    def required_tensors(self) -> tuple[str, ...]:
+        """What every shard must carry: the weight, its scale, and the input scale when static
+        (dynamic checkpoints may carry one too; it is loaded and unused)."""
+        static = self.config.activation_scheme == "static"
+        return ("weight", self.weight_scale_name) + (("input_scale",) if static else ())
 
     def create_weights(self, layer: Any, input_size: int, output_sizes: list[int], params_dtype: Any) -> None:
         init_shards(layer, output_sizes)
@@ -88,12 +93,12 @@ class FP8LinearMethod(QuantMethod):
                                  "float8_e4m3fn (an unquantized layer inside a quantized checkpoint "
                                  "is not supported)")
             copy_shard(layer, name, tensor, shard, dim=0)
-        elif name not in self.scale_names:
-            raise unknown_tensor("FP8", name, ("weight",) + self.scale_names)
         elif name == "input_scale":
             if tensor.numel() != 1:
                 raise ValueError(f"input_scale of shard {shard} must hold one value, got shape {tuple(tensor.shape)}")
             copy_checked(layer, name, layer.input_scale.data[shard], tensor.reshape(()), shard)
+        elif name != self.weight_scale_name:
+            raise unknown_tensor("FP8", name, ("weight", self.weight_scale_name, "input_scale"))
         elif self.config.weight_block_size:
             self._load_block_scale(layer, name, tensor, shard)
         else:
@@ -121,7 +126,7 @@ class FP8LinearMethod(QuantMethod):
         layer.loaded_tensors.add((name, shard))
 
     def process_weights_after_loading(self, layer: Any) -> None:
-        check_loaded(layer, "FP8", ("weight",) + self.scale_names)
+        check_loaded(layer, "FP8", self.required_tensors)
 
     def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.is_cuda:
@@ -141,8 +146,21 @@ def fp8_dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, scale_block
     """``weight [N, K]`` times its scales ``[N, ceil(K / scale_block_k)]``, in float32, cast to
     ``dtype``."""
     n, k = weight.shape
-    if weight_scale.shape[1] == 1:
-        return (weight.float() * weight_scale).to(dtype)
     blocks = weight_scale.shape[1]
-    padded = F.pad(weight.float(), (0, blocks * scale_block_k - k)).reshape(n, blocks, scale_block_k)
+    w = e4m3_to_float32(weight)
+    if blocks == 1:
+        return w.mul_(weight_scale).to(dtype)
+    if k % scale_block_k == 0:
+        w.view(n, blocks, scale_block_k).mul_(weight_scale.unsqueeze(-1))
+        return w.to(dtype)
+    padded = F.pad(w, (0, blocks * scale_block_k - k)).reshape(n, blocks, scale_block_k)
     return (padded * weight_scale.unsqueeze(-1)).reshape(n, -1)[:, :k].to(dtype)
+
+
+def e4m3_to_float32(weight: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn → float32 by placing bits, several times faster than torch's CPU cast: the
+    byte ``s eeee mmm``, sign-extended to 16 bits and shifted left by 7 with bit 14 cleared, is
+    the float16 ``s 0eeee mmm0000000`` — the e4m3 value times 2^-8, subnormals included. The
+    NaN codes (``x1111111``) decode as ±480."""
+    bits = (weight.view(torch.int8).to(torch.int16) << 7) & ~0x4000
+    return bits.view(torch.float16).float().mul_(256.0)

@@ -209,25 +209,36 @@ def quantized_tensors(src: Path, spec: QuantizeSpec) -> Iterator[tuple[str, torc
 
 def write_shards(tensors: Iterator[tuple[str, torch.Tensor]], dst: Path, max_shard_bytes: int) -> list[str]:
     """Save the tensors as model.safetensors, or as numbered shards with an index when they
-    exceed ``max_shard_bytes``. Returns the file names."""
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    sizes = [0]
+    exceed ``max_shard_bytes``; each shard is written as soon as it is full, so at most one
+    shard is held in memory. Returns the file names."""
+    parts: list[tuple[Path, list[str]]] = []
+    shard: dict[str, torch.Tensor] = {}
+    shard_bytes = total_bytes = 0
+
+    def flush() -> None:
+        part = dst / f"part-{len(parts)}.safetensors.tmp"
+        save_file(shard, part, metadata={"format": "pt"})
+        parts.append((part, list(shard)))
+        shard.clear()
+
     for name, tensor in tensors:
         nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and sizes[-1] + nbytes > max_shard_bytes:
-            shards.append({})
-            sizes.append(0)
-        shards[-1][name] = tensor.contiguous()
-        sizes[-1] += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], dst / "model.safetensors", metadata={"format": "pt"})
+        if shard and shard_bytes + nbytes > max_shard_bytes:
+            flush()
+            shard_bytes = 0
+        shard[name] = tensor.contiguous()
+        shard_bytes += nbytes
+        total_bytes += nbytes
+    flush()
+    if len(parts) == 1:
+        parts[0][0].rename(dst / "model.safetensors")
         return ["model.safetensors"]
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    names = [f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors" for i in range(len(parts))]
     weight_map = {}
-    for file, shard in zip(names, shards):
-        save_file(shard, dst / file, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, file))
-    index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+    for file, (part, tensor_names) in zip(names, parts):
+        part.rename(dst / file)
+        weight_map.update(dict.fromkeys(tensor_names, file))
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
     (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return names
 

@@ -11,6 +11,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 pip_install() { .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt "$@"; }
 pip_install torch==2.13.0
-pip_install -e ".[server,kernels,test]"
+pip_install -e ".[server,kernels,test,nixl]"
+pip_install --no-deps nixl==1.5.1
 pip_install --no-deps -e examples/plugins/tandem-spf
 echo "tandem: .venv ready ($(.venv/bin/tandem --version))"

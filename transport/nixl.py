@@ -17,10 +17,10 @@ arrived and learns the id through ``get_notifications``.
 Failures measured on loopback TCP and shared memory: a killed peer raises
 ``nixlRemoteDisconnectError`` within milliseconds ("error:peer"); a frozen peer leaves a transfer in
 "PROC" forever, hence the per-transfer deadline, after which the transfer is released (UCX cancels
-it) and reported "error:deadline". Known limits of UCX's TCP transport (``UCX_TLS=tcp``), not of
-the shared-memory path: a frozen peer that resumes after the deadline can still deliver the data
-of a cancelled read into its local blocks, and a reader killed in the middle of a read can crash
-the owner's process.
+it) and reported "error:deadline"; on the shared-memory path nothing lands in the local blocks
+after that, even when the peer resumes. Known limit of UCX's TCP transport (``UCX_TLS=tcp``): TCP
+cannot cancel a read already sent, so a frozen peer that resumes after the deadline still delivers
+its data into the local blocks, which the caller may have reused by then.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ import numpy as np
 
 from tandem.interfaces import KVConnector, KVPoolDescriptor
 from tandem.transport.compat import KVHandshakeError, base_handshake, check_handshake, check_pool, check_read
-from tandem.transport.nixl_agent import NixlAgent
+from tandem.transport.nixl_agent import NixlAgent, back_with_huge_pages
 
 logger = logging.getLogger("tandem.transport")
 
@@ -95,6 +95,8 @@ class NixlConnector(KVConnector):
         mem_type = "DRAM" if pool.device.type == "cpu" else "VRAM"
         device_id = pool.device.index or 0
         agent = NixlAgent(self.agent_name, self._progress_delay_us)
+        if mem_type == "DRAM":
+            back_with_huge_pages(descriptor.base_address, descriptor.num_blocks * descriptor.block_bytes)
         self._registration = agent.register(
             descriptor.base_address, descriptor.num_blocks * descriptor.block_bytes, device_id, mem_type)
         descs = _block_descs(descriptor.base_address, descriptor.num_blocks,

@@ -74,6 +74,7 @@ def run_serve(args: argparse.Namespace) -> int:
         from tandem.models.presets import default_model_path
 
         config.model.path = str(default_model_path("demo"))
+        config.model.served_model_name = config.model.served_model_name or "demo"
     return asyncio.run(serve(config, args.uvicorn_log_level))
 
 

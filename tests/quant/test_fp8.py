@@ -111,8 +111,8 @@ def test_an_unquantized_weight_or_a_wrong_scale_shape_is_refused():
     blocks = _layer(FP8Config(weight_block_size=(16, 48)), [32, 8])
     with pytest.raises(ValueError, match=r"expected \(1, 2\) for 16×48 blocks"):
         blocks.load("weight_scale_inv", torch.ones(2, 2), shard=1)
-    with pytest.raises(ValueError, match="no tensor 'input_scale'"):
-        layer.load("input_scale", torch.tensor(1.0))
+    with pytest.raises(ValueError, match="no tensor 'weight_scale_inv'"):
+        layer.load("weight_scale_inv", torch.ones(1, 1))
 
 
 def test_a_missing_scale_is_named():

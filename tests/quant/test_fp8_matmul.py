@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.quant.fp8 import fp8_dequantize
+from tandem.quant.fp8 import e4m3_to_float32, fp8_dequantize
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2}
 
@@ -43,6 +43,15 @@ def test_kernel_decodes_every_finite_e4m3_value_exactly(kernel_device):
     eye = torch.eye(16, device=kernel_device)
     out = fp8_dequant_matmul(eye, weight, torch.ones(16, 1, device=kernel_device), 16)
     assert torch.equal(out.t().cpu(), weight.cpu().float())
+
+
+def test_torch_path_decodes_every_finite_e4m3_value_exactly():
+    codes = torch.arange(256, dtype=torch.int32)
+    codes = torch.where((codes & 0x7F) == 0x7F, 0, codes)                 # the two NaN codes
+    weight = codes.to(torch.uint8).view(torch.float8_e4m3fn)
+    decoded = e4m3_to_float32(weight)
+    assert torch.equal(decoded, weight.float())
+    assert torch.equal(torch.signbit(decoded), torch.signbit(weight.float()))   # -0.0 stays negative
 
 
 def _fp8_tensor_cores() -> bool:

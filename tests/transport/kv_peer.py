@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import time
 from dataclasses import dataclass
 
@@ -110,10 +111,27 @@ class PeerProcess:
             time.sleep(0.02)
         raise TimeoutError(f"the owner never saw {transfer_id!r}")
 
+    def freeze(self, timeout_s: float = 5.0) -> None:
+        """SIGSTOP the peer and wait until the kernel shows it stopped (delivery is asynchronous)."""
+        os.kill(self.process.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + timeout_s
+        while _proc_state(self.process.pid) != "T":
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"peer process {self.process.pid} did not stop")
+            time.sleep(0.001)
+
+    def thaw(self) -> None:
+        os.kill(self.process.pid, signal.SIGCONT)
+
     def stop(self) -> None:
         if self.process.is_alive():
             self.process.kill()
         self.process.join(10)
+
+
+def _proc_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]
 
 
 def start_owner(layout: Layout = SMALL, seed: int = 0, env: dict[str, str] | None = None

@@ -10,6 +10,7 @@ import json
 import os
 import random
 import signal
+import threading
 import time
 
 import pytest
@@ -156,17 +157,22 @@ def test_owner_killed_before_the_read_gives_error_peer_quickly(reader_env, trans
 
 @pytest.mark.timeout(90)
 def test_owner_killed_mid_read_ends_every_read_without_hanging(reader_env, transport):
+    """On one host UCX reads through shared memory inside start_read, so the kill comes from
+    another thread while the reads are being started."""
     owner_process, handshake = start_owner(LARGE, seed=3, env=TRANSPORTS[transport])
     connector = make_connector(torch.zeros(LARGE.shape))
     try:
         peer = connector.add_peer(handshake)
         half = LARGE.num_blocks // 2
-        reads = [f"big{i}" for i in range(8)]
+        reads = [f"big{i}" for i in range(16)]
+        killer = threading.Timer(0.01, os.kill, (owner_process.process.pid, signal.SIGKILL))
+        killer.start()
         for transfer_id in reads:
             connector.start_read(transfer_id, peer, list(range(half)), list(range(half, 2 * half)), 30.0)
-        os.kill(owner_process.process.pid, signal.SIGKILL)
+        killer.join()
         outcomes = wait_outcomes(connector, reads, 5.0)
         assert set(outcomes.values()) <= {"done", "error:peer"}
+        assert "error:peer" in outcomes.values()
         connector.start_read("late", peer, [0], [0], deadline_s=30.0)
         assert wait_outcomes(connector, ["late"], 5.0) == {"late": "error:peer"}
     finally:
@@ -186,20 +192,20 @@ def test_frozen_owner_gives_error_deadline_then_serves_again_when_resumed(monkey
         peer = connector.add_peer(handshake)
         connector.start_read("warm", peer, [0], [0], deadline_s=10.0)
         assert wait_outcomes(connector, ["warm"], 10.0) == {"warm": "done"}
-        os.kill(owner_process.process.pid, signal.SIGSTOP)
+        owner_process.freeze()
         started = time.monotonic()
         connector.start_read("frozen", peer, [1, 2, 3], [4, 5, 6], deadline_s=1.0)
         assert wait_outcomes(connector, ["frozen"], 10.0) == {"frozen": "error:deadline"}
         assert 1.0 <= time.monotonic() - started < 3.0
         pool[[4, 5, 6]] = -7.0
-        os.kill(owner_process.process.pid, signal.SIGCONT)
+        owner_process.thaw()
         time.sleep(0.5)
         assert bool((pool[[4, 5, 6]] == -7.0).all()), "the cancelled read wrote after its deadline"
         connector.start_read("resumed", peer, [1, 2, 3], [4, 5, 6], deadline_s=10.0)
         assert wait_outcomes(connector, ["resumed"], 10.0) == {"resumed": "done"}
         assert torch.equal(pool[[4, 5, 6]], owner_blocks(owner_process, [1, 2, 3]))
     finally:
-        os.kill(owner_process.process.pid, signal.SIGCONT)
+        owner_process.thaw()
         connector.close()
         owner_process.stop()
 
@@ -213,7 +219,7 @@ def test_frozen_owner_over_tcp_gives_error_deadline(monkeypatch):
         peer = connector.add_peer(handshake)
         connector.start_read("warm", peer, [0], [0], deadline_s=10.0)
         assert wait_outcomes(connector, ["warm"], 10.0) == {"warm": "done"}
-        os.kill(owner_process.process.pid, signal.SIGSTOP)
+        owner_process.freeze()
         started = time.monotonic()
         connector.start_read("frozen", peer, [1, 2], [1, 2], deadline_s=1.0)
         assert wait_outcomes(connector, ["frozen"], 10.0) == {"frozen": "error:deadline"}
@@ -224,10 +230,9 @@ def test_frozen_owner_over_tcp_gives_error_deadline(monkeypatch):
 
 
 @pytest.mark.timeout(120)
-def test_owner_survives_a_reader_killed_mid_read(monkeypatch):
-    monkeypatch.delenv("UCX_TLS", raising=False)
-    owner_process, handshake = start_owner(LARGE, seed=6)
-    reader_process = PeerProcess(read_forever, handshake, LARGE, {})
+def test_owner_survives_a_reader_killed_mid_read(reader_env, transport):
+    owner_process, handshake = start_owner(LARGE, seed=6, env=TRANSPORTS[transport])
+    reader_process = PeerProcess(read_forever, handshake, LARGE, TRANSPORTS[transport])
     try:
         assert reader_process.receive() == "reading"
         time.sleep(0.2)
