@@ -12,7 +12,10 @@ Set-up, once per instance and once per peer::
 Per request, ``start_read`` makes one prepared READ of exactly the given blocks (descriptor
 ``remote[i]`` into ``local[i]``) with the transfer id as its notification, and posts it; ``poll``
 checks each transfer's state. The owner receives the notification once the reader's data has
-arrived and learns the id through ``get_notifications``.
+arrived and learns the id through ``get_notifications``. Between two processes of one host UCX
+reads through shared memory (cma) inside ``start_read`` itself: 125 blocks of 256 KiB took 3-4 ms
+here, about a single-threaded memcpy (up to 15 ms with both cores busy); over TCP the read runs
+in the background.
 
 Failures measured on loopback TCP and shared memory: a killed peer raises
 ``nixlRemoteDisconnectError`` within milliseconds ("error:peer"); a frozen peer leaves a transfer in

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+
 def _bindings() -> Any:
     """NIXL's bindings, imported on first use so that tandem works without NIXL installed."""
     try:
@@ -125,11 +126,13 @@ class NixlAgent:
                                        remote_indices, notification)
 
     def post(self, request: int) -> None:
-        """Start the request; raises one of ``peer_errors`` when the peer is gone."""
+        """Start the request; raises one of ``peer_errors`` when the peer is gone. Between two
+        processes of one host (UCX's cma transport) the data moves inside this call."""
         self._agent.postXferReq(request)
 
     def state(self, request: int) -> str:
-        """"DONE", "PROC" or "ERR"; raises one of ``peer_errors`` when the peer is gone."""
+        """The request's state, "DONE", "PROC" or "ERR"; raises one of ``peer_errors`` when the
+        peer is gone."""
         status = self._agent.getXferStatus(request)
         if status == self._nb.NIXL_SUCCESS:
             return "DONE"
