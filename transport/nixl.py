@@ -2,11 +2,12 @@
 
 Set-up, once per instance and once per peer::
 
-    register_pool     nixl_agent(name, UCX); register_memory(pool)   host memory → "DRAM",
-                      CUDA → "VRAM"; the local descriptor list is prepared once, one
-                      descriptor per block: (base + i * block_bytes, block_bytes, device)
-    handshake_info    agent metadata (base64), base address, layout, compat_hash
-    add_peer          add_remote_agent(metadata); the peer's descriptor list prepared once
+    register_pool     a NIXL agent (UCX backend, ``tandem.transport.nixl_agent``) registers the
+                      whole pool as one region: host memory → "DRAM", CUDA → "VRAM"; the local
+                      descriptor list is prepared once, one descriptor per block:
+                      (base + i * block_bytes, block_bytes, device) for i in 0..num_blocks-1
+    handshake_info    agent metadata (base64), base address, layout, compat_hash (cached)
+    add_peer          load the peer's agent metadata; its descriptor list prepared the same way
 
 Per request, ``start_read`` makes one prepared READ of exactly the given blocks (descriptor
 ``remote[i]`` into ``local[i]``) with the transfer id as its notification, and posts it; ``poll``

@@ -8,6 +8,6 @@ the transport, and carries addresses and block ids, never KV bytes).
     proxy.py      one HTTP exchange with an instance: a whole answer, or an SSE stream opened
                   up to its first token
     dispatch.py   the flow of one request: prefill → decode, retries, conditional disaggregation
-    metrics.py    the router's Prometheus metrics
+    metrics.py    the router's Prometheus metrics; errors.py the errors it answers itself
     app.py        the FastAPI app; launch.py ``tandem router``
 """

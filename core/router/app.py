@@ -75,7 +75,6 @@ def create_router_app(config: TandemConfig, health_interval_s: float = 1.0) -> F
 
     app = FastAPI(title="tandem router", version=__version__, lifespan=lifespan,
                   description="Routes OpenAI requests over prefill and decode instances.")
-    app.state.router = dispatcher
     _add_error_handlers(app)
     app.include_router(_v1_routes(dispatcher, config.server.api_key))
     app.include_router(_admin_routes(registry, health_client, disagg.router_admin_key))

@@ -157,7 +157,7 @@ class InstanceRegistry:
         try:
             metrics = await client.get(f"{state.url}/metrics")
             load = parse_load(metrics.text) if metrics.status_code == 200 else None
-        except (httpx.HTTPError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 — a bad /metrics must not stop the health checks
             logger.debug("instance %s: no load from /metrics: %s", state.url, exc)
             load = None
         if load is not None:
