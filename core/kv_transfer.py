@@ -201,8 +201,9 @@ class KVTransferCoordinator:
             end = load.first_block + len(load.block_ids)
             remote_ids = list(remote.block_ids[load.first_block:end])
             read = _Read(load.request_id, peer, len(load.block_ids), self._clock())
-            if remote.num_tokens != self.scheduler.get_request(load.request_id).num_prompt_tokens \
-                    or len(remote_ids) != len(load.block_ids):
+            num_prompt_tokens = self.scheduler.get_request(load.request_id).num_prompt_tokens
+            if remote.num_tokens != num_prompt_tokens or len(remote_ids) != len(load.block_ids):
+                # the prefill instance tokenized another prompt, or holds too few blocks
                 self._end_now(remote.transfer_id, read, "error:mismatch")
                 continue
             try:

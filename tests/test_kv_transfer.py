@@ -204,3 +204,14 @@ def test_colocated_engine_refuses_kv_transfer_params():
     assert engine.kv_transfer is None
     with pytest.raises(ValueError, match="colocated"):
         engine.add_request([1, 2, 3], greedy(), remote_decode=True)
+
+
+def test_prompt_that_differs_from_the_prefilled_one_is_recomputed(pair):
+    prefill, decode = pair
+    prompt = _prompts(17, [10])[0]
+    remote = prefill_prompt(prefill, prompt)
+    longer = prompt + [7]
+    assert decode_prompt(decode, longer, remote) == hf_greedy(tiny_model_dir("llama"), [longer], MAX_TOKENS)[0]
+    assert dict(decode.kv_transfer.stats().failures) == {"mismatch": 1}
+    prefill.poll_kv_transfers()  # the decode side told the prefill side it will not read
+    assert used_blocks(prefill) == 0 and used_blocks(decode) == 0
