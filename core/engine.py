@@ -188,7 +188,8 @@ class LLMEngine:
     def kv_compat_hash(self) -> str:
         """What two instances must share to exchange KV blocks (ARCHITECTURE.md §2)."""
         a = self.arch
-        model = self.config.model.served_model_name or self.config.model.path.rstrip("/").rsplit("/", 1)[-1]
+        path = self.config.model.path.rstrip("/")
+        model = self.config.model.served_model_name or path.rsplit("/", 1)[-1]
         return compat_hash(model=model, dtype=str(self.dtype).removeprefix("torch."),
                            num_layers=a.num_hidden_layers, num_kv_heads=a.num_key_value_heads,
                            head_dim=a.head_dim, block_size=self.config.engine.block_size)

@@ -211,7 +211,8 @@ def test_prompt_that_differs_from_the_prefilled_one_is_recomputed(pair):
     prompt = _prompts(17, [10])[0]
     remote = prefill_prompt(prefill, prompt)
     longer = prompt + [7]
-    assert decode_prompt(decode, longer, remote) == hf_greedy(tiny_model_dir("llama"), [longer], MAX_TOKENS)[0]
+    expected = hf_greedy(tiny_model_dir("llama"), [longer], MAX_TOKENS)[0]
+    assert decode_prompt(decode, longer, remote) == expected
     assert dict(decode.kv_transfer.stats().failures) == {"mismatch": 1}
     prefill.poll_kv_transfers()  # the decode side told the prefill side it will not read
     assert used_blocks(prefill) == 0 and used_blocks(decode) == 0
