@@ -133,3 +133,20 @@ def test_unreachable_prefill_recomputes_or_fails_per_policy(model_dir, server, p
     with running_server(_role(model_dir, "decode", kv_load_failure_policy="fail")) as strict:
         failed = decode_answer(strict.url, prompt, gone)
     assert failed.status_code == 502 and failed.json()["error"]["code"] == "kv_transfer_failed"
+
+
+@pytest.mark.timeout(60)
+def test_chat_hand_over_equals_colocated(server, prefill, decode):
+    chat = {"model": "tiny", "temperature": 0.0, "max_tokens": 8, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Tell me about paged attention, briefly."}]}
+    reduced = {**chat, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    params = httpx.post(f"{prefill.url}/v1/chat/completions", json=reduced, timeout=30).json()
+    params = params["kv_transfer_params"]
+    before = scrape(decode.url)["tandem:kv_transfer_bytes_total"]
+    answer = httpx.post(f"{decode.url}/v1/chat/completions", timeout=30,
+                        json={**chat, "kv_transfer_params": {**params, "do_remote_prefill": True}})
+    assert scrape(decode.url)["tandem:kv_transfer_bytes_total"] > before
+    oracle = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=30)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["message"] == oracle.json()["choices"][0]["message"]
+    assert answer.json()["usage"] == oracle.json()["usage"]
