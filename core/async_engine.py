@@ -30,12 +30,19 @@ from dataclasses import dataclass, field
 
 from tandem.engine import LLMEngine, StepStats
 from tandem.interfaces import KVStats
+from tandem.kv_transfer import KVTransferFailed, KVTransferStats, RemotePrefill
 from tandem.outputs import RequestOutput
 from tandem.sched.sampling_params import SamplingParams
 
 logger = logging.getLogger("tandem")
 
 _IDLE_WAIT_S = 0.5
+_PIN_POLL_S = 0.05
+"""While KV blocks are pinned for decode instances, the idle loop wakes this often to see their
+release notifications and expiries."""
+_LOAD_WAIT_S = 0.002
+"""A step that computed nothing (every request waits for remote KV) waits this long for
+commands before polling the transfers again, instead of spinning."""
 
 
 class EngineUnavailable(RuntimeError):
@@ -84,6 +91,7 @@ class EngineSnapshot:
     num_waiting: int = 0
     kv: KVStats | None = None
     num_preemptions: int = 0
+    kv_transfer: KVTransferStats | None = None
 
 
 StepListener = Callable[[StepStats], None]
@@ -96,6 +104,8 @@ class _Add:
     params: SamplingParams
     priority: int
     future: asyncio.Future
+    remote_decode: bool = False
+    remote_prefill: RemotePrefill | None = None
 
 
 @dataclass(slots=True)
@@ -268,8 +278,11 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
+        remote_decode: bool = False,
+        remote_prefill: RemotePrefill | None = None,
     ) -> RequestStream:
-        """Admit a request and return its stream.
+        """Admit a request and return its stream (``remote_decode`` / ``remote_prefill``: see
+        ``LLMEngine.add_request``).
 
         Raises at once: ``EngineUnavailable`` (not ready / shutting down), ``QueueFull`` (waiting
         queue at its bound), ``ValueError`` (the engine refuses it: empty prompt, ids outside the
@@ -287,7 +300,8 @@ class AsyncEngine:
         self._adds[request_id] = future
         self._queued_requests += 1
         self._queued_tokens += stream.num_prompt_tokens
-        self._inbox.put(_Add(request_id, token_ids, params, priority, future))
+        self._inbox.put(_Add(request_id, token_ids, params, priority, future, remote_decode,
+                             remote_prefill))
         try:
             await future
         except asyncio.CancelledError:
@@ -419,13 +433,14 @@ class AsyncEngine:
         except BaseException as exc:  # noqa: BLE001 — every in-flight request must learn of it
             logger.exception("the engine thread died")
             self._post(self._on_engine_died, exc)
+        finally:
+            self.engine.close()
 
     def _loop_forever(self, engine: LLMEngine) -> None:
         deadline: float | None = None
         preemptions = _PreemptionCounter()
         while True:
-            busy = engine.has_unfinished_requests()
-            for cmd in self._take_commands(block=not busy):
+            for cmd in self._take_commands(self._wait_s(engine)):
                 if isinstance(cmd, _Stop):
                     self._abort_all(engine, RequestAbortedByShutdown("the server stopped"))
                     return
@@ -444,18 +459,37 @@ class AsyncEngine:
                 self._live.difference_update(o.request_id for o in outputs if o.finished)
                 if outputs:
                     self._post(self._deliver, outputs)
+            else:
+                engine.poll_kv_transfers()
+            self._fail_transfers(engine)
+            kv_transfer = engine.kv_transfer
             self.snapshot = EngineSnapshot(
                 num_running=engine.scheduler.num_running,
-                num_waiting=engine.scheduler.num_waiting,
+                num_waiting=engine.scheduler.num_waiting + engine.scheduler.num_loading,
                 kv=engine.scheduler.kv.stats(),
                 num_preemptions=preemptions.total,
+                kv_transfer=kv_transfer.stats() if kv_transfer is not None else None,
             )
 
-    def _take_commands(self, block: bool) -> list:
+    @staticmethod
+    def _wait_s(engine: LLMEngine) -> float | None:
+        """How long to wait for commands before the next iteration (None: do not wait)."""
+        if engine.has_unfinished_requests():
+            last = engine.last_step
+            return _LOAD_WAIT_S if last is not None and last.num_tokens == 0 else None
+        return _PIN_POLL_S if engine.has_kv_pins() else _IDLE_WAIT_S
+
+    def _fail_transfers(self, engine: LLMEngine) -> None:
+        for request_id, message in engine.take_failed_requests():
+            if request_id in self._live:
+                self._live.discard(request_id)
+                self._post(self._fail, [request_id], KVTransferFailed(message))
+
+    def _take_commands(self, wait_s: float | None) -> list:
         cmds = []
-        if block:
+        if wait_s is not None:
             try:
-                cmds.append(self._inbox.get(timeout=_IDLE_WAIT_S))
+                cmds.append(self._inbox.get(timeout=wait_s))
             except queue.Empty:
                 return cmds
         while True:
@@ -471,7 +505,8 @@ class AsyncEngine:
                 engine.abort_request(cmd.request_id)
             return
         try:
-            engine.add_request(cmd.token_ids, cmd.params, request_id=cmd.request_id, priority=cmd.priority)
+            engine.add_request(cmd.token_ids, cmd.params, request_id=cmd.request_id, priority=cmd.priority,
+                               remote_decode=cmd.remote_decode, remote_prefill=cmd.remote_prefill)
         except ValueError as exc:
             self._post(self._settle, cmd.future, exc)
         else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from itertools import count
 from typing import Any
@@ -15,6 +16,8 @@ from typing import Any
 import torch
 
 from tandem.config import TandemConfig, parse_bytes
+from tandem.interfaces import KVPoolDescriptor, compat_hash
+from tandem.kv_transfer import KVTransferCoordinator, RemotePrefill
 from tandem.output_processor import OutputProcessor
 from tandem.outputs import RequestOutput
 from tandem.plugin_manager import get_plugin_manager, get_registry
@@ -40,6 +43,7 @@ class StepStats:
     num_prompt_tokens: int
     num_generation_tokens: int
     duration_s: float
+    kv_transfer_seconds: tuple[float, ...] = ()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -97,6 +101,8 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = count()
         self.last_step: StepStats | None = None
+        self.kv_transfer = self._build_kv_transfer()
+        self._failed: list[tuple[str, str]] = []
         get_plugin_manager().hook.tandem_engine_started(config=config)
 
     # ----------------------------------------------------------------------------- start-up
@@ -179,6 +185,33 @@ class LLMEngine:
         )
         return Scheduler(cfg, kv, policy_cls())
 
+    def kv_compat_hash(self) -> str:
+        """What two instances must share to exchange KV blocks (ARCHITECTURE.md §2)."""
+        a = self.arch
+        path = self.config.model.path.rstrip("/")
+        model = self.config.model.served_model_name or path.rsplit("/", 1)[-1]
+        return compat_hash(model=model, dtype=str(self.dtype).removeprefix("torch."),
+                           num_layers=a.num_hidden_layers, num_kv_heads=a.num_key_value_heads,
+                           head_dim=a.head_dim, block_size=self.config.engine.block_size)
+
+    def _build_kv_transfer(self) -> KVTransferCoordinator | None:
+        """A prefill or decode instance registers its KV pool with the configured connector."""
+        disagg = self.config.disaggregation
+        if disagg.role == "both":
+            return None
+        connector = self.registry.get("kv_connector", disagg.kv_connector)()
+        descriptor = KVPoolDescriptor.for_pool(self.kv_cache, self.kv_compat_hash())
+        connector.register_pool(self.kv_cache, descriptor)
+        return KVTransferCoordinator(
+            connector, self.scheduler, engine_id=uuid.uuid4().hex, compat_hash=descriptor.compat_hash,
+            block_bytes=descriptor.block_bytes, transfer_timeout_s=disagg.kv_transfer_timeout_s,
+            expiry_s=disagg.kv_expiry_s, failure_policy=disagg.kv_load_failure_policy)
+
+    def close(self) -> None:
+        """Release the KV connector (idempotent)."""
+        if self.kv_transfer is not None:
+            self.kv_transfer.connector.close()
+
     # ----------------------------------------------------------------------------- requests
 
     def tokenize(self, prompt: str) -> list[int]:
@@ -191,9 +224,16 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        remote_decode: bool = False,
+        remote_prefill: RemotePrefill | None = None,
     ) -> str:
         """Queue a request; returns its id. Raises RequestRejected (a ValueError) at once when
-        the request can never be served, and ValueError for bad input."""
+        the request can never be served, and ValueError for bad input.
+
+        On a prefill instance, ``remote_decode`` keeps the request's blocks pinned when it
+        finishes; its final output carries the ``kv_transfer_params`` a decode instance needs.
+        On a decode instance, ``remote_prefill`` loads the prompt's KV from the prefill instance
+        instead of computing it (a compat mismatch raises ValueError)."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.outputs.states:
@@ -217,8 +257,16 @@ class LLMEngine:
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             max_tokens=max_tokens,
         )
-        request = self.scheduler.add_request(request)
+        if (remote_decode or remote_prefill is not None) and self.kv_transfer is None:
+            raise ValueError("kv_transfer_params need a prefill or decode instance; this one is "
+                             "colocated (disaggregation.role = both)")
+        if remote_prefill is not None:
+            self.kv_transfer.add_remote(request_id, remote_prefill)
+        request = self.scheduler.add_request(request, load_remote_kv=remote_prefill is not None,
+                                             pin_kv_on_finish=remote_decode)
         if request.status == RequestStatus.FINISHED_REJECTED:
+            if remote_prefill is not None:
+                self.kv_transfer.forget(request_id)
             raise RequestRejected(request.reject_reason)
         self.outputs.add_request(request_id, prompt if isinstance(prompt, str) else None,
                                  token_ids, params)
@@ -228,6 +276,9 @@ class LLMEngine:
         """Abort requests at any moment: their blocks are free when this returns. Returns their
         final outputs (finish reason "abort" for every sequence that had not finished)."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        if self.kv_transfer is not None:
+            for rid in ids:
+                self.kv_transfer.forget(rid)
         for request in self.scheduler.abort_requests(ids):
             self._on_finished(request)
         finals = []
@@ -238,14 +289,39 @@ class LLMEngine:
         return finals
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to step, or KV loads in flight (an aborted request's blocks wait for them)."""
+        return self.scheduler.has_unfinished_requests() or self.scheduler.holds_remote_loads()
+
+    def has_kv_pins(self) -> bool:
+        """Blocks pinned for decode instances: ``poll_kv_transfers`` must run now and then."""
+        return self.kv_transfer is not None and self.kv_transfer.has_pins()
+
+    def poll_kv_transfers(self) -> None:
+        """Release notified or expired pins and end finished loads (every ``step`` does it too;
+        call it while idle). Requests failed by the "fail" policy: ``take_failed_requests``."""
+        if self.kv_transfer is None:
+            return
+        for request_id, message in self.kv_transfer.poll():
+            for request in self.scheduler.abort_requests([request_id]):
+                self._on_finished(request)
+            self.outputs.finish_all(request_id, "abort")
+            self._failed.append((request_id, message))
+
+    def take_failed_requests(self) -> list[tuple[str, str]]:
+        """(request id, message) of the requests failed since the last call: their KV could not
+        be loaded. They are finished (reason "abort") and hold no blocks."""
+        failed, self._failed = self._failed, []
+        return failed
 
     # ----------------------------------------------------------------------------- the loop
 
     def step(self) -> list[RequestOutput]:
         """Schedule, execute, update. Returns the outputs of the requests that changed."""
         t0 = time.perf_counter()
+        self.poll_kv_transfers()
         sched_out = self.scheduler.schedule()
+        if self.kv_transfer is not None:
+            self.kv_transfer.start_loads(self.scheduler.take_new_loads())
         runner_out = self.runner.execute(sched_out)
         updates = self.scheduler.update_from_output(sched_out, runner_out)
         changed: dict[str, None] = {}
@@ -259,7 +335,13 @@ class LLMEngine:
                 self._on_finished(req)
             changed[req.parent_id or req.request_id] = None
         self._record_step(sched_out, runner_out, time.perf_counter() - t0)
-        return [o for rid in changed if (o := self.outputs.output(rid)) is not None]
+        outputs = [o for rid in changed if (o := self.outputs.output(rid)) is not None]
+        if self.kv_transfer is not None:
+            params = self.kv_transfer.on_new_pins(self.scheduler.take_new_pins())
+            for out in outputs:
+                if out.request_id in params:
+                    out.kv_transfer_params = params[out.request_id]
+        return outputs
 
     def _on_finished(self, request: Request) -> None:
         self.outputs.finish(request)
@@ -279,4 +361,6 @@ class LLMEngine:
             num_prompt_tokens=max(total - gen, 0),
             num_generation_tokens=gen,
             duration_s=duration_s,
+            kv_transfer_seconds=tuple(self.kv_transfer.take_transfer_durations()
+                                      if self.kv_transfer is not None else ()),
         )

@@ -46,3 +46,6 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float | int | None] = field(default_factory=dict)
+    kv_transfer_params: dict | None = None
+    """On a prefill instance, in the final output of a request with ``do_remote_decode``: where
+    its pinned KV blocks are (engine_id, transfer_id, block_ids, num_tokens, compat_hash)."""

@@ -18,6 +18,25 @@ prompt: the children share its blocks (copy-on-write on their first own token).
 ``schedule()`` advances ``num_computed_tokens`` by the scheduled counts (the output carries the
 values from before). A request aborted between ``schedule()`` and ``update_from_output()`` has
 that step's tokens counted as never computed, so none of their KV enters the prefix cache.
+
+Disaggregated prefill/decode adds two mechanisms, both pure bookkeeping (the engine moves bytes):
+
+- Remote KV (decode side). A request added with ``load_remote_kv`` is admitted like any other
+  (prefix-cache hits count) but computes nothing: it gets blocks for prompt positions
+  ``0 .. P-2`` and waits in WAITING_FOR_REMOTE_KV while the engine loads positions
+  ``[num_cached, P-1)`` from the prefill instance (``take_new_loads``)::
+
+      prompt positions   0 ....... num_cached ........ P-2 | P-1
+      blocks             local cache hits | loaded remotely  | computed here (last prompt token)
+
+  ``finish_remote_load(ok=True)`` sets ``num_computed_tokens = P - 1`` and the request joins the
+  running batch (sent to the runner in full on its first step); ``ok=False`` frees its blocks and
+  puts it back in the waiting queue as an ordinary request (recompute). A request finished while
+  its load is in flight keeps its blocks until ``finish_remote_load``: a one-sided read still
+  writes into them. Loading requests hold their sequence seats.
+- Pinned KV (prefill side). A request added with ``pin_kv_on_finish`` that finishes normally
+  (stop or length) while running keeps its blocks under a pin (an extra reference, ``take_new_pins``) until
+  ``release_pin``.
 """
 from __future__ import annotations
 
@@ -53,6 +72,30 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1 (got {getattr(self, name)})")
+
+
+@dataclass(slots=True, frozen=True)
+class RemoteKVLoad:
+    """A request admitted to WAITING_FOR_REMOTE_KV. Logical blocks ``first_block ..
+    first_block + len(block_ids) - 1`` of its table, physical ``block_ids``, must receive the KV
+    of the same logical blocks on the prefill instance (prompt positions ``[num_cached_tokens,
+    num_prompt_tokens - 1)``; ``first_block = num_cached_tokens // block_size``)."""
+
+    request_id: str
+    num_cached_tokens: int
+    first_block: int
+    block_ids: list[int]
+
+
+@dataclass(slots=True, frozen=True)
+class PinnedKV:
+    """The blocks a finished request left pinned under ``pin_id``; they hold the KV of its first
+    ``num_tokens`` tokens."""
+
+    request_id: str
+    pin_id: str
+    block_ids: list[int]
+    num_tokens: int
 
 
 @dataclass(slots=True)
@@ -110,6 +153,14 @@ class Scheduler:
         self._queue_seq = itertools.count()
         self._finished_ids: set[str] = set()
         self._in_flight: dict[str, int] = {}
+        self._remote_pending: set[str] = set()
+        self._loading: dict[str, Request] = {}
+        self._orphaned_loads: set[str] = set()
+        self._new_loads: list[RemoteKVLoad] = []
+        self._unsent: set[str] = set()
+        self._pin_on_finish: set[str] = set()
+        self._pins: set[str] = set()
+        self._new_pins: list[PinnedKV] = []
 
     # ------------------------------------------------------------------ queries
 
@@ -125,14 +176,26 @@ class Scheduler:
         """An unfinished request (waiting or running); None once it finished."""
         return self._requests.get(request_id)
 
+    @property
+    def num_loading(self) -> int:
+        """Requests in WAITING_FOR_REMOTE_KV."""
+        return len(self._loading)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    def holds_remote_loads(self) -> bool:
+        """Whether a remote load is in flight (for a live or an already finished request)."""
+        return bool(self._loading or self._orphaned_loads)
+
     # ------------------------------------------------------------------ admission and exits
 
-    def add_request(self, request: Request) -> Request:
+    def add_request(self, request: Request, *, load_remote_kv: bool = False,
+                    pin_kv_on_finish: bool = False) -> Request:
         """Enqueue ``request`` as WAITING, or reject it at once (FINISHED_REJECTED with a
-        ``reject_reason``) when it could never run, even alone."""
+        ``reject_reason``) when it could never run, even alone. ``load_remote_kv``: its prompt's
+        KV comes from another instance (see the module docstring); ``pin_kv_on_finish``: its
+        blocks stay pinned when it finishes normally."""
         reason = self._reject_reason(request)
         if reason is not None:
             request.status = RequestStatus.FINISHED_REJECTED
@@ -141,8 +204,50 @@ class Scheduler:
             return request
         request.status = RequestStatus.WAITING
         self._requests[request.request_id] = request
+        if load_remote_kv:
+            self._remote_pending.add(request.request_id)
+        if pin_kv_on_finish:
+            self._pin_on_finish.add(request.request_id)
         self._enqueue(request)
         return request
+
+    def take_new_loads(self) -> list[RemoteKVLoad]:
+        """The requests admitted to WAITING_FOR_REMOTE_KV since the last call."""
+        loads, self._new_loads = self._new_loads, []
+        return loads
+
+    def finish_remote_load(self, request_id: str, ok: bool) -> None:
+        """The load of ``request_id`` ended: on success the request joins the running batch with
+        ``num_prompt_tokens - 1`` tokens computed; on failure its blocks are freed and it waits
+        again as an ordinary request. A request finished meanwhile only frees its blocks now."""
+        if request_id in self._orphaned_loads:
+            self._orphaned_loads.discard(request_id)
+            self.kv.free(request_id)
+            return
+        request = self._loading.pop(request_id)
+        if ok:
+            request.num_computed_tokens = request.num_prompt_tokens - 1
+            request.status = RequestStatus.RUNNING
+            self._running.append(request)
+            self._unsent.add(request_id)
+            return
+        self.kv.free(request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self._enqueue(request)
+
+    def take_new_pins(self) -> list[PinnedKV]:
+        """The pins made since the last call."""
+        pins, self._new_pins = self._new_pins, []
+        return pins
+
+    def release_pin(self, pin_id: str) -> bool:
+        """Drop a pin's blocks; False (and nothing done) when ``pin_id`` is not pinned."""
+        if pin_id not in self._pins:
+            return False
+        self._pins.discard(pin_id)
+        self.kv.free(pin_id)
+        return True
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
         """Abort the given requests and the sequences forked from them; unknown or finished ids
@@ -185,17 +290,38 @@ class Scheduler:
         return None
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
-        if request.status is RequestStatus.RUNNING:
+        rid = request.request_id
+        loading = request.status is RequestStatus.WAITING_FOR_REMOTE_KV
+        was_running = request.status is RequestStatus.RUNNING
+        if was_running:
             self._running.remove(request)
+        elif loading:
+            del self._loading[rid]
         else:
             self._waiting = [e for e in self._waiting if e[2] is not request]
             heapq.heapify(self._waiting)
-        request.num_computed_tokens -= self._in_flight.pop(request.request_id, 0)
+        request.num_computed_tokens -= self._in_flight.pop(rid, 0)
         request.status = status
         request.metrics.finished_time = time.monotonic()
-        self.kv.free(request.request_id)
-        del self._requests[request.request_id]
-        self._finished_ids.add(request.request_id)
+        self._remote_pending.discard(rid)
+        self._unsent.discard(rid)
+        if rid in self._pin_on_finish:
+            self._pin_on_finish.discard(rid)
+            if was_running and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+                self._pin(request)
+        if loading:
+            self._orphaned_loads.add(rid)
+        else:
+            self.kv.free(rid)
+        del self._requests[rid]
+        self._finished_ids.add(rid)
+
+    def _pin(self, request: Request) -> None:
+        pin_id = f"{request.request_id}#kv-pin"
+        self.kv.fork(request.request_id, pin_id)
+        self._pins.add(pin_id)
+        self._new_pins.append(PinnedKV(request.request_id, pin_id, self.kv.get_block_ids(pin_id),
+                                       request.num_computed_tokens))
 
     def _enqueue(self, request: Request) -> None:
         heapq.heappush(self._waiting, (self.policy.sort_key(request), next(self._queue_seq), request))
@@ -207,7 +333,8 @@ class Scheduler:
         scheduled count (the output carries the values from before)."""
         step = _Step(
             token_budget=self.config.max_num_batched_tokens,
-            num_free_seats=self.config.max_num_seqs - sum(r.num_sequences for r in self._running),
+            num_free_seats=self.config.max_num_seqs - sum(
+                r.num_sequences for r in (*self._running, *self._loading.values())),
             prompt_cap=self.policy.max_prompt_tokens_per_step(),
         )
         self._schedule_running(step)
@@ -237,7 +364,8 @@ class Scheduler:
                 if victim is request:
                     return
                 allocation = self.kv.allocate(request, num_new)
-            self._record(step, request, 0, num_new, allocation, is_new=False)
+            is_new = request.request_id in self._unsent
+            self._record(step, request, 0, num_new, allocation, is_new=is_new)
 
     def _schedule_waiting(self, step: _Step) -> None:
         """Admit from the head of the queue until one does not fit (no skipping ahead). A request
@@ -257,26 +385,53 @@ class Scheduler:
     def _try_admit(self, step: _Step, request: Request) -> bool:
         """Prefix lookup, then allocation, preempting running requests while the policy allows."""
         num_cached = self.kv.get_num_cached_tokens(request)
+        if request.request_id in self._remote_pending:
+            return self._admit_remote(step, request, num_cached)
         num_new = self._num_admitted_tokens(step, request, request.num_tokens - num_cached)
         if num_new == 0:
             return False
-        allocation = self.kv.allocate(request, num_new, num_cached)
-        while allocation is None and self._running:
-            victim = self.policy.select_victim(self._running)
-            if not self.policy.should_preempt_for(request, victim):
-                return False
-            self._preempt(victim, step)
-            allocation = self.kv.allocate(request, num_new, num_cached)
+        allocation = self._allocate_for_admission(step, request, num_new, num_cached)
         if allocation is None:
             return False
         request.status = RequestStatus.RUNNING
         self._running.append(request)
+        self._on_admitted(step, request, num_cached)
+        self._record(step, request, num_cached, num_new, allocation, is_new=True)
+        return True
+
+    def _admit_remote(self, step: _Step, request: Request, num_cached: int) -> bool:
+        """Blocks for prompt positions ``0 .. P-2`` (none computed this step), then
+        WAITING_FOR_REMOTE_KV until ``finish_remote_load``."""
+        num_to_load = request.num_prompt_tokens - 1 - num_cached
+        if self._allocate_for_admission(step, request, num_to_load, num_cached) is None:
+            return False
+        rid = request.request_id
+        self._remote_pending.discard(rid)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        request.num_computed_tokens = num_cached
+        self._loading[rid] = request
+        self._on_admitted(step, request, num_cached)
+        first_block = num_cached // self.kv.block_size
+        self._new_loads.append(RemoteKVLoad(rid, num_cached, first_block,
+                                            self.kv.get_block_ids(rid)[first_block:]))
+        return True
+
+    def _allocate_for_admission(self, step: _Step, request: Request, num_new: int,
+                                num_cached: int) -> KVAllocation | None:
+        allocation = self.kv.allocate(request, num_new, num_cached)
+        while allocation is None and self._running:
+            victim = self.policy.select_victim(self._running)
+            if not self.policy.should_preempt_for(request, victim):
+                return None
+            self._preempt(victim, step)
+            allocation = self.kv.allocate(request, num_new, num_cached)
+        return allocation
+
+    def _on_admitted(self, step: _Step, request: Request, num_cached: int) -> None:
         step.num_free_seats -= request.num_sequences
         if request.metrics.first_scheduled_time is None:
             request.metrics.first_scheduled_time = time.monotonic()
             request.metrics.num_cached_prompt_tokens = num_cached
-        self._record(step, request, num_cached, num_new, allocation, is_new=True)
-        return True
 
     def _token_limit(self, step: _Step, request: Request, num_remaining: int) -> int:
         """Tokens ``request`` may get now: the budget left, and for prompt-phase work also what
@@ -314,6 +469,7 @@ class Scheduler:
             step.num_prompt_tokens -= record.num_prompt_phase
             victim.num_computed_tokens = record.start
         self.kv.free(victim.request_id)
+        self._unsent.discard(victim.request_id)
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.PREEMPTED
         victim.metrics.num_preemptions += 1
@@ -349,6 +505,7 @@ class Scheduler:
         for request_id, record in step.scheduled.items():
             request, allocation = record.request, record.allocation
             if record.is_new:
+                self._unsent.discard(request_id)
                 out.new_requests.append(NewRequestData(
                     request_id=request_id,
                     token_ids=list(request.all_token_ids),

@@ -24,6 +24,7 @@ from tandem.config import TandemConfig
 from tandem.engine import LLMEngine
 from tandem.server.chat import create_chat_completion
 from tandem.server.completions import create_completion
+from tandem.server.disagg import HANDSHAKE_PATH
 from tandem.server.errors import APIError
 from tandem.server.metrics import ServerMetrics
 from tandem.server.protocol import (
@@ -112,6 +113,17 @@ def _add_operator_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def metrics() -> Response:
         """Prometheus text format."""
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get(HANDSHAKE_PATH)
+    async def kv_handshake() -> JSONResponse:
+        """What a decode instance needs to read this prefill instance's KV blocks: the KV
+        connector's handshake plus this engine's id. 503 until ready; 404 when colocated."""
+        ctx.check_ready()
+        kv_transfer = ctx.engine.engine.kv_transfer
+        if kv_transfer is None:
+            raise APIError(404, "this instance is colocated (disaggregation.role = both): it has no "
+                                "KV connector", code="not_found")
+        return JSONResponse({**kv_transfer.connector.handshake_info(), "engine_id": kv_transfer.engine_id})
 
 
 def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:

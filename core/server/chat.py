@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from tandem.outputs import CompletionOutput, Logprob, RequestOutput
+from tandem.server.disagg import dump, hand_over, kv_transfer_args
 from tandem.server.errors import APIError, bad_request
 from tandem.server.protocol import (
     AssistantMessage,
@@ -50,12 +51,16 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     max_tokens = body.max_completion_tokens or body.max_tokens
     check_prompt(ctx, token_ids, max_tokens, param="messages")
     params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+    kv_transfer = await kv_transfer_args(ctx.engine.engine, ctx.handshakes, body, 1)
     view = _ChatView(ctx, body, f"chatcmpl-{uuid.uuid4().hex}", len(token_ids))
-    streams = await admit(ctx, [token_ids], params, view.request_id, body.priority)
+    streams = await admit(ctx, [token_ids], params, view.request_id, body.priority, kv_transfer)
     if body.stream:
         return SSEResponse(view.stream(streams), ctx, streams)
     final = await until_disconnect(request, lambda: view.collect(streams))
-    return JSONResponse(view.response(final).model_dump())
+    response = view.response(final)
+    if kv_transfer.remote_decode:
+        response.kv_transfer_params = hand_over(final, request)
+    return JSONResponse(dump(response))
 
 
 def render_chat(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:

@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from tandem.outputs import CompletionOutput, Logprob, RequestOutput
+from tandem.server.disagg import dump, hand_over, kv_transfer_args
 from tandem.server.errors import APIError, bad_request
 from tandem.server.protocol import (
     CompletionChoice,
@@ -42,12 +43,16 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
         check_prompt(ctx, token_ids, body.max_tokens)
     echo_logprobs = body.logprobs if body.echo else None
     params = sampling_params(body, body.max_tokens, body.logprobs, echo_logprobs)
+    kv_transfer = await kv_transfer_args(ctx.engine.engine, ctx.handshakes, body, len(prompts))
     view = _CompletionView(ctx, body, f"cmpl-{uuid.uuid4().hex}", prompts, texts)
-    streams = await admit(ctx, prompts, params, view.request_id, body.priority)
+    streams = await admit(ctx, prompts, params, view.request_id, body.priority, kv_transfer)
     if body.stream:
         return SSEResponse(view.stream(streams), ctx, streams)
     finals = await until_disconnect(request, lambda: view.collect(streams))
-    return JSONResponse(view.response(finals).model_dump())
+    response = view.response(finals)
+    if kv_transfer.remote_decode:
+        response.kv_transfer_params = hand_over(finals[0], request)
+    return JSONResponse(dump(response))
 
 
 def _prompts(ctx: ServingContext, prompt) -> tuple[list[list[int]], list[str | None]]:

@@ -11,6 +11,7 @@ import re
 from fastapi.responses import JSONResponse
 
 from tandem.async_engine import EngineError, EngineUnavailable, QueueFull, RequestAbortedByShutdown
+from tandem.kv_transfer import KVTransferFailed
 from tandem.server.protocol import ErrorInfo, ErrorResponse
 
 _TYPES = {
@@ -20,6 +21,7 @@ _TYPES = {
     405: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
+    502: "bad_gateway_error",
     503: "service_unavailable_error",
 }
 
@@ -63,6 +65,8 @@ def api_error_from(exc: BaseException) -> APIError:
         return APIError(503, str(exc), code="unavailable")
     if isinstance(exc, RequestAbortedByShutdown):
         return APIError(503, str(exc), code="shutdown")
+    if isinstance(exc, KVTransferFailed):
+        return APIError(502, str(exc), code="kv_transfer_failed")
     if isinstance(exc, EngineError):
         return APIError(500, str(exc), code="engine_error")
     if isinstance(exc, ValueError):

@@ -60,6 +60,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--uvicorn-log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="uvicorn's own log level (default: warning)")
+    parser.add_argument("--disaggregated", action="store_true",
+                        help="start a router (at --host/--port) with one prefill and one decode "
+                             "instance on 127.0.0.1, and supervise them")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -75,6 +78,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
         config.model.path = str(default_model_path("demo"))
         config.model.served_model_name = config.model.served_model_name or "demo"
+    if getattr(args, "disaggregated", False):
+        from tandem.server.supervisor import run_disaggregated
+
+        return run_disaggregated(config, args.uvicorn_log_level)
     return asyncio.run(serve(config, args.uvicorn_log_level))
 
 

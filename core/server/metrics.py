@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 
 from tandem.async_engine import EngineSnapshot
 from tandem.engine import StepStats
+from tandem.kv_transfer import KVTransferStats
 from tandem.outputs import RequestOutput
 
 _LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
@@ -57,6 +58,21 @@ class _EngineCollector(Collector):
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
+        yield from _kv_transfer_metrics(s.kv_transfer or KVTransferStats())
+
+
+def _kv_transfer_metrics(stats: KVTransferStats) -> Iterator[Metric]:
+    yield CounterMetricFamily("tandem:kv_transfer_bytes", "KV bytes read from prefill instances.",
+                              value=stats.bytes_total)
+    failures = CounterMetricFamily("tandem:kv_transfer_failures",
+                                   "KV hand-overs that failed (decode side: peer, deadline, transfer, "
+                                   "mismatch; prefill side: expired).", labels=["reason"])
+    for reason, count in stats.failures:
+        failures.add_metric([reason], count)
+    yield failures
+    yield GaugeMetricFamily("tandem:kv_blocks_pending_release",
+                            "KV blocks pinned for decode instances, not yet released.",
+                            value=stats.pending_release_blocks)
 
 
 class ServerMetrics:
@@ -83,6 +99,9 @@ class ServerMetrics:
                                ["finish_reason"], registry=r)
         self.errors = Counter("tandem:request_errors", "Failed requests by reason.", ["reason"],
                               registry=r)
+        self.kv_transfer_seconds = Histogram("tandem:kv_transfer_seconds",
+                                             "Duration of one request's KV read from a prefill instance.",
+                                             buckets=_LATENCY_BUCKETS_S, registry=r)
 
     def track(self, snapshot: Callable[[], EngineSnapshot]) -> None:
         self.registry.register(_EngineCollector(snapshot))
@@ -93,6 +112,8 @@ class ServerMetrics:
         self.generation_tokens.inc(stats.num_generation_tokens)
         self.iteration_tokens.observe(stats.num_tokens)
         self.batch_size.observe(stats.num_seqs)
+        for seconds in stats.kv_transfer_seconds:
+            self.kv_transfer_seconds.observe(seconds)
 
     def record_error(self, reason: str) -> None:
         self.errors.labels(reason=reason).inc()

@@ -64,6 +64,10 @@ class SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """Disaggregated prefill/decode, set by the router: ``{"do_remote_decode": true}`` on a
+    prefill instance; the prefill answer's params plus ``"do_remote_prefill": true`` on a decode
+    instance (see ``tandem.server.disagg``)."""
 
 
 class CompletionRequest(SamplingFields):
@@ -137,6 +141,7 @@ class CompletionResponse(_Response):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class TopLogprob(_Response):
@@ -173,6 +178,7 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class DeltaMessage(_Response):

@@ -9,12 +9,13 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from starlette.responses import StreamingResponse
 
 from tandem.async_engine import AsyncEngine, EngineUnavailable, RequestStream
+from tandem.server.disagg import HandshakeCache, KVTransferArgs
 from tandem.outputs import RequestOutput
 from tandem.sched.sampling_params import SamplingParams
 from tandem.server.errors import APIError, api_error_from, bad_request
@@ -33,6 +34,7 @@ class ServingContext:
     model_path: str
     metrics: ServerMetrics
     log_requests: bool = False
+    handshakes: HandshakeCache = field(default_factory=HandshakeCache)
 
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested != self.model_name:
@@ -99,13 +101,16 @@ def check_prompt(ctx: ServingContext, token_ids: list[int], max_tokens: int | No
 
 
 async def admit(ctx: ServingContext, prompts: list[list[int]], params: SamplingParams,
-                request_id: str, priority: int) -> list[RequestStream]:
+                request_id: str, priority: int,
+                kv_transfer: KVTransferArgs = KVTransferArgs()) -> list[RequestStream]:
     """One engine request per prompt, all or none: a refusal aborts those already admitted and
-    raises the matching APIError (429, 400, 503)."""
+    raises the matching APIError (429, 400, 503). ``kv_transfer`` applies to a single prompt."""
     streams: list[RequestStream] = []
     try:
         for i, token_ids in enumerate(prompts):
-            streams.append(await ctx.engine.add_request(token_ids, params, f"{request_id}-{i}", priority))
+            streams.append(await ctx.engine.add_request(
+                token_ids, params, f"{request_id}-{i}", priority,
+                remote_decode=kv_transfer.remote_decode, remote_prefill=kv_transfer.remote_prefill))
     except BaseException as exc:
         close_all(streams)
         if isinstance(exc, Exception):

@@ -9,6 +9,12 @@ every table (rebuilt from the diffs alone) equals the allocator's; every context
 reads holds that request's own prefix (see sim_runner); under FCFS no request is admitted while an
 earlier one waits. At the end: every request finished, was aborted, or was rejected with a
 reason, within a step bound, and the whole pool is free again.
+
+Some requests take their prompt's KV from a simulated remote instance (WAITING_FOR_REMOTE_KV):
+a load ends after a few steps, done or failed, and on "done" writes the prompt's prefixes into
+the shadow pool exactly where a connector would (even for a request aborted meanwhile, whose
+blocks must therefore still be its own). Others pin their blocks when they finish; a pin must
+hold the request's own prefix until it is released.
 """
 from __future__ import annotations
 
@@ -41,6 +47,9 @@ class Spec:
     prompt_logprobs: bool
     exit_step: int | None
     exit_kind: str
+    kv_role: str = "none"
+    kv_steps: int = 0
+    load_ok: bool = True
 
 
 @dataclass(frozen=True)
@@ -73,6 +82,9 @@ def specs(draw, index, with_priorities):
         prompt_logprobs=draw(st.integers(0, 5)) == 0,
         exit_step=draw(st.integers(0, 30)) if draw(st.integers(0, 3)) == 0 else None,
         exit_kind=draw(st.sampled_from(["abort", "abort_in_flight", "finish"])),
+        kv_role=draw(st.sampled_from(["none", "none", "remote", "pin"])),
+        kv_steps=draw(st.integers(0, 4)),
+        load_ok=draw(st.integers(0, 3)) > 0,
     )
 
 
@@ -117,28 +129,84 @@ class Harness:
         self.runner = SimulatedRunner(workload.num_blocks, workload.block_size)
         self.policy = policy
         self.requests: dict[str, Request] = {}
+        self.specs = {spec.rid: spec for spec in workload.specs}
+        self.loads: dict[str, list] = {}
+        self.loaded: set[str] = set()
+        self.pins: dict[str, list] = {}
 
     def run(self) -> None:
         for step in range(MAX_STEPS):
             self._arrive(step)
             self._exit(step, ("abort", "finish"))
+            self._collect_pins()
+            self._advance_kv()
             out = self.sched.schedule()
             self._check_step(out)
+            for load in self.sched.take_new_loads():
+                self.loads[load.request_id] = [load, self.specs[load.request_id].kv_steps]
             self._exit(step, ("abort_in_flight",))
             result = self.runner.execute(out)
             self.sched.update_from_output(out, result)
+            self._collect_pins()
             self._check_blocks(runner_synced=True)
             all_arrived = step >= max(s.arrival_step for s in self.w.specs)
-            if all_arrived and not self.sched.has_unfinished_requests():
+            idle = not (self.sched.has_unfinished_requests() or self.sched.holds_remote_loads())
+            if all_arrived and idle and not self.pins:
                 break
         else:
             raise AssertionError(f"requests still unfinished after {MAX_STEPS} steps")
         self._check_end()
 
+    def _collect_pins(self) -> None:
+        for pin in self.sched.take_new_pins():
+            self._check_pin(pin)
+            self.pins[pin.pin_id] = [pin, self.specs[pin.request_id].kv_steps]
+
+    def _advance_kv(self) -> None:
+        for rid, entry in list(self.loads.items()):
+            load, steps = entry
+            if steps:
+                entry[1] -= 1
+                continue
+            ok = self.specs[rid].load_ok
+            if ok:
+                self._write_loaded(self.requests[rid], load)
+                if not self.requests[rid].is_finished:
+                    self.loaded.add(rid)
+            del self.loads[rid]
+            self.sched.finish_remote_load(rid, ok)
+        for pin_id, entry in list(self.pins.items()):
+            pin, steps = entry
+            if steps:
+                entry[1] -= 1
+                continue
+            self._check_pin(pin)
+            del self.pins[pin_id]
+            assert self.sched.release_pin(pin_id)
+            assert not self.sched.release_pin(pin_id)
+
+    def _write_loaded(self, request: Request, load) -> None:
+        """What a connector writes: the prompt's KV at positions [num_cached, P-1)."""
+        bs, prompt = self.w.block_size, request.prompt_token_ids
+        assert load.first_block == load.num_cached_tokens // bs
+        assert load.first_block + len(load.block_ids) == -(-(len(prompt) - 1) // bs)
+        for pos in range(load.num_cached_tokens, len(prompt) - 1):
+            block = load.block_ids[pos // bs - load.first_block]
+            self.runner.shadow[block][pos % bs] = tuple(prompt[:pos + 1])
+
+    def _check_pin(self, pin) -> None:
+        tokens, bs = self.requests[pin.request_id].all_token_ids, self.w.block_size
+        assert pin.block_ids == self.kv.get_block_ids(pin.pin_id)
+        assert len(pin.block_ids) >= -(-pin.num_tokens // bs)
+        for pos in range(pin.num_tokens):
+            found = self.runner.shadow[pin.block_ids[pos // bs]][pos % bs]
+            assert found == tuple(tokens[:pos + 1]), f"pin {pin.pin_id} position {pos} holds {found}"
+
     def _arrive(self, step: int) -> None:
         for spec in self.w.specs:
             if spec.arrival_step == step:
-                request = self.sched.add_request(build(spec))
+                request = self.sched.add_request(build(spec), load_remote_kv=spec.kv_role == "remote",
+                                                 pin_kv_on_finish=spec.kv_role == "pin")
                 self.requests[spec.rid] = request
                 if request.status is RequestStatus.FINISHED_REJECTED:
                     assert request.reject_reason
@@ -163,29 +231,45 @@ class Harness:
         assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
         assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
         running = [r for r in self._live() if r.status is RequestStatus.RUNNING]
-        assert sum(r.num_sequences for r in running) <= cfg.max_num_seqs
+        loading = [r for r in self._live() if r.status is RequestStatus.WAITING_FOR_REMOTE_KV]
+        assert sum(r.num_sequences for r in running + loading) <= cfg.max_num_seqs
         assert len(running) == self.sched.num_running
+        assert len(loading) == self.sched.num_loading
         for r in self._live():
             table = self.kv.get_block_ids(r.request_id)
             if r.status is RequestStatus.RUNNING:
                 assert len(table) == -(-r.num_computed_tokens // bs)
+            elif r.status is RequestStatus.WAITING_FOR_REMOTE_KV:
+                assert len(table) == -(-(r.num_prompt_tokens - 1) // bs)
+                assert r.num_computed_tokens % bs == 0
             else:
                 assert table == [] and r.num_computed_tokens == 0
         self._check_blocks(runner_synced=False)
         if isinstance(self.policy, FCFSPolicy):
-            waiting = [r for r in self._live() if r.status is not RequestStatus.RUNNING]
+            waiting = [r for r in self._live()
+                       if r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)]
+            from_loads = self.loaded & {new.request_id for new in out.new_requests}
+            self.loaded -= from_loads
             for new in out.new_requests:
+                if new.request_id in from_loads:
+                    preempted = self.requests[new.request_id].metrics.num_preemptions > 0
+                    assert preempted or new.num_computed_tokens == new.num_prompt_tokens - 1
+                    continue
                 key = self.policy.sort_key(self.requests[new.request_id])
                 assert all(key < self.policy.sort_key(w) for w in waiting), "a request was overtaken"
 
     def _check_blocks(self, runner_synced: bool) -> None:
         refs = [0] * self.w.num_blocks
+        tables = [self.kv.get_block_ids(pin_id) for pin_id in self.pins]
         for r in self.requests.values():
             table = self.kv.get_block_ids(r.request_id)
-            assert not (r.is_finished and table), f"finished {r.request_id} still holds blocks"
+            orphan = r.request_id in self.loads
+            assert not (r.is_finished and table and not orphan), f"finished {r.request_id} still holds blocks"
             held = self.runner.held.get(r.request_id)
             if runner_synced and held is not None and r.status is RequestStatus.RUNNING:
                 assert held.table == table, f"runner's table of {r.request_id} is out of sync"
+            tables.append(table)
+        for table in tables:
             for block_id in table:
                 refs[block_id] += 1
         pool = self.kv.block_pool

@@ -1,0 +1,226 @@
+"""Disaggregated prefill/decode end to end: the router (in this process), a prefill and a decode
+``tandem serve`` subprocess handing KV blocks over through real NIXL/UCX on 127.0.0.1, and a
+colocated instance as the oracle — greedy answers through the router must equal its answers token
+for token. Faults kill the instances with -9; blocks are counted through each instance's /metrics.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from tests.engine.test_greedy_vs_hf import _prompts
+from tests.router.instances import (
+    MODEL_NAME,
+    InstanceProcess,
+    dispatched,
+    running_router,
+    scrape,
+    wait_for,
+)
+
+pytest.importorskip("nixl_cu12", reason="the nixl KV connector needs nixl-cu12")
+
+BLOCK = 16
+EXPIRY_S = 3.0
+
+
+def role_env(role: str, **extra: str) -> dict[str, str]:
+    return {"TANDEM_DISAGGREGATION__ROLE": role, "TANDEM_DISAGGREGATION__KV_CONNECTOR": "nixl",
+            "TANDEM_DISAGGREGATION__KV_EXPIRY_S": str(EXPIRY_S),
+            "TANDEM_DISAGGREGATION__KV_TRANSFER_TIMEOUT_S": "5", **extra}
+
+
+def body(prompt: list[int], **extra) -> dict:
+    return {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0.0,
+            "ignore_eos": True, "logprobs": 0, **extra}
+
+
+def answer_tokens(url: str, prompt: list[int], **extra) -> list[str]:
+    response = httpx.post(f"{url}/v1/completions", json=body(prompt, **extra), timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["logprobs"]["tokens"]
+
+
+def blocks_held(url: str) -> tuple[float, float]:
+    metrics = scrape(url)
+    return metrics["tandem:kv_blocks_used"], metrics["tandem:kv_blocks_pending_release"]
+
+
+def all_blocks_free(*urls: str, timeout_s: float = 10.0) -> bool:
+    return wait_for(lambda: all(blocks_held(u) == (0, 0) for u in urls), timeout_s)
+
+
+@dataclass
+class Setup:
+    oracle: InstanceProcess
+    prefill: InstanceProcess
+    decode: InstanceProcess
+    router_url: str
+
+
+@pytest.fixture(scope="module")
+def oracle(model_dir, log_dir) -> Iterator[InstanceProcess]:
+    proc = InstanceProcess(model_dir, log_dir).start()
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module", params=["default", "tcp"])
+def setup(request, model_dir, log_dir, oracle) -> Iterator[Setup]:
+    """Prefill and decode instances over UCX's default transports, or over TCP only."""
+    ucx = {"UCX_TLS": "tcp"} if request.param == "tcp" else {}
+    prefill = InstanceProcess(model_dir, log_dir, **role_env("prefill", **ucx)).start()
+    decode = InstanceProcess(model_dir, log_dir, **role_env("decode", **ucx)).start()
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        with running_router([(prefill.url, "prefill"), (decode.url, "decode")]) as router:
+            yield Setup(oracle, prefill, decode, router.url)
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+@pytest.mark.timeout(180)
+def test_greedy_answers_through_router_equal_colocated(setup):
+    before = dispatched(setup.router_url, "disaggregated")
+    long_prompt = _prompts(40, [4 * BLOCK + 3])[0]
+    for prompt in [_prompts(41, [5])[0], _prompts(42, [BLOCK])[0], long_prompt]:
+        assert answer_tokens(setup.router_url, prompt) == answer_tokens(setup.oracle.url, prompt)
+    assert dispatched(setup.router_url, "disaggregated") - before == 3
+    assert scrape(setup.decode.url)["tandem:kv_transfer_bytes_total"] > 0
+    # the decode instance now caches the long prompt's first blocks: a prompt sharing 3 of them
+    # reads only the rest from the prefill instance
+    hits = scrape(setup.decode.url)["tandem:prefix_cache_hits_total"]
+    shared = long_prompt[:3 * BLOCK] + _prompts(43, [BLOCK + 7])[0]
+    assert answer_tokens(setup.router_url, shared) == answer_tokens(setup.oracle.url, shared)
+    assert scrape(setup.decode.url)["tandem:prefix_cache_hits_total"] - hits >= 3 * BLOCK
+    assert all_blocks_free(setup.prefill.url, setup.decode.url)
+
+
+@pytest.mark.timeout(180)
+def test_streamed_answer_through_router_equals_colocated(setup):
+    prompt = _prompts(44, [2 * BLOCK + 9])[0]
+    text = ""
+    with httpx.stream("POST", f"{setup.router_url}/v1/completions", timeout=120,
+                      json=body(prompt, stream=True, logprobs=None)) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line[6:])["choices"][0]["text"]
+    oracle = httpx.post(f"{setup.oracle.url}/v1/completions", json=body(prompt, logprobs=None),
+                        timeout=120).json()
+    assert text == oracle["choices"][0]["text"]
+
+
+@pytest.mark.timeout(300)
+def test_hundred_concurrent_streams_complete_without_leaks(setup):
+    prompts = _prompts(45, [3 + (i * 7) % 40 for i in range(100)])
+
+    async def one(client: httpx.AsyncClient, prompt: list[int]) -> tuple[bool, str]:
+        payload = body(prompt, stream=True, logprobs=None)
+        async with client.stream("POST", f"{setup.router_url}/v1/completions", json=payload) as response:
+            events = [line async for line in response.aiter_lines() if line.startswith("data:")]
+        return response.status_code == 200 and events[-1] == "data: [DONE]", "".join(events)
+
+    async def run_all() -> list[tuple[bool, str]]:
+        async with httpx.AsyncClient(timeout=240) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    results = asyncio.run(run_all())
+    failed = [events for ok, events in results if not ok or '"error"' in events]
+    assert not failed, failed[:2]
+    assert all_blocks_free(setup.prefill.url, setup.decode.url, timeout_s=20)
+
+
+@pytest.mark.timeout(240)
+def test_decode_killed_mid_request_client_gets_error_and_prefill_frees_at_expiry(model_dir, log_dir):
+    prefill = InstanceProcess(model_dir, log_dir, **role_env("prefill")).start()
+    decode = InstanceProcess(model_dir, log_dir, **role_env("decode")).start()
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        with running_router([(prefill.url, "prefill"), (decode.url, "decode")],
+                            health_interval_s=30) as router:
+            decode.send_signal(signal.SIGSTOP)  # the hand-over reaches a decode instance that hangs
+            result: dict = {}
+
+            def client() -> None:
+                start = time.monotonic()
+                response = httpx.post(f"{router.url}/v1/completions", timeout=120,
+                                      json=body(_prompts(46, [3 * BLOCK + 2])[0]))
+                result.update(status=response.status_code, seconds=time.monotonic() - start)
+
+            thread = threading.Thread(target=client)
+            thread.start()
+            assert wait_for(lambda: blocks_held(prefill.url) == (4, 4), 30)  # pinned for decode
+            decode.kill()
+            thread.join(60)
+            assert not thread.is_alive() and result["status"] >= 500  # an error, not a hang
+            pinned_until = time.monotonic()
+            assert wait_for(lambda: blocks_held(prefill.url) == (0, 0), EXPIRY_S + 5)
+            assert time.monotonic() - pinned_until <= EXPIRY_S + 5
+            assert scrape(prefill.url)["tandem:kv_transfer_failures_total{reason=expired}"] == 1
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def _hand_over(prefill_url: str, prompt: list[int]) -> dict:
+    reduced = body(prompt, max_tokens=1, logprobs=None, kv_transfer_params={"do_remote_decode": True})
+    response = httpx.post(f"{prefill_url}/v1/completions", json=reduced, timeout=60)
+    assert response.status_code == 200, response.text
+    return {**response.json()["kv_transfer_params"], "do_remote_prefill": True}
+
+
+@pytest.mark.timeout(240)
+def test_prefill_killed_decode_follows_its_failure_policy(model_dir, log_dir, oracle):
+    prefill = InstanceProcess(model_dir, log_dir, **role_env("prefill")).start()
+    lenient = InstanceProcess(model_dir, log_dir, **role_env("decode")).start()
+    strict = InstanceProcess(model_dir, log_dir, **role_env(
+        "decode", TANDEM_DISAGGREGATION__KV_LOAD_FAILURE_POLICY="fail")).start()
+    try:
+        for proc in (prefill, lenient, strict):
+            proc.wait_ready()
+        prompt = _prompts(47, [2 * BLOCK + 5])[0]
+        for decode in (lenient, strict):  # each learns the prefill's handshake and connects
+            assert answer_tokens(decode.url, prompt, kv_transfer_params=_hand_over(prefill.url, prompt)) \
+                == answer_tokens(oracle.url, prompt)
+        pending = [_hand_over(prefill.url, prompt) for _ in range(2)]
+        prefill.kill()
+        recomputed = answer_tokens(lenient.url, prompt, kv_transfer_params=pending[0])
+        assert recomputed == answer_tokens(oracle.url, prompt)
+        failed = httpx.post(f"{strict.url}/v1/completions", timeout=60,
+                            json=body(prompt, kv_transfer_params=pending[1]))
+        assert failed.status_code == 502 and failed.json()["error"]["code"] == "kv_transfer_failed"
+        for decode in (lenient, strict):
+            assert scrape(decode.url)["tandem:kv_transfer_failures_total{reason=peer}"] >= 1
+        assert all_blocks_free(lenient.url, strict.url)
+    finally:
+        for proc in (prefill, lenient, strict):
+            proc.stop()
+
+
+@pytest.mark.timeout(180)
+def test_compat_mismatch_through_router_is_a_clear_error(model_dir, log_dir, setup):
+    other = InstanceProcess(model_dir, log_dir, **role_env("decode", TANDEM_ENGINE__BLOCK_SIZE="8")).start()
+    try:
+        other.wait_ready()
+        with running_router([(setup.prefill.url, "prefill"), (other.url, "decode")]) as router:
+            response = httpx.post(f"{router.url}/v1/completions", json=body([5, 6, 7, 8]), timeout=60)
+        assert response.status_code == 400
+        message = response.json()["error"]["message"]
+        assert "compat hash mismatch" in message and message.count("'") >= 4
+        assert all_blocks_free(other.url)
+    finally:
+        other.stop()

@@ -1,0 +1,97 @@
+"""The scheduler's disaggregation bookkeeping on hand-computed cases (block size 4): admission to
+WAITING_FOR_REMOTE_KV with local prefix hits, the end of a load (done, failed, after an abort),
+and pins of finished requests."""
+from tandem.sched.request import RequestStatus
+from tests.sched.sched_helpers import make_request, make_scheduler, run_step
+
+PREFIX = [11, 12, 13, 14, 15, 16, 17, 18]
+
+
+def warm(scheduler) -> None:
+    """Leave PREFIX's two full blocks in the prefix cache."""
+    scheduler.add_request(make_request("warm", PREFIX + [99], max_tokens=1))
+    run_step(scheduler)
+    assert scheduler.kv.stats().num_used_blocks == 0
+
+
+def test_remote_request_waits_with_blocks_for_all_but_the_last_prompt_token():
+    s = make_scheduler(num_blocks=16, max_num_seqs=2)
+    warm(s)
+    s.add_request(make_request("r", PREFIX + [1, 2, 3]), load_remote_kv=True)
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {} and out.new_requests == []
+    r = s.get_request("r")
+    assert r.status is RequestStatus.WAITING_FOR_REMOTE_KV and r.num_computed_tokens == 8
+    # 11 prompt tokens: positions 0..9 need KV (3 blocks); 0..7 are local hits, block 2 is loaded
+    (load,) = s.take_new_loads()
+    table = s.kv.get_block_ids("r")
+    assert (load.num_cached_tokens, load.first_block, load.block_ids) == (8, 2, table[2:])
+    assert len(table) == 3 and s.num_loading == 1 and s.num_running == 0
+    s.add_request(make_request("a", [1]))
+    s.add_request(make_request("b", [2]))
+    out, _ = run_step(s)
+    assert list(out.num_scheduled_tokens) == ["a"]  # the loading request holds one of 2 seats
+
+
+def test_done_load_runs_the_last_prompt_token_and_is_sent_in_full():
+    s = make_scheduler(num_blocks=16)
+    s.add_request(make_request("r", [1, 2, 3, 4, 5, 6]), load_remote_kv=True)
+    run_step(s)
+    (load,) = s.take_new_loads()
+    assert (load.first_block, len(load.block_ids)) == (0, 2)
+    s.finish_remote_load("r", ok=True)
+    out, updates = run_step(s, tokens={"r": 42})
+    (new,) = out.new_requests
+    assert (new.num_computed_tokens, out.num_scheduled_tokens) == (5, {"r": 1})
+    assert new.block_ids == load.block_ids
+    assert updates[0].new_token_ids == [42]
+    out, _ = run_step(s)
+    assert out.new_requests == [] and [c.request_id for c in out.cached_requests] == ["r"]
+
+
+def test_failed_load_frees_the_blocks_and_recomputes_from_the_local_cache():
+    s = make_scheduler(num_blocks=16)
+    warm(s)
+    s.add_request(make_request("r", PREFIX + [1, 2, 3]), load_remote_kv=True)
+    run_step(s)
+    s.take_new_loads()
+    s.finish_remote_load("r", ok=False)
+    assert s.get_request("r").status is RequestStatus.WAITING
+    assert s.kv.stats().num_used_blocks == 0
+    out, _ = run_step(s)
+    (new,) = out.new_requests
+    assert (new.num_computed_tokens, out.num_scheduled_tokens) == (8, {"r": 3})
+    assert s.take_new_loads() == []
+
+
+def test_abort_during_a_load_keeps_the_blocks_until_the_load_ends():
+    s = make_scheduler(num_blocks=16)
+    s.add_request(make_request("r", list(range(1, 10))), load_remote_kv=True)
+    run_step(s)
+    s.take_new_loads()
+    assert s.kv.stats().num_used_blocks == 2
+    (aborted,) = s.abort_requests(["r"])
+    assert aborted.status is RequestStatus.FINISHED_ABORTED and s.get_request("r") is None
+    assert s.kv.stats().num_used_blocks == 2 and s.holds_remote_loads()
+    s.finish_remote_load("r", ok=True)
+    assert s.kv.stats().num_used_blocks == 0 and not s.holds_remote_loads()
+
+
+def test_finished_request_pins_its_blocks_until_released():
+    s = make_scheduler(num_blocks=16)
+    s.add_request(make_request("p", list(range(1, 7)), max_tokens=1), pin_kv_on_finish=True)
+    s.add_request(make_request("q", list(range(1, 7)), max_tokens=1))
+    run_step(s)
+    (pin,) = s.take_new_pins()
+    assert (pin.request_id, pin.num_tokens, len(pin.block_ids)) == ("p", 6, 2)
+    assert s.kv.stats().num_used_blocks == 2
+    assert s.release_pin(pin.pin_id) and not s.release_pin(pin.pin_id)
+    assert s.kv.stats().num_used_blocks == 0
+
+
+def test_aborted_request_is_not_pinned():
+    s = make_scheduler(num_blocks=16)
+    s.add_request(make_request("p", list(range(1, 7)), max_tokens=4), pin_kv_on_finish=True)
+    run_step(s)
+    s.abort_requests(["p"])
+    assert s.take_new_pins() == [] and s.kv.stats().num_used_blocks == 0

@@ -1,0 +1,84 @@
+"""``tandem serve --disaggregated`` as a user runs it: one command, a router in front of a prefill
+and a decode instance. Requests through it are disaggregated; killing a child makes the command
+say so and exit non-zero; SIGTERM stops every child and exits 0."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.router.instances import free_port, scrape, wait_for
+
+pytest.importorskip("nixl_cu12", reason="the nixl KV connector needs nixl-cu12")
+
+
+def start(model_dir, port: int) -> subprocess.Popen:
+    env = {**os.environ, "TANDEM_ENGINE__NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", "serve", "--disaggregated", str(model_dir),
+         "--port", str(port), "--served-model-name", "tiny", "--num-kv-blocks", "64"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def child_pids(lines: list[str]) -> dict[str, int]:
+    return {m.group(1): int(m.group(2)) for line in lines
+            if (m := re.search(r"started the (\w+) process \(pid (\d+)\)", line))}
+
+
+def read_lines(proc: subprocess.Popen, count: int) -> list[str]:
+    return [proc.stdout.readline() for _ in range(count)]
+
+
+def answered(url: str) -> bool:
+    try:
+        response = httpx.post(f"{url}/v1/completions", timeout=30,
+                              json={"model": "tiny", "prompt": [5, 6, 7, 8, 9], "max_tokens": 4})
+    except httpx.TransportError:
+        return False
+    return response.status_code == 200
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.timeout(240)
+def test_one_command_serves_disaggregated_and_stops_on_sigterm(model_dir):
+    port = free_port()
+    proc = start(model_dir, port)
+    try:
+        pids = child_pids(read_lines(proc, 3))
+        assert set(pids) == {"prefill", "decode", "router"}
+        url = f"http://127.0.0.1:{port}"
+        assert wait_for(lambda: answered(url), 180)
+        assert scrape(url)["tandem:router_requests_total{path=disaggregated}"] >= 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert not any(alive(pid) for pid in pids.values())
+    finally:
+        proc.kill()
+
+
+@pytest.mark.timeout(240)
+def test_a_dead_child_is_reported_and_the_command_exits_non_zero(model_dir):
+    proc = start(model_dir, free_port())
+    try:
+        pids = child_pids(read_lines(proc, 3))
+        time.sleep(1.0)
+        os.kill(pids["decode"], signal.SIGKILL)
+        assert proc.wait(60) == 1
+        output = proc.stdout.read()
+        assert f"the decode process (pid {pids['decode']}) exited" in output
+        assert wait_for(lambda: not alive(pids["prefill"]) and not alive(pids["router"]), 30)
+    finally:
+        proc.kill()
