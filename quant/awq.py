@@ -103,13 +103,14 @@ def weight_in_nibble_order(qweight: torch.Tensor, qzeros: torch.Tensor, scales: 
     """``W.T [K, N]`` in float32 with its columns in nibble order — column ``j*(N/8) + c`` is output
     ``8c + AWQ_PACK_ORDER[j]`` — which unpacks with contiguous writes only; ``natural_columns``
     puts the outputs of a matmul with it back in order."""
-    q = unpack_int32_planes(qweight, 4)                       # [K, 8, N/8]
-    zeros = unpack_int32_planes(qzeros, 4).float()            # [G, 8, N/8]
-    num_groups, _, words = zeros.shape
+    k, words = qweight.shape
+    num_groups = qzeros.shape[0]
+    w = unpack_int32_planes(qweight, 4).float().view(k, -1)                     # [K, N], nibble order
+    zeros = unpack_int32_planes(qzeros, 4).float().view(num_groups, -1)         # [G, N], nibble order
     s = scales.float().view(num_groups, words, 8)[:, :, list(AWQ_PACK_ORDER)].transpose(1, 2)
-    w = q.float()
-    w.view(num_groups, group_size, 8, words).sub_(zeros.unsqueeze(1)).mul_(s.unsqueeze(1))
-    return w.view(q.shape[0], -1)
+    s = s.reshape(num_groups, -1)                                               # [G, N], nibble order
+    w.view(num_groups, group_size, -1).sub_(zeros.unsqueeze(1)).mul_(s.unsqueeze(1))
+    return w
 
 
 def natural_columns(y: torch.Tensor) -> torch.Tensor:

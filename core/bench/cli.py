@@ -15,6 +15,8 @@ BENCHMARKS = {
               "TTFT, TPOT, ITL and latency percentiles, goodput under SLOs"),
     "kv-transfer": ("tandem.bench.kv_transfer", "KV block hand-over bandwidth over NIXL vs an "
                     "in-process torch copy of the same blocks"),
+    "disagg": ("tandem.bench.disagg", "colocated vs disaggregated serving on the same cores: TTFT and "
+               "TPOT of steady decoding streams under bursts of long prompts"),
 }
 
 

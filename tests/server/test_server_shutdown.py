@@ -72,7 +72,7 @@ def test_no_model_serves_the_demo_preset_and_sigterm_lets_the_stream_finish(tmp_
         demo = tmp_path / "models" / "demo"
         assert (demo / "config.json").is_file()
         stdout = proc.stdout.read()
-        assert f"serving model '{demo}'" in stdout and url in stdout
+        assert f"serving model 'demo' from {demo}" in stdout and url in stdout
     finally:
         proc.kill()
 
