@@ -18,6 +18,7 @@ import torch
 from tandem.config import TandemConfig, parse_bytes
 from tandem.interfaces import KVPoolDescriptor, compat_hash
 from tandem.kv_transfer import KVTransferCoordinator, RemotePrefill
+from tandem.models.config import kv_bytes_per_block, kv_cache_shape
 from tandem.output_processor import OutputProcessor
 from tandem.outputs import RequestOutput
 from tandem.plugin_manager import get_plugin_manager, get_registry
@@ -52,7 +53,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str | None = None) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name != "auto":
         return _DTYPES[name]
     return torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -124,16 +125,11 @@ class LLMEngine:
             )
         return self.registry.get("quant_method", chosen).from_config(qcfg)
 
-    def kv_bytes_per_block(self) -> int:
-        a = self.arch
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return a.num_hidden_layers * 2 * self.config.engine.block_size * a.num_key_value_heads * a.head_dim * elem
-
     def _num_kv_blocks(self) -> int:
         eng = self.config.engine
         if eng.num_kv_blocks is not None:
             return eng.num_kv_blocks
-        block_bytes = self.kv_bytes_per_block()
+        block_bytes = kv_bytes_per_block(self.arch, eng.block_size, self.dtype)
         if eng.kv_cache_memory is not None:
             return parse_bytes(eng.kv_cache_memory) // block_bytes
         if self.device.type == "cuda":
@@ -143,13 +139,12 @@ class LLMEngine:
         return parse_bytes(eng.cpu_kv_cache_memory) // block_bytes
 
     def _allocate_kv_pool(self) -> torch.Tensor:
-        a, bs = self.arch, self.config.engine.block_size
+        bs = self.config.engine.block_size
         num_blocks = self._num_kv_blocks()
         if num_blocks < 2:
             raise ValueError(f"the KV pool holds {num_blocks} blocks; it needs at least 2 "
                              "(raise engine.num_kv_blocks or engine.kv_cache_memory)")
-        shape = (num_blocks, a.num_hidden_layers, 2, bs, a.num_key_value_heads, a.head_dim)
-        pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        pool = torch.zeros(kv_cache_shape(self.arch, num_blocks, bs), dtype=self.dtype, device=self.device)
         logger.info("KV pool: %d blocks of %d tokens (%.1f MiB)", num_blocks, bs,
                     pool.numel() * pool.element_size() / 2**20)
         return pool

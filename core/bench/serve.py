@@ -358,9 +358,10 @@ def _bench(args: argparse.Namespace, url: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tandem bench serve", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    """``python -m tandem.bench.serve`` is the same as ``tandem bench serve``."""
+    from tandem.cli import main as cli_main
+
+    return cli_main(["bench", "serve", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

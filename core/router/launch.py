@@ -71,12 +71,10 @@ def run_router(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tandem router", description=__doc__.splitlines()[0])
-    add_router_arguments(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("tandem").setLevel(logging.INFO)
-    return run_router(args)
+    """``python -m tandem.router.launch`` is the same as ``tandem router``."""
+    from tandem.cli import main as cli_main
+
+    return cli_main(["router", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -122,12 +122,10 @@ async def _wait_loaded(engine) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tandem serve", description=__doc__.splitlines()[0])
-    add_serve_arguments(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("tandem").setLevel(logging.INFO)
-    return run_serve(args)
+    """``python -m tandem.server.launch`` is the same as ``tandem serve``."""
+    from tandem.cli import main as cli_main
+
+    return cli_main(["serve", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
