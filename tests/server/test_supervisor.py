@@ -44,6 +44,17 @@ def answered(url: str) -> bool:
     return response.status_code == 200
 
 
+def all_instances_healthy(url: str) -> bool:
+    """The router sees both children: until the prefill instance is healthy, the router rightly
+    prefills on the decode instance, which is not the path this test checks."""
+    try:
+        health = httpx.get(f"{url}/health", timeout=5)
+    except httpx.TransportError:
+        return False
+    instances = health.json().get("instances", []) if health.status_code == 200 else []
+    return len(instances) == 2 and all(i["healthy"] for i in instances)
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -60,7 +71,8 @@ def test_one_command_serves_disaggregated_and_stops_on_sigterm(model_dir):
         pids = child_pids(read_lines(proc, 3))
         assert set(pids) == {"prefill", "decode", "router"}
         url = f"http://127.0.0.1:{port}"
-        assert wait_for(lambda: answered(url), 180)
+        assert wait_for(lambda: all_instances_healthy(url), 180)
+        assert answered(url)
         assert scrape(url)["tandem:router_requests_total{path=disaggregated}"] >= 1
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
