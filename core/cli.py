@@ -59,6 +59,7 @@ CONFIG_FLAGS = [
     ConfigFlag("--scheduler", "engine.scheduler", metavar="NAME"),
     ConfigFlag("--kv-allocator", "engine.kv_allocator", metavar="NAME"),
     ConfigFlag("--attention-backend", "engine.attention_backend", metavar="NAME"),
+    ConfigFlag("--enforce-eager", "engine.enforce_eager", None),
     ConfigFlag("--host", "server.host", metavar="HOST"),
     ConfigFlag("--port", "server.port", int, "N"),
     ConfigFlag("--api-key", "server.api_key", metavar="KEY"),

@@ -152,9 +152,15 @@ class EngineConfig(_Section):
     kv_allocator: str = "paged"
     """KV allocator plugin name."""
     attention_backend: str = "auto"
-    """Attention backend plugin name; auto = torch on CPU."""
+    """Attention backend plugin name; auto = triton on CUDA, torch on CPU."""
     num_threads: int | None = Field(None, ge=1)
     """torch threads on CPU; unset = torch's default."""
+    enforce_eager: bool = False
+    """On CUDA: never capture CUDA graphs; every step runs eagerly (graphs need a backend that
+    supports them, such as triton; other backends always run eagerly)."""
+    cuda_graph_max_batch_size: int = Field(256, ge=1)
+    """On CUDA: the largest decode batch replayed from a CUDA graph (capped by max_num_seqs);
+    larger decode batches, prefills and chunks run eagerly."""
 
     @field_validator("device")
     @classmethod

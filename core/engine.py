@@ -99,6 +99,7 @@ class LLMEngine:
 
         self.runner = ModelRunner(self.model, self.kv_cache, eng.block_size, self.eos_token_ids,
                                   self.attn_backend_cls)
+        self.runner.graphs = self._capture_cuda_graphs()
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = count()
         self.last_step: StepStats | None = None
@@ -179,6 +180,24 @@ class LLMEngine:
             enable_chunked_prefill=eng.enable_chunked_prefill,
         )
         return Scheduler(cfg, kv, policy_cls())
+
+    def _capture_cuda_graphs(self):
+        """On CUDA, unless enforce_eager or the backend cannot replay graphs: decode graphs at
+        batch sizes up to min(max_num_seqs, cuda_graph_max_batch_size)."""
+        eng = self.config.engine
+        if self.device.type != "cuda" or eng.enforce_eager:
+            return None
+        if not self.attn_backend_cls.supports_cuda_graphs:
+            logger.info("the %r attention backend does not support CUDA graphs: every step runs eagerly",
+                        self.attn_backend_cls.name)
+            return None
+        from tandem.worker.cuda_graphs import DecodeGraphs, batch_size_buckets
+
+        graphs = DecodeGraphs(self.model, self.kv_cache, eng.block_size, self.max_model_len,
+                              batch_size_buckets(min(eng.max_num_seqs, eng.cuda_graph_max_batch_size)),
+                              self.attn_backend_cls)
+        graphs.capture()
+        return graphs
 
     def kv_compat_hash(self) -> str:
         """What two instances must share to exchange KV blocks (ARCHITECTURE.md §2)."""

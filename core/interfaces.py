@@ -210,6 +210,11 @@ class AttentionBackend(ABC):
     """
 
     name: ClassVar[str] = ""
+    supports_cuda_graphs: ClassVar[bool] = False
+    """True when a decode step may be replayed from a CUDA graph (tandem.worker.cuda_graphs): the
+    backend then reads sequence lengths, slots and block tables only from the metadata's device
+    tensors, treats slot -1 as "write nothing" and a sequence of length 0 as padding, and
+    launches the same kernels whatever those tensors hold."""
 
     def __init__(
         self,

@@ -51,11 +51,13 @@ class TritonAttentionBackend(AttentionBackend):
     sequence has exactly one query token and paged prefill attention otherwise. Rows past the
     sequences' query rows (padding of captured graphs) get zeros.
 
-    ``metadata.extra["decode_num_splits"]``, when set, fixes the decode kernel's split count
-    (what a captured CUDA graph needs); otherwise it follows ``metadata.max_seq_len``.
+    ``metadata.extra["decode_num_splits"]``, when set, fixes the decode kernel's split count;
+    otherwise it follows ``metadata.max_seq_len``, which a captured CUDA graph fixes at
+    ``max_model_len`` (tandem.worker.cuda_graphs).
     """
 
     name = "triton"
+    supports_cuda_graphs = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None) -> None:

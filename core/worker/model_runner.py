@@ -2,13 +2,15 @@
 
 It keeps per-request state from the scheduler's diffs, executes copy-on-write block copies, builds
 one flattened batch per step (tandem.worker.input_batch), runs the model over the paged KV pool and
-samples. ``execute`` is called once per step by the engine thread.
+samples. ``execute`` is called once per step by the engine thread. Pure decode steps run through
+``graphs`` (tandem.worker.cuda_graphs) when the engine captured CUDA graphs.
 """
 from __future__ import annotations
 
 import torch
 
 from tandem.sched.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from tandem.worker.cuda_graphs import DecodeGraphs
 from tandem.worker.input_batch import RunnerRequest, StepInputs, build_step_inputs
 from tandem.worker.sampler import Sampler, SamplingRow, compute_logprobs, make_generator
 
@@ -35,6 +37,8 @@ class ModelRunner:
         self.requests: dict[str, RunnerRequest] = {}
         # Seeded requests keep their random stream across preemptions (dropped when they finish).
         self.generators: dict[str, torch.Generator] = {}
+        # Decode steps that fit replay captured CUDA graphs (set by the engine on CUDA).
+        self.graphs: DecodeGraphs | None = None
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -44,8 +48,11 @@ class ModelRunner:
         if out.total_num_scheduled_tokens == 0:
             return result
         inputs = build_step_inputs(self.requests, out, starts, self.block_size, self.device)
-        self.attn_backend_cls.prepare_metadata(inputs.metadata)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            hidden = self.graphs.run(inputs)
+        else:
+            self.attn_backend_cls.prepare_metadata(inputs.metadata)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
         self._prompt_logprobs(hidden, inputs, result)
         self._sample(hidden, inputs, out, result)
         return result

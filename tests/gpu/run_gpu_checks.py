@@ -5,12 +5,15 @@
 1. installs tandem with ``pip install --no-deps --no-build-isolation -e .``, after the wheels in
    DIR (default ``.whl/`` when it holds any: the small packages such a machine lacks, e.g.
    pydantic-settings), then restarts itself so that the install is visible;
-2. runs the kernel tests and the ``gpu`` tests on the GPU (pytest in a child process);
+2. runs the kernel tests, the ``gpu`` tests and the quantized-matmul tests on the GPU (pytest in
+   a child process);
 3. compares the "triton" and "torch" attention backends on a mixed and a decode-only batch;
 4. times paged decode attention against the memory-bandwidth roofline: the KV bytes it must read
    over the device-to-device copy bandwidth measured on the spot;
 5. times offline throughput of a ~1.1B-parameter random-weight Llama in bfloat16 at batch 1, 16
-   and 64 (128 prompt + 128 generated tokens per request), tandem against HF ``generate``;
+   and 64 (128 prompt + 128 generated tokens per request), tandem with CUDA graphs and with
+   ``enforce_eager`` against HF ``generate``, and checks that both tandem runs give the same
+   greedy tokens;
 
 and prints one table. It takes about three minutes on an H100/H200. ``--smoke`` runs the same
 steps with tiny shapes on any machine (CPU: kernels in Triton's interpreter), to check the script.
@@ -87,8 +90,12 @@ def install(wheels: Path) -> None:
     subprocess.run([*pip, "--no-build-isolation", "-e", str(ROOT)], check=True)
 
 
+QUANT_GPU_TESTS = ["tests/quant/test_cuda.py", "tests/quant/test_int4_dequant_gemm.py",
+                   "tests/quant/test_fp8_matmul.py"]
+
+
 def run_pytest(smoke: bool) -> Row:
-    folders = ["tests/gpu"] if smoke else ["tests/kernels", "tests/gpu"]
+    folders = ["tests/gpu"] if smoke else ["tests/kernels", "tests/gpu", *QUANT_GPU_TESTS]
     cmd = [sys.executable, "-m", "pytest", *folders, "-q", "-p", "no:cacheprovider"]
     if not smoke and importlib.util.find_spec("xdist"):
         cmd += ["-n", "8"]
@@ -249,17 +256,32 @@ def throughput(sizes: Sizes, device, dtype) -> list[Row]:
         del hf
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        llm = LLM(model=tmp, dtype=str(dtype)[6:], device=device.type, attention_backend="triton",
-                  max_num_seqs=max(sizes.batches), max_num_batched_tokens=8192, enable_prefix_caching=False,
-                  num_kv_blocks=max(sizes.batches) * (sizes.prompt_len + new) // BLOCK_SIZE * 2 + 2)
         sampling = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-        rows = []
+        prompts = {b: torch.randint(3, vocab, (b, sizes.prompt_len), generator=gen).tolist()
+                   for b in sizes.batches}
+        ours: dict[tuple[bool, int], float] = {}
+        tokens: dict[bool, list] = {}
+        for eager in (True, False):
+            # On the CPU (--smoke) graphs cannot be captured: both runs are eager.
+            llm = LLM(model=tmp, dtype=str(dtype)[6:], device=device.type, attention_backend="triton",
+                      max_num_seqs=max(sizes.batches), max_num_batched_tokens=8192,
+                      enable_prefix_caching=False, enforce_eager=eager,
+                      num_kv_blocks=max(sizes.batches) * (sizes.prompt_len + new) // BLOCK_SIZE * 2 + 2)
+            for batch in sizes.batches:
+                seconds = time_s(lambda: llm.generate(prompts[batch], sampling), 1, device)
+                ours[eager, batch] = batch * new / seconds
+            tokens[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts[sizes.batches[-1]], sampling)]
+            del llm
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        same = sum(a == b for a, b in zip(tokens[True], tokens[False]))
+        rows = [Row("CUDA graphs vs eager, greedy tokens", "ok" if same == len(tokens[True]) else "MISMATCH",
+                    f"{same}/{len(tokens[True])} sequences identical at batch {sizes.batches[-1]}")]
         for batch in sizes.batches:
-            prompts = torch.randint(3, vocab, (batch, sizes.prompt_len), generator=gen).tolist()
-            seconds = time_s(lambda: llm.generate(prompts, sampling), 1, device)
-            ours = batch * new / seconds
-            rows.append(Row(f"throughput batch {batch}", f"{ours / hf_tok_s[batch]:.2f}x HF",
-                            f"tandem (triton) {ours:.0f} tok/s, HF generate {hf_tok_s[batch]:.0f} tok/s; "
+            graphs, eager = ours[False, batch], ours[True, batch]
+            rows.append(Row(f"throughput batch {batch}", f"{graphs / hf_tok_s[batch]:.2f}x HF",
+                            f"tandem graphs {graphs:.0f} tok/s, eager {eager:.0f} tok/s "
+                            f"({graphs / eager:.2f}x), HF generate {hf_tok_s[batch]:.0f} tok/s; "
                             f"{params / 1e9:.2f}B params, {str(dtype)[6:]}, {sizes.prompt_len}+{new} tokens"))
     return rows
 
