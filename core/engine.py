@@ -183,7 +183,8 @@ class LLMEngine:
 
     def _capture_cuda_graphs(self):
         """On CUDA, unless enforce_eager or the backend cannot replay graphs: decode graphs at
-        batch sizes up to min(max_num_seqs, cuda_graph_max_batch_size)."""
+        batch sizes up to min(max_num_seqs, cuda_graph_max_batch_size). A failed capture logs a
+        warning and leaves the engine eager."""
         eng = self.config.engine
         if self.device.type != "cuda" or eng.enforce_eager:
             return None
@@ -196,7 +197,13 @@ class LLMEngine:
         graphs = DecodeGraphs(self.model, self.kv_cache, eng.block_size, self.max_model_len,
                               batch_size_buckets(min(eng.max_num_seqs, eng.cuda_graph_max_batch_size)),
                               self.attn_backend_cls)
-        graphs.capture()
+        try:
+            graphs.capture()
+        except Exception as exc:  # noqa: BLE001 - an eager engine beats no engine
+            logger.warning("CUDA graph capture failed, every step runs eagerly (set "
+                           "engine.enforce_eager = true to skip the attempt): %s: %s",
+                           type(exc).__name__, exc)
+            return None
         return graphs
 
     def kv_compat_hash(self) -> str:

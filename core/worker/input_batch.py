@@ -100,11 +100,8 @@ def build_step_inputs(
         if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens:
             last = min(end, req.num_prompt_tokens - 1)
             prompt_rows[rid] = (row0, start, last)
-    max_blocks = max((len(t) for t in tables), default=0)
-    block_tables = torch.zeros((len(tables), max(max_blocks, 1)), dtype=torch.int32)
-    for i, t in enumerate(tables):
-        if t:
-            block_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    width = max(max((len(t) for t in tables), default=0), 1)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     query_lens = [b - a for a, b in zip(query_start, query_start[1:])]
     metadata = AttentionMetadata(
         num_tokens=len(ids),
@@ -112,7 +109,7 @@ def build_step_inputs(
         query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-        block_tables=block_tables.to(device),
+        block_tables=block_tables.view(len(tables), width).to(device),
         max_query_len=max(query_lens, default=0),
         max_seq_len=max(seq_lens, default=0),
         block_size=block_size,
