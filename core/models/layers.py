@@ -7,6 +7,7 @@ formats plug in without touching the models; the embedding and the LM head stay 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -122,13 +123,25 @@ class GatedMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionOptions:
+    """What differs between the attention blocks of the Llama family: a bias on the q/k/v and
+    on the output projections, and an RMSNorm over the head dimension of every query and key head
+    before the rotary embedding (``q_norm``/``k_norm``, Qwen3)."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+
+
 class Attention(nn.Module):
-    """Self-attention of layer ``layer_idx``: fused QKV projection (shards q, k, v), rotary
-    embedding, one attention backend instance over ``kv_cache[:, layer_idx]``, output projection.
-    Query head ``h`` uses KV head ``h // (num_heads // num_kv_heads)`` (GQA as HF's repeat_kv)."""
+    """Self-attention of layer ``layer_idx``: fused QKV projection (shards q, k, v), optional
+    per-head q/k norms, rotary embedding, one attention backend instance over
+    ``kv_cache[:, layer_idx]``, output projection. Query head ``h`` uses KV head
+    ``h // (num_heads // num_kv_heads)`` (GQA as HF's repeat_kv)."""
 
     def __init__(self, config: ModelArchConfig, layer_idx: int, quant_method: QuantMethod,
-                 attn_backend_cls: type[AttentionBackend], qkv_bias: bool, o_bias: bool) -> None:
+                 attn_backend_cls: type[AttentionBackend], options: AttentionOptions) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
@@ -137,8 +150,10 @@ class Attention(nn.Module):
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = LinearLayer(config.hidden_size, self.split_sizes, qkv_bias, quant_method)
-        self.o_proj = LinearLayer(q_size, [config.hidden_size], o_bias, quant_method)
+        self.qkv_proj = LinearLayer(config.hidden_size, self.split_sizes, options.qkv_bias, quant_method)
+        self.o_proj = LinearLayer(q_size, [config.hidden_size], options.o_bias, quant_method)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if options.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if options.qk_norm else None
         self.attn = attn_backend_cls(
             self.num_heads,
             self.num_kv_heads,
@@ -152,10 +167,12 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         q_size, kv_size, _ = self.split_sizes
+        qk = qkv[:, : q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q)[0], self.k_norm(k)[0]), dim=1)
         # q and k sit side by side in the fused output: rotate them as one tensor (half the ops).
-        qk = rotate(qkv[:, : q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
-                                                    self.head_dim), cos, sin)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = rotate(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attn.forward(q, k, v, kv_cache[:, self.layer_idx], metadata)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))

@@ -20,7 +20,15 @@ from torch import nn
 
 from tandem.interfaces import AttentionBackend, AttentionMetadata, QuantMethod
 from tandem.models.config import ModelArchConfig
-from tandem.models.layers import Attention, Embedding, GatedMLP, LinearLayer, LMHead, RMSNorm
+from tandem.models.layers import (
+    Attention,
+    AttentionOptions,
+    Embedding,
+    GatedMLP,
+    LinearLayer,
+    LMHead,
+    RMSNorm,
+)
 from tandem.models.rotary import RotaryEmbedding
 
 # checkpoint module name → (fused module name, shard index)
@@ -39,9 +47,9 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "self_attn.k_scale", "self_attn.v_sca
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelArchConfig, layer_idx: int, quant_method: QuantMethod,
-                 attn_backend_cls: type[AttentionBackend], qkv_bias: bool, o_bias: bool) -> None:
+                 attn_backend_cls: type[AttentionBackend], options: AttentionOptions) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_idx, quant_method, attn_backend_cls, qkv_bias, o_bias)
+        self.self_attn = Attention(config, layer_idx, quant_method, attn_backend_cls, options)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias,
                             config.hidden_act, quant_method)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -57,13 +65,13 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelArchConfig, quant_method: QuantMethod,
-                 attn_backend_cls: type[AttentionBackend], qkv_bias: bool, o_bias: bool) -> None:
+                 attn_backend_cls: type[AttentionBackend], options: AttentionOptions) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                           config.rope_theta, config.rope_scaling)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, quant_method, attn_backend_cls, qkv_bias, o_bias)
+            LlamaDecoderLayer(config, i, quant_method, attn_backend_cls, options)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -80,21 +88,20 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / Mistral. q, k, v and o carry a bias when config.attention_bias says so."""
+    """Llama / Mistral. q, k, v and o carry a bias when config.attention_bias says so; subclasses
+    for other members of the family override ``attention_options``."""
 
     def __init__(self, config: ModelArchConfig, quant_method: QuantMethod,
                  attn_backend_cls: type[AttentionBackend]) -> None:
         super().__init__()
         self.config = config
-        qkv_bias, o_bias = self.attention_biases(config)
-        self.model = LlamaModel(config, quant_method, attn_backend_cls, qkv_bias, o_bias)
+        self.model = LlamaModel(config, quant_method, attn_backend_cls, self.attention_options(config))
         tied_to = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to)
 
     @staticmethod
-    def attention_biases(config: ModelArchConfig) -> tuple[bool, bool]:
-        """(q/k/v have a bias, o_proj has a bias)."""
-        return config.attention_bias, config.attention_bias
+    def attention_options(config: ModelArchConfig) -> AttentionOptions:
+        return AttentionOptions(qkv_bias=config.attention_bias, o_bias=config.attention_bias)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:

@@ -5,6 +5,7 @@ import tandem
 from tandem.hookspecs import Register
 from tandem.models.llama import LlamaForCausalLM
 from tandem.models.qwen2 import Qwen2ForCausalLM
+from tandem.models.qwen3 import Qwen3ForCausalLM
 
 
 @tandem.hookimpl
@@ -12,3 +13,4 @@ def tandem_register_models(register: Register) -> None:
     register("LlamaForCausalLM", LlamaForCausalLM)
     register("MistralForCausalLM", LlamaForCausalLM)
     register("Qwen2ForCausalLM", Qwen2ForCausalLM)
+    register("Qwen3ForCausalLM", Qwen3ForCausalLM)

@@ -39,11 +39,12 @@ def hf_greedy(path, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> l
 
 
 def tandem_greedy(llm: LLM, prompts, max_tokens: int = MAX_TOKENS, n: int = 1):
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, n=n)
+    # min_tokens masks the EOS ids as HF's min_new_tokens does (ignore_eos would let them win).
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, n=n)
     return llm.generate(prompts, params)
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama3", "llama_tied", "qwen2", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "llama3", "llama_tied", "qwen2", "mistral", "qwen3"])
 def test_mixed_batch_matches_hf(kind):
     path = tiny_model_dir(kind)
     prompts = _prompts(1, MIXED_LENGTHS)

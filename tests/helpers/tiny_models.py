@@ -14,6 +14,7 @@ Kinds (``TINY_KINDS``):
     "qwen2"          Qwen2ForCausalLM (q/k/v bias), no sliding window
     "qwen2_sliding"  Qwen2 with use_sliding_window: layer 0 full, layer 1 window 8 (max_window_layers 1)
     "mistral"        MistralForCausalLM with sliding_window = 8
+    "qwen3"          Qwen3ForCausalLM (per-head q/k RMSNorm), head_dim 32 set apart from hidden/heads
 
 API:
     tiny_model_dir(kind) -> Path       built once per process into a temporary folder, cached
@@ -26,7 +27,7 @@ API:
 
 Fixtures (import them into a test module, e.g. ``from tests.helpers.tiny_models import
 tiny_llama_dir``): tiny_llama_dir, tiny_llama3_dir, tiny_llama_tied_dir, tiny_llama_sharded_dir,
-tiny_qwen2_dir, tiny_qwen2_sliding_dir, tiny_mistral_dir — each a Path to the folder.
+tiny_qwen2_dir, tiny_qwen2_sliding_dir, tiny_mistral_dir, tiny_qwen3_dir — each a Path to the folder.
 """
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from tandem.models.config import ModelArchConfig
@@ -56,7 +59,7 @@ from tandem.models.loader import load_model
 from tandem.models.tokenizer_training import EOS, EOT, stdlib_corpus_files, train_bpe_tokenizer
 
 TINY_VOCAB = 512
-TINY_KINDS = ("llama", "llama3", "llama_tied", "llama_sharded", "qwen2", "qwen2_sliding", "mistral")
+TINY_KINDS = ("llama", "llama3", "llama_tied", "llama_sharded", "qwen2", "qwen2_sliding", "mistral", "qwen3")
 SLIDING_WINDOW = 8
 MATRIX_SCALE = 3.0
 LM_HEAD_SCALE = 8.0
@@ -101,6 +104,8 @@ def _config_and_class(kind: str) -> tuple[PreTrainedConfig, type]:
                            max_window_layers=1), Qwen2ForCausalLM
     if kind == "mistral":
         return MistralConfig(**_COMMON, **ids, sliding_window=SLIDING_WINDOW), MistralForCausalLM
+    if kind == "qwen3":
+        return Qwen3Config(**_COMMON, **ids, head_dim=32), Qwen3ForCausalLM
     raise ValueError(f"unknown tiny model kind {kind!r}; kinds: {', '.join(TINY_KINDS)}")
 
 
@@ -225,3 +230,8 @@ def tiny_qwen2_sliding_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_mistral_dir() -> Path:
     return tiny_model_dir("mistral")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir() -> Path:
+    return tiny_model_dir("qwen3")
