@@ -16,9 +16,10 @@ from typing import Any
 import torch
 
 from tandem.config import TandemConfig, parse_bytes
+from tandem.device import resolve_device, resolve_dtype
 from tandem.interfaces import KVPoolDescriptor, compat_hash
 from tandem.kv_transfer import KVTransferCoordinator, RemotePrefill
-from tandem.models.config import kv_bytes_per_block, kv_cache_shape
+from tandem.models.config import ModelArchConfig, kv_bytes_per_block, kv_cache_shape
 from tandem.output_processor import OutputProcessor
 from tandem.outputs import RequestOutput
 from tandem.plugin_manager import get_plugin_manager, get_registry
@@ -28,7 +29,6 @@ from tandem.sched.scheduler import Scheduler, SchedulerConfig
 
 logger = logging.getLogger("tandem")
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class RequestRejected(ValueError):
@@ -47,18 +47,6 @@ class StepStats:
     kv_transfer_seconds: tuple[float, ...] = ()
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return _DTYPES[name]
-    return torch.float32 if device.type == "cpu" else torch.bfloat16
-
-
 class LLMEngine:
     """Loads the model named by ``config`` and serves requests step by step."""
 
@@ -72,13 +60,14 @@ class LLMEngine:
             torch.set_num_threads(eng.num_threads)
         torch.manual_seed(config.model.seed)
         path = config.model.path
+        checkpoint = ModelArchConfig.from_pretrained_dir(path)
         self.device = resolve_device(eng.device)
-        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device, checkpoint.torch_dtype)
         backend_name = eng.attention_backend
         if backend_name == "auto":
             backend_name = "triton" if self.device.type == "cuda" else "torch"
         self.attn_backend_cls = self.registry.get("attention_backend", backend_name)
-        self.quant_method = self._quant_method(path)
+        self.quant_method = self._quant_method(checkpoint)
         t0 = time.perf_counter()
         self.model, self.arch = load_model(
             path,
@@ -88,8 +77,8 @@ class LLMEngine:
             attn_backend_cls=self.attn_backend_cls,
             quant_method=self.quant_method,
         )
-        logger.info("loaded %s (%s) on %s in %.1f s", path, self.arch.architectures[0], self.device,
-                    time.perf_counter() - t0)
+        logger.info("loaded %s (%s) on %s in %s in %.1f s", path, self.arch.architectures[0], self.device,
+                    str(self.dtype).removeprefix("torch."), time.perf_counter() - t0)
         self.tokenizer = load_tokenizer(config.model.tokenizer or path)
         self.eos_token_ids = frozenset(load_generation_config(path)["eos_token_ids"])
         self.kv_cache = self._allocate_kv_pool()
@@ -109,10 +98,8 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------------- start-up
 
-    def _quant_method(self, path: str):
-        from tandem.models.config import ModelArchConfig
-
-        qcfg = ModelArchConfig.from_pretrained_dir(path).quantization_config or {}
+    def _quant_method(self, checkpoint: ModelArchConfig):
+        qcfg = checkpoint.quantization_config or {}
         ckpt_method = qcfg.get("quant_method")
         chosen = self.config.model.quantization
         if chosen == "auto":
