@@ -131,6 +131,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="tandem's max_num_seqs")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="dtype of both tandem and HF (bfloat16 pays off on CPUs with AVX512-BF16/AMX)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -150,15 +152,15 @@ def run(args: argparse.Namespace) -> int:
     eos = set(load_generation_config(path)["eos_token_ids"])
     hf = None
     if any(m.startswith("hf") for m in args.modes):
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    llm = LLM(model=path, dtype="float32", max_num_seqs=args.max_num_seqs,
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+    llm = LLM(model=path, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens) if "tandem" in args.modes else None
     vocab = (llm.engine.arch.vocab_size if llm else hf.config.vocab_size)
     wl = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), vocab, eos,
                        args.seed)
     print(f"model {path}: {wl.num_output_tokens} output tokens over {len(wl.prompts)} requests, "
           f"prompts {args.prompt_len[0]}-{args.prompt_len[1]}, outputs "
-          f"{args.output_len[0]}-{args.output_len[1]}, torch threads {torch.get_num_threads()}")
+          f"{args.output_len[0]}-{args.output_len[1]}, {args.dtype}, torch threads {torch.get_num_threads()}")
     results: dict[str, ModeResult] = {}
     for mode in args.modes:
         if mode == "hf-sequential":
