@@ -11,8 +11,9 @@ Per linear layer of ``K`` inputs and ``N`` outputs, ``G = K / group_size`` group
 where nibble ``j`` of word ``c`` holds column ``8c + (0, 2, 4, 6, 1, 3, 5, 7)[j]`` (see
 ``tandem.quant.packing``). Zero points are stored as they are (no +1 as in GPTQ v1).
 
-``apply`` dequantizes and multiplies on the CPU (nothing dequantized is kept between calls) and
-runs the fused Triton dequantize-GEMM on CUDA.
+``apply`` runs the fused Triton dequantize-GEMM on CUDA. On the CPU it dequantizes and multiplies
+(nothing dequantized is kept between calls), except for bfloat16 activations with few rows, which
+go through torch's packed-int4 kernel (tandem.quant.cpu_int4).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.interfaces import QuantMethod
+from tandem.quant import cpu_int4
 from tandem.quant.packing import AWQ_NIBBLE_OF_COLUMN, AWQ_PACK_ORDER, unpack_int32_planes
 from tandem.quant.sharding import add_param, check_loaded, copy_shard, init_shards, unknown_tensor
 
@@ -73,6 +75,8 @@ class AWQLinearMethod(QuantMethod):
         add_param(layer, "qweight", torch.zeros(input_size, out // PACK, dtype=torch.int32))
         add_param(layer, "qzeros", torch.zeros(num_groups, out // PACK, dtype=torch.int32))
         add_param(layer, "scales", torch.zeros(num_groups, out, dtype=torch.float16))
+        layer.params_dtype = params_dtype
+        layer.cpu_int4 = None
 
     def load_weight(self, layer: Any, name: str, tensor: Any, shard: int = 0) -> None:
         if name in ("qweight", "qzeros"):
@@ -84,6 +88,11 @@ class AWQLinearMethod(QuantMethod):
 
     def process_weights_after_loading(self, layer: Any) -> None:
         check_loaded(layer, "AWQ", TENSORS)
+        if layer.params_dtype == torch.bfloat16 and layer.qweight.device.type == "cpu":
+            k, num_groups = layer.qweight.shape[0], layer.qzeros.shape[0]
+            q = natural_columns(unpack_int32_planes(layer.qweight, 4).view(k, -1))
+            zeros = natural_columns(unpack_int32_planes(layer.qzeros, 4).view(num_groups, -1))
+            layer.cpu_int4 = cpu_int4.pack(q, zeros, layer.scales, None, self.config.group_size)
 
     def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.is_cuda:
@@ -93,6 +102,8 @@ class AWQLinearMethod(QuantMethod):
                            self.config.group_size)
             out = out.reshape(*x.shape[:-1], out.shape[-1])
             return out if bias is None else out + bias
+        if cpu_int4.usable(layer.cpu_int4, x):
+            return cpu_int4.matmul(x, layer.cpu_int4, bias)
         weight = weight_in_nibble_order(layer.qweight, layer.qzeros, layer.scales, self.config.group_size)
         out = natural_columns(F.linear(x, weight.to(x.dtype).t()))
         return out if bias is None else out + bias

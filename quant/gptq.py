@@ -14,8 +14,9 @@ Per linear layer of ``K`` inputs and ``N`` outputs, with ``P = 32 // bits`` valu
 one) and 0 in "gptq_v2". With desc_act every fused shard must carry the same g_idx (they share
 their input, so GPTQ's activation order is the same for all of them).
 
-``apply`` dequantizes and multiplies on the CPU (nothing dequantized is kept between calls) and
-runs the fused Triton dequantize-GEMM on CUDA.
+``apply`` runs the fused Triton dequantize-GEMM on CUDA. On the CPU it dequantizes and multiplies
+(nothing dequantized is kept between calls), except for 4-bit weights with bfloat16 activations
+and few rows, which go through torch's packed-int4 kernel (tandem.quant.cpu_int4).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.interfaces import QuantMethod
+from tandem.quant import cpu_int4
 from tandem.quant.packing import unpack_int32, values_per_word
 from tandem.quant.sharding import add_param, check_loaded, copy_checked, copy_shard, init_shards, unknown_tensor
 
@@ -94,6 +96,8 @@ class GPTQLinearMethod(QuantMethod):
         add_param(layer, "g_idx", torch.arange(input_size, dtype=torch.int32) // group_size)
         layer.group_size = group_size
         layer.contiguous_groups = True
+        layer.params_dtype = params_dtype
+        layer.cpu_int4 = None
 
     def load_weight(self, layer: Any, name: str, tensor: Any, shard: int = 0) -> None:
         per_word = values_per_word(self.config.bits)
@@ -124,6 +128,10 @@ class GPTQLinearMethod(QuantMethod):
             raise ValueError(f"g_idx holds groups outside [0, {num_groups})")
         natural = torch.arange(g_idx.numel(), dtype=g_idx.dtype, device=g_idx.device) // layer.group_size
         layer.contiguous_groups = bool(torch.equal(g_idx, natural)) and layer.input_size % layer.group_size == 0
+        if self.config.bits == 4 and layer.params_dtype == torch.bfloat16 and layer.qweight.device.type == "cpu":
+            zeros = unpack_int32(layer.qzeros, 4, dim=1).float() + self.config.zero_offset
+            layer.cpu_int4 = cpu_int4.pack(unpack_int32(layer.qweight, 4, dim=0), zeros, layer.scales,
+                                           g_idx, layer.group_size)
 
     def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.is_cuda:
@@ -133,6 +141,8 @@ class GPTQLinearMethod(QuantMethod):
                             layer.g_idx, self.config.bits, self.config.zero_offset)
             out = out.reshape(*x.shape[:-1], out.shape[-1])
             return out if bias is None else out + bias
+        if cpu_int4.usable(layer.cpu_int4, x):
+            return cpu_int4.matmul(x, layer.cpu_int4, bias)
         weight = gptq_dequantize(layer.qweight, layer.qzeros, layer.scales, layer.g_idx, self.config.bits,
                                  self.config.zero_offset,
                                  layer.group_size if layer.contiguous_groups else None, x.dtype)
