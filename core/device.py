@@ -9,13 +9,16 @@ device     checkpoint                                      dtype
 =========  ==============================================  ===========
 cuda       float16 or bfloat16                             the same
 cuda       float32 or unknown                              bfloat16
-cpu        bfloat16, and the CPU has native bfloat16 math  bfloat16
+cpu        float16 or bfloat16, and the CPU has native     bfloat16
+           bfloat16 math
 cpu        anything else                                   float32
 =========  ==============================================  ===========
 
 Native bfloat16 math means the AVX512-BF16 or AMX-BF16 instructions: there bfloat16 matmuls run
 2-3x faster than float32 and halve the weights' memory; elsewhere bfloat16 is emulated and slower
-than float32, so the CPU keeps float32.
+than float32, so the CPU keeps float32. A float16 checkpoint runs in bfloat16 on the CPU because
+torch's CPU float16 matmuls are slower than float32 (as in vLLM's CPU backend); most float16
+checkpoints today are GPTQ/AWQ ones, whose 4-bit weights lose nothing in the cast.
 """
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str | None 
         return DTYPES[name]
     checkpoint_dtype = (checkpoint_dtype or "").removeprefix("torch.")
     if device.type == "cpu":
-        native = checkpoint_dtype == "bfloat16" and cpu_has_native_bf16()
+        native = checkpoint_dtype in ("float16", "bfloat16") and cpu_has_native_bf16()
         return torch.bfloat16 if native else torch.float32
     if checkpoint_dtype in ("float16", "bfloat16"):
         return DTYPES[checkpoint_dtype]

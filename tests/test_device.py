@@ -25,7 +25,8 @@ def native_bf16(monkeypatch):
     (CUDA, "torch.float16", False, torch.float16),
     (CPU, "bfloat16", True, torch.bfloat16),
     (CPU, "bfloat16", False, torch.float32),
-    (CPU, "float16", True, torch.float32),
+    (CPU, "float16", True, torch.bfloat16),
+    (CPU, "float16", False, torch.float32),
     (CPU, "float32", True, torch.float32),
     (CPU, None, True, torch.float32),
 ])
