@@ -51,6 +51,13 @@ class ModelArchConfig:
     rope_theta: float
     rope_scaling: RopeScaling | None
     max_position_embeddings: int
+    sliding_rope: tuple[float, RopeScaling | None] | None = None
+    """(theta, scaling) of the sliding-window layers when they differ from the others (Gemma 3's
+    local base frequency); None = every layer uses ``rope_theta``/``rope_scaling``."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scale ``query_pre_attn_scalar ** -0.5`` instead of ``head_dim ** -0.5`` (Gemma)."""
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
@@ -84,7 +91,7 @@ class ModelArchConfig:
         hidden = cfg["hidden_size"]
         heads = cfg["num_attention_heads"]
         layers = cfg["num_hidden_layers"]
-        rope_theta, rope_scaling = _parse_rope(cfg)
+        rope_theta, rope_scaling, sliding_rope = _parse_rope(cfg)
         sliding_window = _sliding_window(cfg)
         return cls(
             architectures=tuple(cfg.get("architectures") or ()),
@@ -100,10 +107,15 @@ class ModelArchConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            sliding_rope=sliding_rope,
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+            # HF's Gemma configs tie by default and often leave the key out of config.json
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", cfg.get("model_type", "").startswith("gemma"))),
             attention_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            hidden_act=cfg.get("hidden_act", "silu"),
+            hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act", "silu"),
             sliding_window=sliding_window,
             layer_types=_layer_types(cfg, layers, sliding_window),
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
@@ -113,12 +125,25 @@ class ModelArchConfig:
         )
 
 
-def _parse_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+def _parse_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None, tuple[float, RopeScaling | None] | None]:
+    """(theta, scaling) of the full-attention layers, and of the sliding-window layers when they
+    differ: transformers 5.x nests ``rope_parameters`` by layer type, 4.x Gemma 3 configs give
+    the sliding layers' theta as ``rope_local_base_freq``."""
     params = cfg.get("rope_parameters")
+    if params is not None and any(isinstance(v, dict) for v in params.values()):
+        unknown = set(params) - {FULL_ATTENTION, SLIDING_ATTENTION}
+        if unknown:
+            raise ValueError(f"unsupported rope_parameters layer types {sorted(unknown)}")
+        full = _rope_from(params.get(FULL_ATTENTION) or {}, cfg)
+        sliding = params.get(SLIDING_ATTENTION)
+        return (*full, None if sliding is None else _rope_from(sliding, cfg))
     if params is None:
         params = dict(cfg.get("rope_scaling") or {})
-    elif any(isinstance(v, dict) for v in params.values()):
-        raise ValueError("per-layer-type rope_parameters are not supported")
+    local = cfg.get("rope_local_base_freq")
+    return (*_rope_from(params, cfg), None if local is None else (float(local), None))
+
+
+def _rope_from(params: dict[str, Any], cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -148,6 +173,9 @@ def _layer_types(cfg: dict[str, Any], layers: int, sliding_window: int | None) -
         return (FULL_ATTENTION,) * layers
     if cfg.get("layer_types"):
         return tuple(cfg["layer_types"])
+    pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
+    if pattern:  # Gemma 3 (transformers 4.x): every pattern-th layer attends to everything
+        return tuple(FULL_ATTENTION if (i + 1) % pattern == 0 else SLIDING_ATTENTION for i in range(layers))
     # Qwen2 slides only from layer max_window_layers on; Mistral slides everywhere.
     first_sliding = cfg.get("max_window_layers", 0) if "use_sliding_window" in cfg else 0
     return tuple(SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION for i in range(layers))

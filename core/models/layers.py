@@ -7,6 +7,7 @@ formats plug in without touching the models; the embedding and the LM head stay 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -47,6 +48,19 @@ class RMSNorm(nn.Module):
             x = x + residual
         normed = F.rms_norm(x.to(torch.float32), x.shape[-1:], eps=self.eps)
         return self.weight * normed.to(x.dtype), x
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the checkpoint stores the weight minus one, and the scaling happens in
+    float32 before the cast: ``(normed * (1 + weight)).to(dtype)``. Same ``residual`` contract."""
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+        normed = F.rms_norm(x.to(torch.float32), x.shape[-1:], eps=self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype), x
 
 
 class LinearLayer(nn.Module):
@@ -106,32 +120,45 @@ class LMHead(nn.Module):
         return F.linear(hidden, self.weight).float()
 
 
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "gelu_new": functools.partial(F.gelu, approximate="tanh"),
+}
+
+
 class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one projection (shards 0, 1)."""
+    """``down(act(gate(x)) * up(x))`` with gate and up fused into one projection (shards 0, 1);
+    ``act`` is one of ``ACTIVATIONS`` (HF's names)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, hidden_act: str,
                  quant_method: QuantMethod) -> None:
         super().__init__()
-        if hidden_act != "silu":
-            raise ValueError(f"unsupported hidden_act {hidden_act!r}: only 'silu' is implemented")
+        if hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {hidden_act!r}; supported: {', '.join(ACTIVATIONS)}")
+        self.act = ACTIVATIONS[hidden_act]
         self.intermediate_size = intermediate_size
         self.gate_up_proj = LinearLayer(hidden_size, [intermediate_size] * 2, bias, quant_method)
         self.down_proj = LinearLayer(intermediate_size, [hidden_size], bias, quant_method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 @dataclass(frozen=True, slots=True)
 class AttentionOptions:
     """What differs between the attention blocks of the Llama family: a bias on the q/k/v and
-    on the output projections, and an RMSNorm over the head dimension of every query and key head
-    before the rotary embedding (``q_norm``/``k_norm``, Qwen3)."""
+    on the output projections; ``qk_norm``, the norm class (RMSNorm for Qwen3, GemmaRMSNorm for
+    Gemma 3) applied over the head dimension of every query and key head before the rotary
+    embedding (``q_norm``/``k_norm``); ``scale`` of the attention scores (default
+    ``head_dim ** -0.5``)."""
 
     qkv_bias: bool = False
     o_bias: bool = False
-    qk_norm: bool = False
+    qk_norm: type[RMSNorm] | None = None
+    scale: float | None = None
 
 
 class Attention(nn.Module):
@@ -152,13 +179,14 @@ class Attention(nn.Module):
         self.split_sizes = [q_size, kv_size, kv_size]
         self.qkv_proj = LinearLayer(config.hidden_size, self.split_sizes, options.qkv_bias, quant_method)
         self.o_proj = LinearLayer(q_size, [config.hidden_size], options.o_bias, quant_method)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if options.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if options.qk_norm else None
+        norm = options.qk_norm
+        self.q_norm = norm(self.head_dim, config.rms_norm_eps) if norm is not None else None
+        self.k_norm = norm(self.head_dim, config.rms_norm_eps) if norm is not None else None
         self.attn = attn_backend_cls(
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
-            scale=self.head_dim**-0.5,
+            scale=options.scale if options.scale is not None else self.head_dim**-0.5,
             sliding_window=config.sliding_window_for(layer_idx),
         )
 

@@ -95,9 +95,14 @@ class LlamaForCausalLM(nn.Module):
                  attn_backend_cls: type[AttentionBackend]) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, quant_method, attn_backend_cls, self.attention_options(config))
+        self.model = self.build_model(config, quant_method, attn_backend_cls)
         tied_to = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to)
+
+    def build_model(self, config: ModelArchConfig, quant_method: QuantMethod,
+                    attn_backend_cls: type[AttentionBackend]) -> nn.Module:
+        """The decoder stack (``self.model``): embeddings, layers, final norm."""
+        return LlamaModel(config, quant_method, attn_backend_cls, self.attention_options(config))
 
     @staticmethod
     def attention_options(config: ModelArchConfig) -> AttentionOptions:

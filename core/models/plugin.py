@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import tandem
 from tandem.hookspecs import Register
+from tandem.models.gemma3 import Gemma3ForCausalLM
 from tandem.models.llama import LlamaForCausalLM
 from tandem.models.qwen2 import Qwen2ForCausalLM
 from tandem.models.qwen3 import Qwen3ForCausalLM
@@ -14,3 +15,4 @@ def tandem_register_models(register: Register) -> None:
     register("MistralForCausalLM", LlamaForCausalLM)
     register("Qwen2ForCausalLM", Qwen2ForCausalLM)
     register("Qwen3ForCausalLM", Qwen3ForCausalLM)
+    register("Gemma3ForCausalLM", Gemma3ForCausalLM)

@@ -5,11 +5,11 @@ each, shared by the heads), biases as ``attention_bias`` says, ``head_dim`` usua
 from __future__ import annotations
 
 from tandem.models.config import ModelArchConfig
-from tandem.models.layers import AttentionOptions
+from tandem.models.layers import AttentionOptions, RMSNorm
 from tandem.models.llama import LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     @staticmethod
     def attention_options(config: ModelArchConfig) -> AttentionOptions:
-        return AttentionOptions(qkv_bias=config.attention_bias, o_bias=config.attention_bias, qk_norm=True)
+        return AttentionOptions(qkv_bias=config.attention_bias, o_bias=config.attention_bias, qk_norm=RMSNorm)

@@ -15,6 +15,8 @@ Kinds (``TINY_KINDS``):
     "qwen2_sliding"  Qwen2 with use_sliding_window: layer 0 full, layer 1 window 8 (max_window_layers 1)
     "mistral"        MistralForCausalLM with sliding_window = 8
     "qwen3"          Qwen3ForCausalLM (per-head q/k RMSNorm), head_dim 32 set apart from hidden/heads
+    "gemma3"         Gemma3ForCausalLM, 4 layers (full attention in layer 2, window 8 elsewhere, with
+                     their own rope base), query_pre_attn_scalar 24, tied embeddings, GELU-tanh MLP
 
 API:
     tiny_model_dir(kind) -> Path       built once per process into a temporary folder, cached
@@ -27,7 +29,7 @@ API:
 
 Fixtures (import them into a test module, e.g. ``from tests.helpers.tiny_models import
 tiny_llama_dir``): tiny_llama_dir, tiny_llama3_dir, tiny_llama_tied_dir, tiny_llama_sharded_dir,
-tiny_qwen2_dir, tiny_qwen2_sliding_dir, tiny_mistral_dir, tiny_qwen3_dir — each a Path to the folder.
+tiny_qwen2_dir, tiny_qwen2_sliding_dir, tiny_mistral_dir, tiny_qwen3_dir, tiny_gemma3_dir — each a Path to the folder.
 """
 from __future__ import annotations
 
@@ -50,6 +52,8 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
@@ -59,7 +63,8 @@ from tandem.models.loader import load_model
 from tandem.models.tokenizer_training import EOS, EOT, stdlib_corpus_files, train_bpe_tokenizer
 
 TINY_VOCAB = 512
-TINY_KINDS = ("llama", "llama3", "llama_tied", "llama_sharded", "qwen2", "qwen2_sliding", "mistral", "qwen3")
+TINY_KINDS = ("llama", "llama3", "llama_tied", "llama_sharded", "qwen2", "qwen2_sliding", "mistral", "qwen3",
+              "gemma3")
 SLIDING_WINDOW = 8
 MATRIX_SCALE = 3.0
 LM_HEAD_SCALE = 8.0
@@ -106,6 +111,12 @@ def _config_and_class(kind: str) -> tuple[PreTrainedConfig, type]:
         return MistralConfig(**_COMMON, **ids, sliding_window=SLIDING_WINDOW), MistralForCausalLM
     if kind == "qwen3":
         return Qwen3Config(**_COMMON, **ids, head_dim=32), Qwen3ForCausalLM
+    if kind == "gemma3":
+        layers = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+        config = Gemma3TextConfig(**{**_COMMON, "num_hidden_layers": 4}, **ids, head_dim=16,
+                                  sliding_window=SLIDING_WINDOW, layer_types=layers, query_pre_attn_scalar=24)
+        config.architectures = ["Gemma3ForCausalLM"]
+        return config, Gemma3ForCausalLM
     raise ValueError(f"unknown tiny model kind {kind!r}; kinds: {', '.join(TINY_KINDS)}")
 
 
@@ -235,3 +246,8 @@ def tiny_mistral_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir() -> Path:
     return tiny_model_dir("qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir() -> Path:
+    return tiny_model_dir("gemma3")

@@ -119,3 +119,40 @@ def test_kv_pool_shape_and_block_bytes_of_bench_100m():
     assert kv_cache_shape(cfg, 100, 16) == (100, 8, 2, 16, 4, 64)
     assert kv_bytes_per_block(cfg, 16, torch.float32) == 256 * 1024
     assert kv_bytes_per_block(cfg, 16, torch.bfloat16) == 128 * 1024
+
+
+GEMMA3_4X = {  # the shape of google/gemma-3-1b-it's config.json (transformers 4.50 spelling)
+    **BASE, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "num_hidden_layers": 7,
+    "head_dim": 64, "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
+    "rope_theta": 1000000, "rope_local_base_freq": 10000, "rope_scaling": None, "sliding_window": 512,
+    "sliding_window_pattern": 6, "final_logit_softcapping": None, "attn_logit_softcapping": None,
+}
+
+
+def test_gemma3_4x_spelling():
+    cfg = ModelArchConfig.from_dict(GEMMA3_4X)
+    assert cfg.layer_types == (SLIDING_ATTENTION,) * 5 + (FULL_ATTENTION, SLIDING_ATTENTION)
+    assert [cfg.sliding_window_for(i) for i in (0, 5, 6)] == [512, None, 512]
+    assert (cfg.rope_theta, cfg.rope_scaling, cfg.sliding_rope) == (1e6, None, (1e4, None))
+    assert cfg.hidden_act == "gelu_pytorch_tanh" and cfg.query_pre_attn_scalar == 256
+    assert cfg.tie_word_embeddings  # Gemma's default when config.json leaves it out
+
+
+def test_rope_parameters_per_layer_type():
+    params = {"full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
+              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    cfg = ModelArchConfig.from_dict({**BASE, "rope_parameters": params})
+    assert (cfg.rope_theta, cfg.rope_scaling) == (1e6, RopeScaling("linear", 8.0))
+    assert cfg.sliding_rope == (1e4, None)
+    with pytest.raises(ValueError, match="layer types"):
+        ModelArchConfig.from_dict({**BASE, "rope_parameters": {"chunked_attention": {"rope_theta": 1.0}}})
+
+
+def test_gemma2_soft_capping_is_refused():
+    from tandem.models.gemma3 import Gemma3ForCausalLM
+    from tandem.quant.unquantized import UnquantizedLinearMethod
+    from tandem.plugins.attention_torch import TorchAttentionBackend
+
+    cfg = ModelArchConfig.from_dict({**GEMMA3_4X, "num_hidden_layers": 1, "attn_logit_softcapping": 50.0})
+    with torch.device("meta"), pytest.raises(ValueError, match="attn_logit_softcapping"):
+        Gemma3ForCausalLM(cfg, UnquantizedLinearMethod(), TorchAttentionBackend)
