@@ -119,5 +119,17 @@ def test_gated_mlp_matches_hf():
 
 
 def test_unsupported_activation_is_named():
-    with pytest.raises(ValueError, match="gelu"):
-        GatedMLP(16, 24, bias=False, hidden_act="gelu", quant_method=UnquantizedLinearMethod())
+    with pytest.raises(ValueError, match="relu2.*supported: silu"):
+        GatedMLP(16, 24, bias=False, hidden_act="relu2", quant_method=UnquantizedLinearMethod())
+
+
+@pytest.mark.parametrize("name, act", [("silu", torch.nn.SiLU()), ("gelu", torch.nn.GELU()),
+                                       ("gelu_pytorch_tanh", torch.nn.GELU(approximate="tanh"))])
+def test_gated_mlp_activation(name, act):
+    mlp = GatedMLP(16, 24, bias=False, hidden_act=name, quant_method=UnquantizedLinearMethod())
+    gate, up, down = torch.randn(24, 16), torch.randn(24, 16), torch.randn(16, 24)
+    mlp.gate_up_proj.load("weight", gate, 0)
+    mlp.gate_up_proj.load("weight", up, 1)
+    mlp.down_proj.load("weight", down, 0)
+    x = torch.randn(5, 16)
+    torch.testing.assert_close(mlp(x), (act(x @ gate.T) * (x @ up.T)) @ down.T)
