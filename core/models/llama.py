@@ -68,8 +68,7 @@ class LlamaModel(nn.Module):
                  attn_backend_cls: type[AttentionBackend], options: AttentionOptions) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                                          config.rope_theta, config.rope_scaling)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, quant_method, attn_backend_cls, options)
             for i in range(config.num_hidden_layers)

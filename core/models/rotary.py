@@ -1,8 +1,9 @@
 """Rotary position embedding, "neox" style as in HF Llama: the head dimension is split in halves
 that rotate together (``rotate_half``), with optional linear or Llama 3 frequency scaling.
 
-The cos/sin tables for every position up to ``max_position`` are computed once, in float32, and
-looked up once per forward pass; every layer then applies the same (cos, sin) pair.
+cos and sin are computed once per forward pass from the step's positions, in float32 exactly as HF
+does (``position * inv_freq``, then cos and sin), and every layer then applies the same pair. No
+per-position table is kept: at 128k positions and head_dim 256 one would take 256 MiB.
 """
 from __future__ import annotations
 
@@ -58,17 +59,14 @@ def apply_rotary(
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables ``[max_position, head_dim]`` (float32, not saved in the state dict)."""
+    """The inverse frequencies ``[head_dim / 2]`` (float32, not saved in the state dict)."""
 
-    def __init__(self, head_dim: int, max_position: int, base: float, scaling: RopeScaling | None) -> None:
+    def __init__(self, head_dim: int, base: float, scaling: RopeScaling | None) -> None:
         super().__init__()
-        inv_freq = compute_inv_freq(head_dim, base, scaling)
-        positions = torch.arange(max_position, dtype=torch.int64).to(torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_cache", angles.cos(), persistent=False)
-        self.register_buffer("sin_cache", angles.sin(), persistent=False)
+        self.register_buffer("inv_freq", compute_inv_freq(head_dim, base, scaling).float(), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions [T]`` → ``(cos, sin)``, each ``[T, head_dim]`` in ``dtype``."""
-        return self.cos_cache[positions].to(dtype), self.sin_cache[positions].to(dtype)
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)

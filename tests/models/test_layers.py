@@ -73,7 +73,7 @@ def test_cos_sin_tables_and_rotation_match_hf():
     positions = torch.tensor([0, 1, 7, 63, 64, 200, 511])
     x = randn(1, len(positions), 4 * 32)
     hf_cos, hf_sin = LlamaRotaryEmbedding(config)(x, positions[None])
-    ours = RotaryEmbedding(32, 512, 500000.0, RopeScaling("llama3", 8.0, 1.0, 4.0, 64))
+    ours = RotaryEmbedding(32, 500000.0, RopeScaling("llama3", 8.0, 1.0, 4.0, 64))
     cos, sin = ours(positions, torch.float32)
     torch.testing.assert_close(cos, hf_cos[0], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(sin, hf_sin[0], rtol=1e-6, atol=1e-6)
