@@ -137,7 +137,19 @@ def load_generation_config(path: str | Path) -> dict[str, Any]:
 
 
 def load_tokenizer(path: str | Path) -> Any:
-    """The folder's tokenizer through ``transformers.AutoTokenizer``."""
+    """The folder's tokenizer through ``transformers.AutoTokenizer``; ValueError naming the folder
+    (and what to install or add) when it cannot be loaded."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds here
+        root = Path(path)
+        if (root / "tokenizer.model").is_file() and not (root / "tokenizer.json").is_file():
+            hint = ("it has only a SentencePiece tokenizer.model: `pip install sentencepiece protobuf`, "
+                    "or add a tokenizer.json")
+        elif not any((root / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+            hint = "it has no tokenizer.json, tokenizer.model or vocab.json; point --tokenizer at the folder that does"
+        else:
+            hint = f"{type(exc).__name__}: {exc}"
+        raise ValueError(f"cannot load the tokenizer of {path}: {hint}") from exc

@@ -137,3 +137,12 @@ def test_builtin_plugins_register_models_backend_and_method():
     assert registry.get("model", "Qwen2ForCausalLM") is Qwen2ForCausalLM
     assert registry.get("attention_backend", "torch") is TorchAttentionBackend
     assert registry.get("quant_method", "unquantized") is UnquantizedLinearMethod
+
+
+def test_a_folder_without_tokenizer_files_says_so(tiny_llama_dir, tmp_path):
+    shutil.copy(tiny_llama_dir / "config.json", tmp_path / "config.json")
+    with pytest.raises(ValueError, match="no tokenizer.json, tokenizer.model or vocab.json"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.model").write_bytes(b"not a sentencepiece model")
+    with pytest.raises(ValueError, match="pip install sentencepiece"):
+        load_tokenizer(tmp_path)
