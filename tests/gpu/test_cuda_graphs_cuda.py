@@ -11,7 +11,7 @@ from tests.helpers.tiny_models import tiny_model_dir
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "gemma3"])
 def test_graphs_match_eager(kind):
     path = str(tiny_model_dir(kind))
     prompts = _prompts(7, [3, 17, 20, 9, 33, 1, 48])
