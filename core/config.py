@@ -101,9 +101,8 @@ class ModelConfig(_Section):
     tokenizer: str | None = None
     """Tokenizer folder; unset = the model path."""
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-    """Weights, activations and KV cache dtype; auto = on CUDA the checkpoint's float16/bfloat16
-    (bfloat16 for float32 checkpoints), on CPU bfloat16 for a float16/bfloat16 checkpoint where
-    the CPU has AVX512-BF16 or AMX, else float32."""
+    """Weights, activations and KV cache dtype; auto = bfloat16 on CUDA; on CPU bfloat16 for a
+    float16/bfloat16 checkpoint where the CPU has AVX512-BF16 or AMX, else float32."""
     quantization: str = "auto"
     """auto = from the checkpoint's quantization_config, none = unquantized, or a quant method."""
     max_model_len: int | Literal["auto"] = "auto"

@@ -7,8 +7,7 @@ and ``model.dtype`` made concrete.
 =========  ==============================================  ===========
 device     checkpoint                                      dtype
 =========  ==============================================  ===========
-cuda       float16 or bfloat16                             the same
-cuda       float32 or unknown                              bfloat16
+cuda       any                                             bfloat16
 cpu        float16 or bfloat16, and the CPU has native     bfloat16
            bfloat16 math
 cpu        anything else                                   float32
@@ -49,8 +48,6 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str | None 
     if device.type == "cpu":
         native = checkpoint_dtype in ("float16", "bfloat16") and cpu_has_native_bf16()
         return torch.bfloat16 if native else torch.float32
-    if checkpoint_dtype in ("float16", "bfloat16"):
-        return DTYPES[checkpoint_dtype]
     return torch.bfloat16
 
 

@@ -19,10 +19,10 @@ def native_bf16(monkeypatch):
 
 @pytest.mark.parametrize("device, checkpoint, native, expected", [
     (CUDA, "bfloat16", False, torch.bfloat16),
-    (CUDA, "float16", False, torch.float16),
+    (CUDA, "float16", False, torch.bfloat16),
     (CUDA, "float32", False, torch.bfloat16),
     (CUDA, None, False, torch.bfloat16),
-    (CUDA, "torch.float16", False, torch.float16),
+    (CPU, "torch.bfloat16", True, torch.bfloat16),
     (CPU, "bfloat16", True, torch.bfloat16),
     (CPU, "bfloat16", False, torch.float32),
     (CPU, "float16", True, torch.bfloat16),
