@@ -47,6 +47,10 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     ctx.check_ready()
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs = true", "top_logprobs")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise bad_request(f"response_format type {body.response_format.type!r} is not supported: tandem "
+                          "has no structured (JSON) output yet; omit response_format or use 'text'",
+                          "response_format")
     token_ids = render_chat(ctx, body)
     max_tokens = body.max_completion_tokens or body.max_tokens
     check_prompt(ctx, token_ids, max_tokens, param="messages")

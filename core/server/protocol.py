@@ -91,6 +91,12 @@ class ChatMessage(_Request):
     name: str | None = None
 
 
+class ResponseFormat(_Request):
+    """OpenAI's ``response_format``: only ``{"type": "text"}`` is served (no structured output)."""
+
+    type: str
+
+
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions. ``max_completion_tokens`` wins over ``max_tokens``; both unset
     means "up to the context length"."""
@@ -101,6 +107,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    response_format: ResponseFormat | None = None
 
 
 # ----------------------------------------------------------------------------- responses

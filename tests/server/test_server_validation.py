@@ -50,6 +50,10 @@ CASES = [
     ("chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "less than"),
     ("chat/completions", {**CHAT, "logprobs": 3}, 400, "logprobs", "valid boolean"),
     ("chat/completions", {**CHAT, "model": "other"}, 404, "model", "does not exist"),
+    ("chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400, "response_format",
+     "'json_object' is not supported"),
+    ("chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     400, "response_format", "structured (JSON) output"),
 ]
 
 
@@ -126,3 +130,10 @@ def test_null_means_the_default(server, offline):
         "logprobs": None, "stop": None, "seed": None})
     assert response.status_code == 200, response.text
     assert [c["text"] for c in response.json()["choices"]] == [want.text]
+
+
+def test_text_response_format_is_served(server):
+    response = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
+                          json={**CHAT, "max_tokens": 2, "response_format": {"type": "text"}})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 2
