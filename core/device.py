@@ -64,3 +64,40 @@ def cpu_has_native_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
             flags = set(line.partition(":")[2].split())
             return any(flag in flags for flag in _NATIVE_BF16_FLAGS)
     return False
+
+
+def available_memory_bytes(device: torch.device, meminfo: str | Path = "/proc/meminfo") -> tuple[int, int] | None:
+    """(bytes available now, bytes more the system can page out) for new allocations on
+    ``device``: on CUDA the free device memory and 0; on the CPU Linux's MemAvailable and
+    SwapFree. None where that cannot be read."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free, 0
+    try:
+        fields = dict(line.split(":", 1) for line in Path(meminfo).read_text().splitlines() if ":" in line)
+        return _kib(fields["MemAvailable"]), _kib(fields.get("SwapFree", "0 kB"))
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _kib(value: str) -> int:
+    return int(value.split()[0]) * 1024
+
+
+def check_weights_fit(weight_bytes: int | None, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse to load weights that cannot fit (ValueError naming the sizes and what to try);
+    warn when they fit only by paging out (swap)."""
+    memory = available_memory_bytes(device)
+    if weight_bytes is None or memory is None:
+        return
+    available, pageable = memory
+    if weight_bytes <= available:
+        return
+    gib = 1 << 30
+    hint = ("; try --dtype bfloat16, a quantized checkpoint (tandem quantize), or a smaller model"
+            if dtype == torch.float32 else "; try a quantized checkpoint (tandem quantize) or a smaller model")
+    message = (f"the weights need {weight_bytes / gib:.1f} GiB in {str(dtype).removeprefix('torch.')} but "
+               f"{device} has {available / gib:.1f} GiB available")
+    if weight_bytes > available + pageable:
+        raise ValueError(message + hint)
+    logger.warning("%s: loading will page memory out to swap (slow)%s", message, hint)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from tandem.config import TandemConfig, parse_bytes
-from tandem.device import resolve_device, resolve_dtype
+from tandem.device import check_weights_fit, resolve_device, resolve_dtype
 from tandem.interfaces import KVPoolDescriptor, compat_hash
 from tandem.kv_transfer import KVTransferCoordinator, RemotePrefill
 from tandem.models.config import ModelArchConfig, kv_bytes_per_block, kv_cache_shape
@@ -51,7 +51,12 @@ class LLMEngine:
     """Loads the model named by ``config`` and serves requests step by step."""
 
     def __init__(self, config: TandemConfig) -> None:
-        from tandem.models.loader import load_generation_config, load_model, load_tokenizer
+        from tandem.models.loader import (
+            estimate_weight_bytes,
+            load_generation_config,
+            load_model,
+            load_tokenizer,
+        )
 
         self.config = config
         self.registry = get_registry()
@@ -68,6 +73,7 @@ class LLMEngine:
             backend_name = "triton" if self.device.type == "cuda" else "torch"
         self.attn_backend_cls = self.registry.get("attention_backend", backend_name)
         self.quant_method = self._quant_method(checkpoint)
+        check_weights_fit(estimate_weight_bytes(path, self.dtype), self.device, self.dtype)
         t0 = time.perf_counter()
         self.model, self.arch = load_model(
             path,

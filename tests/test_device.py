@@ -57,3 +57,24 @@ def test_native_bf16_from_cpu_flags(tmp_path):
 def test_auto_device():
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
     assert resolve_device("cuda:1") == torch.device("cuda", 1)
+
+
+def test_available_memory_from_meminfo(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:   1000 kB\nSwapFree:  2 kB\n")
+    assert tdevice.available_memory_bytes(CPU, meminfo) == (1000 * 1024, 2 * 1024)
+    assert tdevice.available_memory_bytes(CPU, tmp_path / "missing") is None
+
+
+@pytest.mark.parametrize("available, pageable, outcome", [
+    (10 << 30, 0, "fits"), (4 << 30, 8 << 30, "warns"), (4 << 30, 1 << 30, "refused"),
+])
+def test_weights_that_cannot_fit_are_refused(available, pageable, outcome, monkeypatch, caplog):
+    monkeypatch.setattr(tdevice, "available_memory_bytes", lambda device: (available, pageable))
+    need = 8 << 30
+    if outcome == "refused":
+        with pytest.raises(ValueError, match=r"need 8.0 GiB in float32 but cpu has 4.0 GiB.*--dtype bfloat16"):
+            tdevice.check_weights_fit(need, CPU, torch.float32)
+        return
+    tdevice.check_weights_fit(need, CPU, torch.float32)
+    assert ("swap" in caplog.text) == (outcome == "warns")

@@ -98,6 +98,33 @@ def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                 bar.update(1)
 
 
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+def estimate_weight_bytes(path: str | Path, dtype: torch.dtype) -> int | None:
+    """Bytes the checkpoint's tensors take once loaded with floating-point weights in ``dtype``
+    (integer and FP8 tensors keep their size), read from the safetensors headers alone; None for
+    pytorch_model.bin checkpoints. Tied or fused copies are counted as stored."""
+    files = checkpoint_files(path)
+    if files[0].suffix != ".safetensors":
+        return None
+    total = 0
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                piece = f.get_slice(name)
+                numel = 1
+                for size in piece.get_shape():
+                    numel *= size
+                stored = piece.get_dtype()
+                total += numel * (dtype.itemsize if stored in _FLOAT_DTYPES else _SAFETENSORS_BYTES[stored])
+    return total
+
+
+_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "I16": 2,
+                      "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
 def _count_tensors(files: list[Path]) -> int | None:
     if files[0].suffix != ".safetensors":
         return None

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tandem.models.llama import LlamaForCausalLM
-from tandem.models.loader import checkpoint_files, load_generation_config, load_tokenizer
+from tandem.models.loader import checkpoint_files, estimate_weight_bytes, load_generation_config, load_tokenizer
 from tandem.models.qwen2 import Qwen2ForCausalLM
 from tandem.plugins.attention_torch import TorchAttentionBackend
 from tandem.quant.unquantized import UnquantizedLinearMethod
@@ -146,3 +146,9 @@ def test_a_folder_without_tokenizer_files_says_so(tiny_llama_dir, tmp_path):
     (tmp_path / "tokenizer.model").write_bytes(b"not a sentencepiece model")
     with pytest.raises(ValueError, match="pip install sentencepiece"):
         load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_bytes_are_estimated_from_the_headers(tiny_llama_dir, dtype):
+    numel = sum(t.numel() for t in load_file(tiny_llama_dir / "model.safetensors").values())
+    assert estimate_weight_bytes(tiny_llama_dir, dtype) == numel * dtype.itemsize
