@@ -58,6 +58,16 @@ class ModelArchConfig:
     """Attention scale ``query_pre_attn_scalar ** -0.5`` instead of ``head_dim ** -0.5`` (Gemma)."""
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    rope_layers: tuple[bool, ...] = ()
+    """Per layer, whether it applies the rotary embedding (SmolLM3's ``no_rope_layers``: 0 = no
+    position encoding in that layer); empty = every layer does."""
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
+    """Granite's scalings: embeddings × embedding_multiplier, each block's output ×
+    residual_multiplier before the residual add, attention scores × attention_multiplier (instead
+    of head_dim ** -0.5), logits / logits_scaling."""
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
@@ -72,6 +82,9 @@ class ModelArchConfig:
     @property
     def max_model_len(self) -> int:
         return self.max_position_embeddings
+
+    def uses_rope(self, layer_idx: int) -> bool:
+        return not self.rope_layers or self.rope_layers[layer_idx]
 
     def sliding_window_for(self, layer_idx: int) -> int | None:
         """The sliding window of layer ``layer_idx`` (None = full causal attention)."""
@@ -111,6 +124,11 @@ class ModelArchConfig:
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
             attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
+            rope_layers=tuple(bool(v) for v in cfg.get("no_rope_layers") or ()),
+            embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+            residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+            attention_multiplier=cfg.get("attention_multiplier"),
+            logits_scaling=float(cfg.get("logits_scaling", 1.0)),
             # HF's Gemma configs tie by default and often leave the key out of config.json
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", cfg.get("model_type", "").startswith("gemma"))),
             attention_bias=bool(cfg.get("attention_bias", False)),

@@ -163,7 +163,8 @@ class AttentionOptions:
 
 class Attention(nn.Module):
     """Self-attention of layer ``layer_idx``: fused QKV projection (shards q, k, v), optional
-    per-head q/k norms, rotary embedding, one attention backend instance over
+    per-head q/k norms, rotary embedding (unless the config exempts the layer), one attention
+    backend instance over
     ``kv_cache[:, layer_idx]``, output projection. Query head ``h`` uses KV head
     ``h // (num_heads // num_kv_heads)`` (GQA as HF's repeat_kv)."""
 
@@ -171,6 +172,7 @@ class Attention(nn.Module):
                  attn_backend_cls: type[AttentionBackend], options: AttentionOptions) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.use_rope = config.uses_rope(layer_idx)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -200,7 +202,9 @@ class Attention(nn.Module):
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q)[0], self.k_norm(k)[0]), dim=1)
         # q and k sit side by side in the fused output: rotate them as one tensor (half the ops).
-        q, k = rotate(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        if self.use_rope:
+            qk = rotate(qk, cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attn.forward(q, k, v, kv_cache[:, self.layer_idx], metadata)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))

@@ -54,13 +54,18 @@ class LlamaDecoderLayer(nn.Module):
                             config.hidden_act, quant_method)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.residual_multiplier = config.residual_multiplier
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns the MLP's output and the residual stream; the next norm adds them."""
         h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, cos, sin, kv_cache, metadata)
+        h = self._scaled(self.self_attn(h, cos, sin, kv_cache, metadata))
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return self._scaled(self.mlp(h)), residual
+
+    def _scaled(self, h: torch.Tensor) -> torch.Tensor:
+        return h if self.residual_multiplier == 1.0 else h * self.residual_multiplier
 
 
 class LlamaModel(nn.Module):
@@ -74,10 +79,13 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embedding_multiplier = config.embedding_multiplier
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
+        if self.embedding_multiplier != 1.0:
+            h = h * self.embedding_multiplier
         cos, sin = self.rotary_emb(positions, h.dtype)
         residual = None
         for layer in self.layers:
@@ -87,8 +95,11 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / Mistral. q, k, v and o carry a bias when config.attention_bias says so; subclasses
-    for other members of the family override ``attention_options``."""
+    """Llama, Mistral, and the Llama-shaped families that only set config values: Granite's
+    multipliers (``embedding_multiplier``, ``residual_multiplier``, ``attention_multiplier``,
+    ``logits_scaling``) and SmolLM3's rope-free layers (``no_rope_layers``). q, k, v and o carry a
+    bias when config.attention_bias says so; subclasses for other members of the family override
+    ``attention_options`` or ``build_model``."""
 
     def __init__(self, config: ModelArchConfig, quant_method: QuantMethod,
                  attn_backend_cls: type[AttentionBackend]) -> None:
@@ -105,14 +116,17 @@ class LlamaForCausalLM(nn.Module):
 
     @staticmethod
     def attention_options(config: ModelArchConfig) -> AttentionOptions:
-        return AttentionOptions(qkv_bias=config.attention_bias, o_bias=config.attention_bias)
+        return AttentionOptions(qkv_bias=config.attention_bias, o_bias=config.attention_bias,
+                                scale=config.attention_multiplier)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv_cache, metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        scaling = self.config.logits_scaling
+        return logits if scaling == 1.0 else logits / scaling
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load every tensor of an HF checkpoint (names as HF writes them), then let the quant

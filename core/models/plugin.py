@@ -16,3 +16,5 @@ def tandem_register_models(register: Register) -> None:
     register("Qwen2ForCausalLM", Qwen2ForCausalLM)
     register("Qwen3ForCausalLM", Qwen3ForCausalLM)
     register("Gemma3ForCausalLM", Gemma3ForCausalLM)
+    register("GraniteForCausalLM", LlamaForCausalLM)
+    register("SmolLM3ForCausalLM", LlamaForCausalLM)

@@ -10,7 +10,7 @@ from tests.helpers.tiny_models import tiny_model_dir
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen3", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen3", "gemma3", "smollm3"])
 def test_triton_backend_matches_torch_backend(kind):
     path = str(tiny_model_dir(kind))
     prompts = _prompts(20, [3, 17, 20])  # one block, a block and a bit; mistral's window is 8

@@ -15,6 +15,8 @@ Kinds (``TINY_KINDS``):
     "qwen2_sliding"  Qwen2 with use_sliding_window: layer 0 full, layer 1 window 8 (max_window_layers 1)
     "mistral"        MistralForCausalLM with sliding_window = 8
     "qwen3"          Qwen3ForCausalLM (per-head q/k RMSNorm), head_dim 32 set apart from hidden/heads
+    "granite"        GraniteForCausalLM with embedding/residual/attention multipliers and logits scaling
+    "smollm3"        SmolLM3ForCausalLM, 4 layers, the last without rotary embedding (no_rope_layers)
     "gemma3"         Gemma3ForCausalLM, 4 layers (full attention in layer 2, window 8 elsewhere, with
                      their own rope base), query_pre_attn_scalar 24, tied embeddings, GELU-tanh MLP
 
@@ -54,8 +56,12 @@ from transformers import (
     Qwen2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GraniteConfig,
+    GraniteForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 from tandem.models.config import ModelArchConfig
@@ -64,7 +70,7 @@ from tandem.models.tokenizer_training import EOS, EOT, stdlib_corpus_files, trai
 
 TINY_VOCAB = 512
 TINY_KINDS = ("llama", "llama3", "llama_tied", "llama_sharded", "qwen2", "qwen2_sliding", "mistral", "qwen3",
-              "gemma3")
+              "gemma3", "granite", "smollm3")
 SLIDING_WINDOW = 8
 MATRIX_SCALE = 3.0
 LM_HEAD_SCALE = 8.0
@@ -117,6 +123,13 @@ def _config_and_class(kind: str) -> tuple[PreTrainedConfig, type]:
                                   sliding_window=SLIDING_WINDOW, layer_types=layers, query_pre_attn_scalar=24)
         config.architectures = ["Gemma3ForCausalLM"]
         return config, Gemma3ForCausalLM
+    if kind == "granite":
+        return GraniteConfig(**_COMMON, **ids, embedding_multiplier=2.0, residual_multiplier=0.5,
+                             attention_multiplier=0.1, logits_scaling=4.0), GraniteForCausalLM
+    if kind == "smollm3":
+        config = SmolLM3Config(**{**_COMMON, "num_hidden_layers": 4}, **ids, tie_word_embeddings=False)
+        assert config.no_rope_layers == [1, 1, 1, 0]
+        return config, SmolLM3ForCausalLM
     raise ValueError(f"unknown tiny model kind {kind!r}; kinds: {', '.join(TINY_KINDS)}")
 
 
