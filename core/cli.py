@@ -60,6 +60,7 @@ CONFIG_FLAGS = [
     ConfigFlag("--kv-allocator", "engine.kv_allocator", metavar="NAME"),
     ConfigFlag("--attention-backend", "engine.attention_backend", metavar="NAME"),
     ConfigFlag("--enforce-eager", "engine.enforce_eager", None),
+    ConfigFlag("--num-speculative-tokens", "engine.num_speculative_tokens", int, "N"),
     ConfigFlag("--host", "server.host", metavar="HOST"),
     ConfigFlag("--port", "server.port", int, "N"),
     ConfigFlag("--api-key", "server.api_key", metavar="KEY"),

@@ -29,6 +29,7 @@ from pydantic import (
     ValidationError,
     field_serializer,
     field_validator,
+    model_validator,
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 from pydantic_settings.sources import (
@@ -156,12 +157,27 @@ class EngineConfig(_Section):
     """Attention backend plugin name; auto = triton on CUDA, torch on CPU."""
     num_threads: int | None = Field(None, ge=1)
     """torch threads on CPU; unset = torch's default."""
+    num_speculative_tokens: int = Field(0, ge=0, le=16)
+    """Speculative decoding with n-gram (prompt lookup) drafts: up to this many drafts per
+    decoding request (n = 1) and step, checked in one forward pass; 0 = off. Greedy output is
+    unchanged; sampled output keeps its distribution."""
+    speculative_ngram_min: int = Field(2, ge=1)
+    """Shortest suffix n-gram the drafter looks up."""
+    speculative_ngram_max: int = Field(4, ge=1)
+    """Longest suffix n-gram the drafter looks up (tried first)."""
     enforce_eager: bool = False
     """On CUDA: never capture CUDA graphs; every step runs eagerly (graphs need a backend that
     supports them, such as triton; other backends always run eagerly)."""
     cuda_graph_max_batch_size: int = Field(256, ge=1)
     """On CUDA: the largest decode batch replayed from a CUDA graph (capped by max_num_seqs);
     larger decode batches, prefills and chunks run eagerly."""
+
+    @model_validator(mode="after")
+    def _check_ngram(self) -> EngineConfig:
+        if self.speculative_ngram_max < self.speculative_ngram_min:
+            raise ValueError(f"speculative_ngram_max ({self.speculative_ngram_max}) must be at least "
+                             f"speculative_ngram_min ({self.speculative_ngram_min})")
+        return self
 
     @field_validator("device")
     @classmethod

@@ -45,6 +45,8 @@ class StepStats:
     num_generation_tokens: int
     duration_s: float
     kv_transfer_seconds: tuple[float, ...] = ()
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
 
 class LLMEngine:
@@ -171,6 +173,9 @@ class LLMEngine:
             max_num_batched_tokens=eng.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             enable_chunked_prefill=eng.enable_chunked_prefill,
+            num_speculative_tokens=eng.num_speculative_tokens,
+            ngram_min=eng.speculative_ngram_min,
+            ngram_max=eng.speculative_ngram_max,
         )
         return Scheduler(cfg, kv, policy_cls())
 
@@ -367,13 +372,19 @@ class LLMEngine:
         )
 
     def _record_step(self, sched_out: Any, runner_out: Any, duration_s: float) -> None:
-        gen = len(runner_out.sampled_token_ids)
+        sampled = runner_out.sampled_token_ids
+        drafts = sched_out.spec_token_ids
+        num_drafts = sum(len(d) for d in drafts.values())
+        num_accepted = sum(len(sampled[rid]) - 1 for rid in drafts if rid in sampled)
         total = sched_out.total_num_scheduled_tokens
         self.last_step = StepStats(
             num_tokens=total,
             num_seqs=len(sched_out.num_scheduled_tokens),
-            num_prompt_tokens=max(total - gen, 0),
-            num_generation_tokens=gen,
+            # each sampling request's last token and its drafts are generation-phase inputs
+            num_prompt_tokens=max(total - len(sampled) - num_drafts, 0),
+            num_generation_tokens=sum(len(t) for t in sampled.values()),
+            num_draft_tokens=num_drafts,
+            num_accepted_draft_tokens=num_accepted,
             duration_s=duration_s,
             kv_transfer_seconds=tuple(self.kv_transfer.take_transfer_durations()
                                       if self.kv_transfer is not None else ()),

@@ -89,13 +89,12 @@ class OutputProcessor:
                 for e in runner_out.prompt_logprobs[request.request_id]
             )
         stop_str = None
-        for token in new_token_ids:
+        logprobs = runner_out.logprobs.get(request.request_id, ()) if runner_out is not None else ()
+        for i, token in enumerate(new_token_ids):
             seq.token_ids.append(token)
-            if seq.logprobs is not None and runner_out is not None:
-                lp = runner_out.logprobs.get(request.request_id)
-                if lp is not None:
-                    seq.logprobs.append(self._logprob_dict(lp))
-                    seq.cumulative_logprob += lp.logprob
+            if seq.logprobs is not None and i < len(logprobs):
+                seq.logprobs.append(self._logprob_dict(logprobs[i]))
+                seq.cumulative_logprob += logprobs[i].logprob
             if seq.detokenizer is not None and stop_str is None:
                 stop_str = seq.detokenizer.add_tokens([token]).stop_matched
                 seq.text = seq.detokenizer.text

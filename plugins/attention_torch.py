@@ -7,12 +7,14 @@ Runs wherever torch runs (CPU and CUDA; float32, float16, bfloat16). Per layer a
        pool[:, layer] = [num_blocks, 2, block_size, num_kv_heads, head_dim]
        slot s → block s // block_size, offset s % block_size, for K (index 0) and V (index 1)
 
-2. Attend. Every sequence with one query token (decode) goes into ONE batched SDPA call: its
-   blocks are gathered through the block table into ``[B, max_blocks * block_size, Hkv, D]`` and
-   padded keys are masked. The query heads of one KV head ride as that head's "query rows"
-   (``[B, Hkv, G, D]``), so GQA needs no copy of K/V. Sequences with several query tokens
-   (prefill, chunked prefill, extend) get one SDPA call each: causal over the fresh K/V when they
-   have no cached prefix, else over their gathered context with an explicit mask.
+2. Attend. Every query row of a sequence with at most ``DECODE_QUERY_MAX`` of them (a decode,
+   drafts being checked, a tiny chunk) goes into ONE batched SDPA call as a one-query sequence
+   ending at its own position: its blocks are gathered through the block table into
+   ``[B, max_blocks * block_size, Hkv, D]`` and keys past that position are masked. The query
+   heads of one KV head ride as that head's "query rows" (``[B, Hkv, G, D]``), so GQA needs no
+   copy of K/V. Longer sequences (prefill, chunked prefill, extend) get one SDPA call each:
+   causal over the fresh K/V when they have no cached prefix, else over their gathered context
+   with an explicit mask.
 
 Query row ``t`` of a sequence sits at position ``p = context_len + t`` and sees key positions
 ``k <= p``, and with a sliding window ``W`` only ``k > p - W`` (HF's Mistral semantics: the last
@@ -30,6 +32,8 @@ import torch.nn.functional as F
 from tandem.interfaces import AttentionBackend, AttentionMetadata
 
 PLAN_KEY = "torch_attention_plan"
+# Sequences with at most this many query rows go through the batched decode call, one row each.
+DECODE_QUERY_MAX = 8
 
 
 @dataclass(slots=True)
@@ -76,31 +80,42 @@ class _StepPlan:
             write_rows = valid.nonzero().squeeze(1)
             slots = slots[write_rows]
         starts = [0, *accumulate(md.query_lens_cpu)]
-        decode = [i for i, n in enumerate(md.query_lens_cpu) if n == 1]
+        # Every query row of a short sequence (a decode, drafts being checked, a tiny chunk) joins
+        # the batched decode call as a one-query sequence ending at its own position.
+        rows: list[int] = []
+        row_seqs: list[int] = []
+        row_seq_lens: list[int] = []
+        for i, n in enumerate(md.query_lens_cpu):
+            if n <= DECODE_QUERY_MAX:
+                context = md.seq_lens_cpu[i] - n
+                rows.extend(range(starts[i], starts[i] + n))
+                row_seqs.extend([i] * n)
+                row_seq_lens.extend(range(context + 1, context + n + 1))
         prefills = [
             _PrefillSeq(starts[i], starts[i + 1], md.seq_lens_cpu[i] - n, md.seq_lens_cpu[i],
                         md.block_tables[i, : -(-md.seq_lens_cpu[i] // bs)].long())
-            for i, n in enumerate(md.query_lens_cpu) if n > 1
+            for i, n in enumerate(md.query_lens_cpu) if n > DECODE_QUERY_MAX
         ]
         return cls(
             write_rows=write_rows,
             write_blocks=slots // bs,
             write_offsets=slots % bs,
             padded=starts[-1] < md.num_tokens,
-            decode=cls._decode_batch(md, decode, starts) if decode else None,
+            decode=cls._decode_batch(md, rows, row_seqs, row_seq_lens) if rows else None,
             prefills=prefills,
             block_size=bs,
         )
 
     @staticmethod
-    def _decode_batch(md: AttentionMetadata, seqs: list[int], starts: list[int]) -> _DecodeBatch:
+    def _decode_batch(md: AttentionMetadata, rows: list[int], row_seqs: list[int],
+                      row_seq_lens: list[int]) -> _DecodeBatch:
         device = md.block_tables.device
-        index = torch.tensor(seqs, dtype=torch.long, device=device)
-        num_blocks = -(-max(md.seq_lens_cpu[i] for i in seqs) // md.block_size)
+        index = torch.tensor(row_seqs, dtype=torch.long, device=device)
+        num_blocks = -(-max(row_seq_lens) // md.block_size)
         tables = md.block_tables.index_select(0, index)[:, :num_blocks].long().clamp(min=0)
         return _DecodeBatch(
-            rows=torch.tensor([starts[i] for i in seqs], dtype=torch.long, device=device),
-            seq_lens=md.seq_lens.index_select(0, index).long(),
+            rows=torch.tensor(rows, dtype=torch.long, device=device),
+            seq_lens=torch.tensor(row_seq_lens, dtype=torch.long, device=device),
             block_ids=tables.reshape(-1),
             num_blocks=num_blocks,
         )

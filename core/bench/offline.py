@@ -110,9 +110,26 @@ def run_tandem(llm, wl: Workload) -> ModeResult:
     from tandem import SamplingParams
 
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in wl.max_tokens]
+    engine = llm.engine
+    step, counts = engine.step, [0, 0]
+
+    def counting_step():
+        outputs = step()
+        counts[0] += engine.last_step.num_draft_tokens
+        counts[1] += engine.last_step.num_accepted_draft_tokens
+        return outputs
+
+    engine.step = counting_step
     t0 = time.perf_counter()
-    outs = llm.generate(wl.prompts, params)
-    return ModeResult("tandem", time.perf_counter() - t0, [o.outputs[0].token_ids for o in outs])
+    try:
+        outs = llm.generate(wl.prompts, params)
+    finally:
+        engine.step = step
+    seconds = time.perf_counter() - t0
+    if counts[0]:
+        print(f"  speculative decoding: {counts[1]} of {counts[0]} draft tokens accepted "
+              f"({counts[1] / counts[0]:.0%})")
+    return ModeResult("tandem", seconds, [o.outputs[0].token_ids for o in outs])
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -131,6 +148,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="tandem's max_num_seqs")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--num-speculative-tokens", type=int, default=0,
+                   help="tandem's n-gram speculative decoding: drafts per step (0 = off)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="dtype of both tandem and HF (bfloat16 pays off on CPUs with AVX512-BF16/AMX)")
 
@@ -154,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
     if any(m.startswith("hf") for m in args.modes):
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
     llm = LLM(model=path, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              num_speculative_tokens=args.num_speculative_tokens,
               max_num_batched_tokens=args.max_num_batched_tokens) if "tandem" in args.modes else None
     vocab = (llm.engine.arch.vocab_size if llm else hf.config.vocab_size)
     wl = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), vocab, eos,

@@ -72,6 +72,9 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """Draft tokens of speculative decoding: a request listed here has ``1 + len(drafts)``
+    scheduled tokens, its last known token followed by the drafts (not yet its tokens)."""
 
     @property
     def is_empty(self) -> bool:
@@ -96,12 +99,14 @@ class TokenLogprobs:
 class ModelRunnerOutput:
     """What one step produced. A request appears in ``sampled_token_ids`` when its last scheduled
     token was its last known token (it reached the end of its prompt or is decoding), and so do
-    the children forked this step. Partial prompt chunks sample nothing.
+    the children forked this step. Partial prompt chunks sample nothing. The list holds one token,
+    or with speculative decoding the drafts the model accepted followed by one of its own.
+    ``logprobs[rid]``, when asked for, has one entry per token of ``sampled_token_ids[rid]``.
 
     ``prompt_logprobs[rid]`` holds entries for the prompt positions computed this step (None for
     the first prompt token, which has no logprob).
     """
 
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)

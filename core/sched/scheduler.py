@@ -37,6 +37,11 @@ Disaggregated prefill/decode adds two mechanisms, both pure bookkeeping (the eng
 - Pinned KV (prefill side). A request added with ``pin_kv_on_finish`` that finishes normally
   (stop or length) while running keeps its blocks under a pin (an extra reference, ``take_new_pins``) until
   ``release_pin``.
+
+Speculative decoding (``num_speculative_tokens > 0``) gives a decoding sequence its last known
+token plus up to that many n-gram drafts (tandem.sched.ngram) in one step;
+``num_computed_tokens`` then counts the drafts until ``update_from_output`` learns how many the
+model accepted and takes the rest back.
 """
 from __future__ import annotations
 
@@ -55,6 +60,7 @@ from tandem.sched.output import (
     NewRequestData,
     SchedulerOutput,
 )
+from tandem.sched.ngram import propose_ngram
 from tandem.sched.request import Request, RequestStatus
 
 
@@ -67,11 +73,17 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+    num_speculative_tokens: int = 0
+    """Speculative decoding: up to this many n-gram drafts per decode step (0 = off)."""
+    ngram_min: int = 2
+    ngram_max: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "ngram_min"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1 (got {getattr(self, name)})")
+        if self.num_speculative_tokens < 0 or self.ngram_max < self.ngram_min:
+            raise ValueError("num_speculative_tokens must be >= 0 and ngram_max >= ngram_min")
 
 
 @dataclass(slots=True, frozen=True)
@@ -117,6 +129,7 @@ class _Scheduled:
     num_prompt_phase: int
     allocation: KVAllocation
     is_new: bool
+    drafts: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -357,7 +370,11 @@ class Scheduler:
             num_new = min(num_remaining, self._token_limit(step, request, num_remaining))
             if num_new == 0:
                 continue
-            allocation = self.kv.allocate(request, num_new)
+            drafts = self._drafts(step, request, num_remaining)
+            allocation = self.kv.allocate(request, num_new + len(drafts)) if drafts else None
+            if allocation is None:
+                drafts = []
+                allocation = self.kv.allocate(request, num_new)
             while allocation is None:
                 victim = self.policy.select_victim(self._running)
                 self._preempt(victim, step)
@@ -365,7 +382,19 @@ class Scheduler:
                     return
                 allocation = self.kv.allocate(request, num_new)
             is_new = request.request_id in self._unsent
-            self._record(step, request, 0, num_new, allocation, is_new=is_new)
+            self._record(step, request, 0, num_new + len(drafts), allocation, is_new=is_new, drafts=drafts)
+
+    def _drafts(self, step: _Step, request: Request, num_remaining: int) -> list[int]:
+        """N-gram drafts for a decoding sequence, as many as the token budget, its max_tokens
+        (the accepted drafts plus the model's own token must not pass it) and the context length
+        allow."""
+        cfg = self.config
+        if cfg.num_speculative_tokens == 0 or not _is_decode(request, num_remaining):
+            return []
+        limit = min(cfg.num_speculative_tokens, step.token_budget - 1,
+                    request.max_tokens - request.num_output_tokens - 1,
+                    cfg.max_model_len - request.num_tokens)
+        return propose_ngram(request.all_token_ids, limit, cfg.ngram_min, cfg.ngram_max) if limit > 0 else []
 
     def _schedule_waiting(self, step: _Step) -> None:
         """Admit from the head of the queue until one does not fit (no skipping ahead). A request
@@ -451,11 +480,11 @@ class Scheduler:
         return num_remaining if limit > 0 and num_remaining <= step.token_budget else 0
 
     def _record(self, step: _Step, request: Request, num_cached: int, num_new: int,
-                allocation: KVAllocation, is_new: bool) -> None:
+                allocation: KVAllocation, is_new: bool, drafts: list[int] | None = None) -> None:
         start = request.num_computed_tokens + num_cached
         num_prompt_phase = 0 if _is_decode(request, request.num_tokens - start) else num_new
         step.scheduled[request.request_id] = _Scheduled(request, start, num_new, num_prompt_phase,
-                                                        allocation, is_new)
+                                                        allocation, is_new, drafts or [])
         step.token_budget -= num_new
         step.num_prompt_tokens += num_prompt_phase
         request.num_computed_tokens = start + num_new
@@ -523,6 +552,8 @@ class Scheduler:
                     replaced_blocks=allocation.replaced_blocks,
                 ))
             out.num_scheduled_tokens[request_id] = record.num_new
+            if record.drafts:
+                out.spec_token_ids[request_id] = record.drafts
             out.block_copies.extend(allocation.block_copies)
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         return out
@@ -537,18 +568,28 @@ class Scheduler:
             self._in_flight.pop(request_id, None)
         now = time.monotonic()
         updates = []
-        for request_id, token_id in result.sampled_token_ids.items():
+        for request_id, token_ids in result.sampled_token_ids.items():
             request = self._requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
-            request.append_output_token(token_id)
+            drafts = out.spec_token_ids.get(request_id)
+            if drafts:
+                # KV is valid for the last known token and the accepted drafts only.
+                request.num_computed_tokens -= 1 + len(drafts) - len(token_ids)
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             request.metrics.last_token_time = now
-            status = self._stop_status(request, token_id)
-            if status is not None:
-                self._finish(request, status)
-            updates.append(RequestUpdate(request, [token_id], status is not None))
+            status, appended = None, []
+            for token_id in token_ids:
+                request.append_output_token(token_id)
+                appended.append(token_id)
+                status = self._stop_status(request, token_id)
+                if status is not None:
+                    # stopped on an accepted draft: its KV was computed, the rest is dropped
+                    request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+                    self._finish(request, status)
+                    break
+            updates.append(RequestUpdate(request, appended, status is not None))
         return updates
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:

@@ -82,6 +82,10 @@ class ServerMetrics:
         r = self.registry = CollectorRegistry()
         self.prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens computed.", registry=r)
         self.generation_tokens = Counter("tandem:generation_tokens", "Tokens generated.", registry=r)
+        self.draft_tokens = Counter("tandem:spec_decode_num_draft_tokens",
+                                    "Speculative decoding: draft tokens checked.", registry=r)
+        self.accepted_tokens = Counter("tandem:spec_decode_num_accepted_tokens",
+                                       "Speculative decoding: draft tokens the model accepted.", registry=r)
         self.iteration_tokens = Histogram("tandem:iteration_tokens", "Tokens computed per engine step.",
                                           buckets=_TOKEN_BUCKETS, registry=r)
         self.batch_size = Histogram("tandem:batch_size", "Sequences per engine step.",
@@ -110,6 +114,8 @@ class ServerMetrics:
         """Called on the engine thread after every step."""
         self.prompt_tokens.inc(stats.num_prompt_tokens)
         self.generation_tokens.inc(stats.num_generation_tokens)
+        self.draft_tokens.inc(stats.num_draft_tokens)
+        self.accepted_tokens.inc(stats.num_accepted_draft_tokens)
         self.iteration_tokens.observe(stats.num_tokens)
         self.batch_size.observe(stats.num_seqs)
         for seconds in stats.kv_transfer_seconds:

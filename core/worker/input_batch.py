@@ -61,6 +61,9 @@ class StepInputs:
     sample_request_ids: list[str] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
     prompt_rows: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    spec_rows: dict[str, int] = field(default_factory=dict)
+    """Requests checking drafts: the row of their last known token; rows ``row .. row + k``
+    give the model's token after it and after each of the ``k`` drafts."""
 
 
 def build_step_inputs(
@@ -82,11 +85,17 @@ def build_step_inputs(
     sample_ids: list[str] = []
     sample_rows: list[int] = []
     prompt_rows: dict[str, tuple[int, int, int]] = {}
+    spec_rows: dict[str, int] = {}
     for rid, n in out.num_scheduled_tokens.items():
         req = requests[rid]
         start, end = starts[rid], starts[rid] + n
         row0 = len(ids)
         ids.extend(req.token_ids[start:end])
+        drafts = out.spec_token_ids.get(rid)
+        if drafts:
+            assert start == len(req.token_ids) - 1 and n == 1 + len(drafts), (rid, start, n)
+            ids.extend(drafts)
+            spec_rows[rid] = row0
         positions.extend(range(start, end))
         table = req.block_ids
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
@@ -94,7 +103,7 @@ def build_step_inputs(
         seq_lens.append(end)
         context_lens.append(start)
         tables.append(table)
-        if end == len(req.token_ids):
+        if end == len(req.token_ids) and not drafts:
             sample_ids.append(rid)
             sample_rows.append(len(ids) - 1)
         if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens:
@@ -123,4 +132,5 @@ def build_step_inputs(
         sample_request_ids=sample_ids,
         sample_rows=sample_rows,
         prompt_rows=prompt_rows,
+        spec_rows=spec_rows,
     )

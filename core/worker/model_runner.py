@@ -87,8 +87,8 @@ class ModelRunner:
         self, hidden: torch.Tensor, inputs: StepInputs, out: SchedulerOutput, result: ModelRunnerOutput
     ) -> None:
         rids = list(inputs.sample_request_ids)
-        rows = list(range(len(rids)))
-        row_of = {rid: i for i, rid in enumerate(rids)}
+        hidden_rows = list(inputs.sample_rows)
+        row_of = dict(zip(rids, hidden_rows))
         for fork in out.forked_requests:
             parent = self.requests[fork.parent_id]
             child = RunnerRequest(
@@ -102,17 +102,32 @@ class ModelRunner:
             child.generator = self._generator(fork.request_id, parent.params.seed, fork.sample_index)
             self.requests[fork.request_id] = child
             rids.append(fork.request_id)
-            rows.append(row_of[fork.parent_id])
-        if not rids:
-            return
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])[rows]
+            hidden_rows.append(row_of[fork.parent_id])
         sampling_rows = [self._sampling_row(self.requests[rid]) for rid in rids]
+        # A request checking k drafts samples k + 1 rows: row i as if drafts[:i] were accepted.
+        spec: list[tuple[str, int, list[int]]] = []
+        for rid, row0 in inputs.spec_rows.items():
+            drafts, req = out.spec_token_ids[rid], self.requests[rid]
+            spec.append((rid, len(sampling_rows), drafts))
+            hidden_rows.extend(range(row0, row0 + len(drafts) + 1))
+            sampling_rows.extend(self._sampling_row(req, drafts[:i]) for i in range(len(drafts) + 1))
+        if not sampling_rows:
+            return
+        logits = self.model.compute_logits(hidden[hidden_rows])
         sampled = self.sampler(logits, sampling_rows)
-        for rid, token, lp in zip(rids, sampled.token_ids, sampled.logprobs):
-            self.requests[rid].token_ids.append(token)
-            result.sampled_token_ids[rid] = token
-            if lp is not None:
-                result.logprobs[rid] = lp
+        for i, rid in enumerate(rids):
+            self._emit(rid, sampled.token_ids[i:i + 1], sampled.logprobs[i:i + 1], result)
+        for rid, first, drafts in spec:
+            tokens = sampled.token_ids[first:first + len(drafts) + 1]
+            accepted = next((i for i, (t, d) in enumerate(zip(tokens, drafts)) if t != d), len(drafts))
+            self._emit(rid, tokens[:accepted + 1], sampled.logprobs[first:first + accepted + 1], result)
+
+    def _emit(self, rid: str, tokens: list[int], logprobs: list[TokenLogprobs | None],
+              result: ModelRunnerOutput) -> None:
+        self.requests[rid].token_ids.extend(tokens)
+        result.sampled_token_ids[rid] = tokens
+        if logprobs and logprobs[0] is not None:
+            result.logprobs[rid] = logprobs
 
     def _generator(self, request_id: str, seed: int | None, sample_index: int) -> torch.Generator | None:
         if seed is None:
@@ -121,12 +136,12 @@ class ModelRunner:
             self.generators[request_id] = make_generator(seed, sample_index, self.device)
         return self.generators[request_id]
 
-    def _sampling_row(self, req: RunnerRequest) -> SamplingRow:
+    def _sampling_row(self, req: RunnerRequest, drafts: list[int] | None = None) -> SamplingRow:
         return SamplingRow(
             params=req.params,
             generator=req.generator,
             prompt_token_ids=req.token_ids[: req.num_prompt_tokens],
-            output_token_ids=req.output_token_ids,
+            output_token_ids=req.output_token_ids + drafts if drafts else req.output_token_ids,
             eos_token_ids=self.eos_token_ids,
         )
 

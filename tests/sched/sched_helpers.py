@@ -33,7 +33,7 @@ def run_step(scheduler, tokens=None, default_token=100):
     for rid in ids:
         request = scheduler.get_request(rid)
         if request.num_computed_tokens == request.num_tokens:
-            result.sampled_token_ids[rid] = (tokens or {}).get(rid, default_token)
+            result.sampled_token_ids[rid] = [(tokens or {}).get(rid, default_token)]
     updates = scheduler.update_from_output(out, result)
     return out, updates
 

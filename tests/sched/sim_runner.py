@@ -42,21 +42,27 @@ class SimulatedRunner:
         for src, dst in out.block_copies:
             self.shadow[dst] = list(self.shadow[src])
         for rid, num in out.num_scheduled_tokens.items():
-            self._write(self.held[rid], starts[rid], starts[rid] + num)
+            self._write(self.held[rid], starts[rid], starts[rid] + num, out.spec_token_ids.get(rid, []))
         for rid, num in out.num_scheduled_tokens.items():
-            self._check_context(rid, starts[rid] + num)
+            self._check_context(rid, starts[rid] + num, out.spec_token_ids.get(rid, []))
         result = ModelRunnerOutput()
         for rid, num in out.num_scheduled_tokens.items():
             held = self.held[rid]
+            drafts = out.spec_token_ids.get(rid, [])
+            if drafts:
+                assert starts[rid] == len(held.tokens) - 1 and num == 1 + len(drafts)
+                result.sampled_token_ids[rid] = self._check_drafts(rid, held, drafts)
+                held.num_computed = starts[rid] + len(result.sampled_token_ids[rid])
+                continue
             held.num_computed = starts[rid] + num
             if held.num_computed == len(held.tokens):
-                result.sampled_token_ids[rid] = self._sample(rid, held)
+                result.sampled_token_ids[rid] = [self._sample(rid, held)]
         for fork in out.forked_requests:
             parent = self.held[fork.parent_id]
             tokens = parent.tokens[:parent.num_computed]
             child = _Held(tokens=tokens, table=list(parent.table), num_computed=parent.num_computed)
             self.held[fork.request_id] = child
-            result.sampled_token_ids[fork.request_id] = self._sample(fork.request_id, child)
+            result.sampled_token_ids[fork.request_id] = [self._sample(fork.request_id, child)]
         return result
 
     def _apply_diff(self, out: SchedulerOutput) -> dict[str, int]:
@@ -79,17 +85,19 @@ class SimulatedRunner:
         assert set(starts) == set(out.num_scheduled_tokens)
         return starts
 
-    def _write(self, held: _Held, start: int, end: int) -> None:
-        assert end <= len(held.tokens), "scheduled past the last known token"
+    def _write(self, held: _Held, start: int, end: int, drafts: list[int]) -> None:
+        tokens = held.tokens + drafts
+        assert end <= len(tokens), "scheduled past the last known token"
         bs = self.block_size
         for pos in range(start, end):
-            self.shadow[held.table[pos // bs]][pos % bs] = tuple(held.tokens[:pos + 1])
+            self.shadow[held.table[pos // bs]][pos % bs] = tuple(tokens[:pos + 1])
 
-    def _check_context(self, rid: str, end: int) -> None:
+    def _check_context(self, rid: str, end: int, drafts: list[int]) -> None:
         held, bs = self.held[rid], self.block_size
+        tokens = held.tokens + drafts
         for pos in range(end):
             found = self.shadow[held.table[pos // bs]][pos % bs]
-            assert found == tuple(held.tokens[:pos + 1]), (
+            assert found == tuple(tokens[:pos + 1]), (
                 f"{rid} position {pos}: block {held.table[pos // bs]} holds KV of {found}")
 
     @staticmethod
@@ -97,3 +105,17 @@ class SimulatedRunner:
         token = fake_token(rid, len(held.tokens))
         held.tokens.append(token)
         return token
+
+    @classmethod
+    def _check_drafts(cls, rid: str, held: _Held, drafts: list[int]) -> list[int]:
+        """The simulated model agrees with a draft when a hash of the position says so (about
+        half the time), else samples its own token there; it always adds one token after the
+        accepted drafts."""
+        tokens = []
+        for draft in drafts:
+            if zlib.crc32(f"{rid}#{len(held.tokens)}".encode()) % 2:
+                break
+            held.tokens.append(draft)
+            tokens.append(draft)
+        tokens.append(cls._sample(rid, held))
+        return tokens

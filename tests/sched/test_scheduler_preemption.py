@@ -193,7 +193,7 @@ def test_abort_between_schedule_and_update_drops_the_step_in_flight():
     run_step(s)  # tokens 0..3 computed
     out = s.schedule()  # tokens 4..7 in flight
     s.abort_requests(["a"])
-    result = ModelRunnerOutput(sampled_token_ids={"a": 5})
+    result = ModelRunnerOutput(sampled_token_ids={"a": [5]})
     assert s.update_from_output(out, result) == []
     assert a.num_output_tokens == 0 and a.num_computed_tokens == 4
     # only the block computed before the aborted step may serve a prefix hit

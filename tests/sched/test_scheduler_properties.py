@@ -2,9 +2,10 @@
 
 Random arrivals, prompts that often share prefixes, output lengths, n, priorities, aborts (between
 steps and while a step is in flight), stop-string finishes, tiny KV pools and small budgets, both
-policies and a prompt cap. Checked at every step: the token budget and the sequence limit hold;
+policies and a prompt cap, and speculative decoding (n-gram drafts the simulated model accepts
+or rejects at random, so rejected drafts' KV sits in blocks that other requests may share). Checked at every step: the token budget and the sequence limit hold;
 every block's ref count equals the number of block tables holding it and the free count matches;
-tables cover exactly ``num_computed_tokens``; waiting requests hold no blocks; the runner's view of
+tables cover exactly ``num_computed_tokens`` (plus at most the slots of rejected drafts); waiting requests hold no blocks; the runner's view of
 every table (rebuilt from the diffs alone) equals the allocator's; every context slot a request
 reads holds that request's own prefix (see sim_runner); under FCFS no request is admitted while an
 earlier one waits. At the end: every request finished, was aborted, or was rejected with a
@@ -101,6 +102,8 @@ def workloads(draw, with_priorities=False):
             max_num_batched_tokens=draw(st.integers(3, 32)),
             max_model_len=draw(st.integers(16, 48)),
             enable_chunked_prefill=draw(st.booleans()),
+            num_speculative_tokens=draw(st.sampled_from([0, 0, 1, 3])),
+            ngram_min=1,
         ),
         specs=tuple(draw(specs(i, with_priorities)) for i in range(num_requests)),
     )
@@ -238,7 +241,9 @@ class Harness:
         for r in self._live():
             table = self.kv.get_block_ids(r.request_id)
             if r.status is RequestStatus.RUNNING:
-                assert len(table) == -(-r.num_computed_tokens // bs)
+                # rejected drafts leave their blocks to the next steps' tokens: at most k slots
+                spare = cfg.num_speculative_tokens
+                assert -(-r.num_computed_tokens // bs) <= len(table) <= -(-(r.num_computed_tokens + spare) // bs)
             elif r.status is RequestStatus.WAITING_FOR_REMOTE_KV:
                 assert len(table) == -(-(r.num_prompt_tokens - 1) // bs)
                 assert r.num_computed_tokens % bs == 0
