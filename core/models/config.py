@@ -11,11 +11,12 @@ Also here: the shape of the instance's KV pool, which depends only on the archit
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
@@ -25,13 +26,18 @@ class RopeScaling:
     """A RoPE frequency scaling. ``linear`` divides every inverse frequency by ``factor``;
     ``llama3`` divides the low frequencies by ``factor``, keeps the high ones and interpolates
     between ``original_max_position_embeddings / low_freq_factor`` and ``/ high_freq_factor``
-    wavelengths."""
+    wavelengths. ``longrope`` (Phi-3) divides frequency ``i`` by ``short_factor[i]`` and scales
+    cos and sin by ``attention_factor``; its ``long_factor`` set, which HF switches to past
+    ``original_max_position_embeddings`` tokens, is not implemented (the engine caps the context
+    there)."""
 
     rope_type: str
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -51,6 +57,9 @@ class ModelArchConfig:
     rope_theta: float
     rope_scaling: RopeScaling | None
     max_position_embeddings: int
+    rotary_dim: int = 0
+    """Leading dimensions of each head the rotary embedding turns (``partial_rotary_factor``);
+    0 = all of ``head_dim``."""
     sliding_rope: tuple[float, RopeScaling | None] | None = None
     """(theta, scaling) of the sliding-window layers when they differ from the others (Gemma 3's
     local base frequency); None = every layer uses ``rope_theta``/``rope_scaling``."""
@@ -120,6 +129,7 @@ class ModelArchConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rotary_dim=_rotary_dim(cfg),
             sliding_rope=sliding_rope,
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
             attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
@@ -164,12 +174,15 @@ def _parse_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None, tuple[f
 def _rope_from(params: dict[str, Any], cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
+    rope_type = "longrope" if rope_type == "su" else rope_type  # Phi-3's first spelling
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     if rope_type == "default":
         return theta, None
     if rope_type == "linear":
         return theta, RopeScaling("linear", float(params["factor"]))
+    if rope_type == "longrope":
+        return theta, _longrope(params, cfg)
     return theta, RopeScaling(
         "llama3",
         float(params["factor"]),
@@ -177,6 +190,26 @@ def _rope_from(params: dict[str, Any], cfg: dict[str, Any]) -> tuple[float, Rope
         float(params["high_freq_factor"]),
         int(params.get("original_max_position_embeddings") or cfg["max_position_embeddings"]),
     )
+
+
+def _longrope(params: dict[str, Any], cfg: dict[str, Any]) -> RopeScaling:
+    """HF's longrope parameters: ``factor`` defaults to max / original positions, and the
+    attention factor to ``sqrt(1 + ln(factor) / ln(original))`` (1 when factor <= 1)."""
+    original = int(params.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"])
+    factor = float(params.get("factor") or cfg.get("max_position_embeddings", original) / original)
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
+    return RopeScaling("longrope", factor, original_max_position_embeddings=original,
+                       short_factor=tuple(float(f) for f in params["short_factor"]),
+                       attention_factor=float(attention))
+
+
+def _rotary_dim(cfg: dict[str, Any]) -> int:
+    params = cfg.get("rope_parameters") or {}
+    factor = cfg.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return int(head_dim * factor)
 
 
 def _sliding_window(cfg: dict[str, Any]) -> int | None:

@@ -58,10 +58,11 @@ class Gemma3Model(nn.Module):
         # HF keeps sqrt(hidden) as a float32 buffer and casts it to the weights' dtype.
         scale = torch.tensor(config.hidden_size**0.5, dtype=torch.float32).to(torch.get_default_dtype())
         self.register_buffer("embed_scale", scale, persistent=False)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.rotary_emb = RotaryEmbedding(config.rotary_dim or config.head_dim, config.rope_theta,
+                                          config.rope_scaling)
         self.rotary_emb_local = None
         if config.sliding_rope is not None:
-            self.rotary_emb_local = RotaryEmbedding(config.head_dim, *config.sliding_rope)
+            self.rotary_emb_local = RotaryEmbedding(config.rotary_dim or config.head_dim, *config.sliding_rope)
         self.layer_is_sliding = [t == SLIDING_ATTENTION for t in config.layer_types]
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(config, i, quant_method, attn_backend_cls, options)

@@ -173,6 +173,7 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.use_rope = config.uses_rope(layer_idx)
+        self.rotary_dim = config.rotary_dim or config.head_dim
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -202,8 +203,10 @@ class Attention(nn.Module):
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q)[0], self.k_norm(k)[0]), dim=1)
         # q and k sit side by side in the fused output: rotate them as one tensor (half the ops).
-        if self.use_rope:
+        if self.use_rope and self.rotary_dim == self.head_dim:
             qk = rotate(qk, cos, sin)
+        elif self.use_rope:  # partial rotary: the leading rotary_dim dimensions turn, the rest pass
+            qk = torch.cat((rotate(qk[..., : self.rotary_dim], cos, sin), qk[..., self.rotary_dim :]), dim=-1)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attn.forward(q, k, v, kv_cache[:, self.layer_idx], metadata)

@@ -39,6 +39,8 @@ FUSED_SHARDS = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+# Fused projections some checkpoints (Phi-3) store as one tensor.
+FUSED_NAMES = ("qkv_proj", "gate_up_proj")
 # Tensors some checkpoints carry that the model recomputes, and FP8 checkpoints' KV-cache scales
 # (tandem's KV cache stays in the model's dtype).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "self_attn.k_scale", "self_attn.v_scale", "self_attn.kv_scale",
@@ -73,7 +75,8 @@ class LlamaModel(nn.Module):
                  attn_backend_cls: type[AttentionBackend], options: AttentionOptions) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.rotary_emb = RotaryEmbedding(config.rotary_dim or config.head_dim, config.rope_theta,
+                                          config.rope_scaling)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, quant_method, attn_backend_cls, options)
             for i in range(config.num_hidden_layers)
@@ -99,7 +102,8 @@ class LlamaForCausalLM(nn.Module):
     multipliers (``embedding_multiplier``, ``residual_multiplier``, ``attention_multiplier``,
     ``logits_scaling``) and SmolLM3's rope-free layers (``no_rope_layers``). q, k, v and o carry a
     bias when config.attention_bias says so; subclasses for other members of the family override
-    ``attention_options`` or ``build_model``."""
+    ``attention_options`` or ``build_model``. Phi-3 is this class too: its fused checkpoint
+    tensors are split on load, and ``partial_rotary_factor`` / longrope come from the config."""
 
     def __init__(self, config: ModelArchConfig, quant_method: QuantMethod,
                  attn_backend_cls: type[AttentionBackend]) -> None:
@@ -145,7 +149,12 @@ class LlamaForCausalLM(nn.Module):
                 fused, shard = FUSED_SHARDS.get(leaf, (leaf, 0))
                 target = f"{parent}.{fused}" if parent else fused
                 module = modules.get(target)
-                if isinstance(module, LinearLayer):
+                if isinstance(module, LinearLayer) and leaf in FUSED_NAMES and len(module.output_sizes) > 1:
+                    # Phi-3 stores qkv_proj / gate_up_proj already fused: split it into the shards
+                    for shard, part in enumerate(_split_fused(name, suffix, tensor, module)):
+                        module.load(suffix, part, shard)
+                        loaded_shards.add((target, shard, suffix == "bias"))
+                elif isinstance(module, LinearLayer):
                     module.load(suffix, tensor, shard)
                     loaded_shards.add((target, shard, suffix == "bias"))
                 elif name in params:
@@ -172,6 +181,15 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise ValueError(f"the checkpoint lacks weights for {shown}")
+
+
+def _split_fused(name: str, suffix: str, tensor: torch.Tensor, module: LinearLayer) -> list[torch.Tensor]:
+    if suffix not in ("weight", "bias") or module.quant_method.name != "unquantized":
+        raise ValueError(f"checkpoint tensor {name!r}: fused projections are only read unquantized")
+    if tensor.shape[0] != sum(module.output_sizes):
+        raise ValueError(f"checkpoint tensor {name!r} has {tensor.shape[0]} rows, expected "
+                         f"{' + '.join(map(str, module.output_sizes))}")
+    return list(tensor.split(module.output_sizes, dim=0))
 
 
 def _copy_param(name: str, param: nn.Parameter, tensor: torch.Tensor) -> None:

@@ -18,3 +18,4 @@ def tandem_register_models(register: Register) -> None:
     register("Gemma3ForCausalLM", Gemma3ForCausalLM)
     register("GraniteForCausalLM", LlamaForCausalLM)
     register("SmolLM3ForCausalLM", LlamaForCausalLM)
+    register("Phi3ForCausalLM", LlamaForCausalLM)

@@ -23,6 +23,11 @@ def compute_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None) ->
         return inv_freq
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
+    if scaling.rope_type == "longrope":
+        if len(scaling.short_factor) != len(exponents):
+            raise ValueError(f"longrope short_factor has {len(scaling.short_factor)} entries, the rotary "
+                             f"dimension needs {len(exponents)}")
+        return 1.0 / (torch.tensor(scaling.short_factor, dtype=torch.float32) * base**exponents)
     return _llama3_scale(inv_freq, scaling)
 
 
@@ -64,9 +69,13 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, base: float, scaling: RopeScaling | None) -> None:
         super().__init__()
         self.register_buffer("inv_freq", compute_inv_freq(head_dim, base, scaling).float(), persistent=False)
+        self.attention_factor = scaling.attention_factor if scaling is not None else 1.0
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions [T]`` → ``(cos, sin)``, each ``[T, head_dim]`` in ``dtype``."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        cos, sin = angles.cos(), angles.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)

@@ -45,7 +45,7 @@ def tandem_greedy(llm: LLM, prompts, max_tokens: int = MAX_TOKENS, n: int = 1):
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama3", "llama_tied", "qwen2", "mistral", "qwen3", "gemma3",
-                                  "granite", "smollm3"])
+                                  "granite", "smollm3", "phi3"])
 def test_mixed_batch_matches_hf(kind):
     path = tiny_model_dir(kind)
     prompts = _prompts(1, MIXED_LENGTHS)

@@ -17,6 +17,8 @@ Kinds (``TINY_KINDS``):
     "qwen3"          Qwen3ForCausalLM (per-head q/k RMSNorm), head_dim 32 set apart from hidden/heads
     "granite"        GraniteForCausalLM with embedding/residual/attention multipliers and logits scaling
     "smollm3"        SmolLM3ForCausalLM, 4 layers, the last without rotary embedding (no_rope_layers)
+    "phi3"           Phi3ForCausalLM (fused qkv/gate_up tensors), partial rotary 0.75
+    "phi3_longrope"  Phi3 with longrope (original context 32, max 512) and partial rotary 0.5
     "gemma3"         Gemma3ForCausalLM, 4 layers (full attention in layer 2, window 8 elsewhere, with
                      their own rope base), query_pre_attn_scalar 24, tied embeddings, GELU-tanh MLP
 
@@ -58,6 +60,8 @@ from transformers import (
     Gemma3TextConfig,
     GraniteConfig,
     GraniteForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
     SmolLM3Config,
@@ -70,7 +74,7 @@ from tandem.models.tokenizer_training import EOS, EOT, stdlib_corpus_files, trai
 
 TINY_VOCAB = 512
 TINY_KINDS = ("llama", "llama3", "llama_tied", "llama_sharded", "qwen2", "qwen2_sliding", "mistral", "qwen3",
-              "gemma3", "granite", "smollm3")
+              "gemma3", "granite", "smollm3", "phi3", "phi3_longrope")
 SLIDING_WINDOW = 8
 MATRIX_SCALE = 3.0
 LM_HEAD_SCALE = 8.0
@@ -130,6 +134,13 @@ def _config_and_class(kind: str) -> tuple[PreTrainedConfig, type]:
         config = SmolLM3Config(**{**_COMMON, "num_hidden_layers": 4}, **ids, tie_word_embeddings=False)
         assert config.no_rope_layers == [1, 1, 1, 0]
         return config, SmolLM3ForCausalLM
+    if kind == "phi3":
+        return Phi3Config(**_COMMON, **ids, partial_rotary_factor=0.75), Phi3ForCausalLM
+    if kind == "phi3_longrope":
+        rope = {"type": "longrope", "short_factor": [1.0, 1.5, 2.5, 4.0], "long_factor": [8.0] * 4}
+        config = Phi3Config(**_COMMON, **ids, partial_rotary_factor=0.5, original_max_position_embeddings=32,
+                            rope_scaling=rope)
+        return config, Phi3ForCausalLM
     raise ValueError(f"unknown tiny model kind {kind!r}; kinds: {', '.join(TINY_KINDS)}")
 
 

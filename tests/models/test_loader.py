@@ -74,8 +74,11 @@ def test_unsupported_architecture_names_it_and_the_supported_list(tiny_llama_dir
     cfg = json.loads((folder / "config.json").read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (folder / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+    with pytest.raises(ValueError, match="unsupported model architecture GPT2LMHeadModel; supported: ") as err:
         load_tiny_model(folder)
+    supported = str(err.value).split("supported: ")[1].split(", ")
+    assert supported == sorted(supported) and {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                                               "Qwen3ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"} <= set(supported)
     assert torch.get_default_dtype() == torch.float32
 
 

@@ -17,7 +17,7 @@ BLOCK_SIZE = 4
 NUM_BLOCKS = 64
 ATOL = 1e-4
 KINDS = ["llama", "llama3", "qwen2", "qwen2_sliding", "mistral", "llama_tied", "qwen3", "gemma3", "granite",
-         "smollm3"]
+         "smollm3", "phi3"]
 TEXTS = [
     "def load_model(path, *, dtype, device):\n    return build(path).to(device, dtype)  # done",
     "The quick brown fox jumps over the lazy dog.",

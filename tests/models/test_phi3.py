@@ -1,0 +1,54 @@
+"""Phi-3: fused checkpoint tensors split on load, partial rotary, and longrope's short factors
+with its attention factor, against HF transformers; the context stays within longrope's original
+length (the long factors are not implemented)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tandem import LLM, SamplingParams
+from tandem.models.config import ModelArchConfig
+from tests.engine.test_greedy_vs_hf import _prompts, hf_greedy, tandem_greedy
+from tests.helpers.tiny_models import hf_model, load_tiny_model, tiny_model_dir
+from tests.models.test_model_vs_hf import ATOL, hf_logits, run_schedule
+
+
+def test_longrope_config():
+    arch = ModelArchConfig.from_pretrained_dir(tiny_model_dir("phi3_longrope"))
+    s = arch.rope_scaling
+    assert (s.rope_type, s.original_max_position_embeddings, s.short_factor) == ("longrope", 32, (1.0, 1.5, 2.5, 4.0))
+    assert s.attention_factor == pytest.approx((1 + torch.log(torch.tensor(16.0)).item()
+                                                / torch.log(torch.tensor(32.0)).item()) ** 0.5)
+    assert arch.rotary_dim == 8  # head_dim 16 × partial_rotary_factor 0.5
+
+
+@pytest.mark.parametrize("chunks", [[24], [5, 11, 1, 1, 1, 1, 1, 1, 1, 1]])
+def test_longrope_logits_match_hf(chunks):
+    ids = _prompts(9, [24])[0]
+    ours = run_schedule("phi3_longrope", ids, chunks)
+    torch.testing.assert_close(ours, hf_logits(hf_model(tiny_model_dir("phi3_longrope")), ids), atol=ATOL, rtol=ATOL)
+
+
+def test_longrope_greedy_matches_hf_within_the_original_context():
+    path = tiny_model_dir("phi3_longrope")
+    prompts = _prompts(4, [3, 12, 20])
+    llm = LLM(model=str(path), num_kv_blocks=64)
+    assert llm.engine.max_model_len == 32
+    got = [o.outputs[0].token_ids for o in tandem_greedy(llm, prompts, max_tokens=10)]
+    assert got == hf_greedy(path, prompts, max_tokens=10)
+    with pytest.raises(ValueError, match="original_max_position_embeddings"):
+        LLM(model=str(path), num_kv_blocks=64, max_model_len=64)
+
+
+def test_fused_tensors_of_the_wrong_size_are_named(tmp_path):
+    src = tiny_model_dir("phi3")
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(src / "model.safetensors")
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    tensors[name] = tensors[name][:-1]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"qkv_proj.weight' has 127 rows, expected 64 \+ 32 \+ 32"):
+        load_tiny_model(tmp_path)
