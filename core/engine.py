@@ -97,6 +97,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, eng.block_size, self.eos_token_ids,
                                   self.attn_backend_cls)
         self.runner.graphs = self._capture_cuda_graphs()
+        self.runner.make_json_masker = self._make_json_masker
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = count()
         self.last_step: StepStats | None = None
@@ -185,6 +186,15 @@ class LLMEngine:
             ngram_max=eng.speculative_ngram_max,
         )
         return Scheduler(cfg, kv, policy_cls())
+
+    def _make_json_masker(self):
+        from tandem.worker.structured import JsonMasker, token_bytes
+
+        t0 = time.perf_counter()
+        pieces = token_bytes(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
+        masker = JsonMasker(pieces, self.eos_token_ids, self.device)
+        logger.info("JSON mode: indexed %d tokens in %.1f s", self.arch.vocab_size, time.perf_counter() - t0)
+        return masker
 
     def _capture_cuda_graphs(self):
         """On CUDA, unless enforce_eager or the backend cannot replay graphs: decode graphs at

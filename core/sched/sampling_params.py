@@ -36,6 +36,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_output: str | None = None
+    """"json_object": every token keeps the output a prefix of one JSON object, and the sequence
+    may end (EOS) only once the object is complete (JSON mode; see tandem.sched.json_grammar)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,6 +67,8 @@ class SamplingParams:
             (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "must be non-negative integers"),
+            (self.structured_output in (None, "json_object"), "structured_output",
+             "must be None or 'json_object'"),
         ]
         for ok, name, msg in checks:
             if not ok:

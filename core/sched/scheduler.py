@@ -389,7 +389,8 @@ class Scheduler:
         (the accepted drafts plus the model's own token must not pass it) and the context length
         allow."""
         cfg = self.config
-        if cfg.num_speculative_tokens == 0 or not _is_decode(request, num_remaining):
+        if (cfg.num_speculative_tokens == 0 or not _is_decode(request, num_remaining)
+                or request.sampling_params.structured_output is not None):
             return []
         limit = min(cfg.num_speculative_tokens, step.token_budget - 1,
                     request.max_tokens - request.num_output_tokens - 1,

@@ -4,7 +4,7 @@ engine request with ``n`` choices; logprobs in the chat shape; SSE deltas with t
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -47,14 +47,16 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     ctx.check_ready()
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs = true", "top_logprobs")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise bad_request(f"response_format type {body.response_format.type!r} is not supported: tandem "
-                          "has no structured (JSON) output yet; omit response_format or use 'text'",
-                          "response_format")
+    json_mode = body.response_format is not None and body.response_format.type == "json_object"
+    if body.response_format is not None and body.response_format.type not in ("text", "json_object"):
+        raise bad_request(f"response_format type {body.response_format.type!r} is not supported: "
+                          "tandem serves 'text' and 'json_object' (no JSON schemas yet)", "response_format")
     token_ids = render_chat(ctx, body)
     max_tokens = body.max_completion_tokens or body.max_tokens
     check_prompt(ctx, token_ids, max_tokens, param="messages")
     params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+    if json_mode:
+        params = replace(params, structured_output="json_object")
     kv_transfer = await kv_transfer_args(ctx.engine.engine, ctx.handshakes, body, 1)
     view = _ChatView(ctx, body, f"chatcmpl-{uuid.uuid4().hex}", len(token_ids))
     streams = await admit(ctx, [token_ids], params, view.request_id, body.priority, kv_transfer)

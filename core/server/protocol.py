@@ -92,7 +92,8 @@ class ChatMessage(_Request):
 
 
 class ResponseFormat(_Request):
-    """OpenAI's ``response_format``: only ``{"type": "text"}`` is served (no structured output)."""
+    """OpenAI's ``response_format``: ``{"type": "text"}`` or ``{"type": "json_object"}`` (JSON
+    mode: the reply is one JSON object); JSON schemas are refused."""
 
     type: str
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.interfaces import AttentionMetadata
+from tandem.sched.json_grammar import JsonState
 from tandem.sched.output import NewRequestData, SchedulerOutput
 from tandem.sched.sampling_params import SamplingParams
 
@@ -32,6 +33,7 @@ class RunnerRequest:
     sample_index: int
     block_ids: list[int]
     generator: torch.Generator | None = None
+    json_state: JsonState | None = None  # JSON mode: the recognizer's state after the outputs
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> RunnerRequest:

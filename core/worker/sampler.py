@@ -51,6 +51,7 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     eos_token_ids: frozenset[int]
+    allowed: torch.Tensor | None = None  # JSON mode: bool [vocab], the tokens that may come
 
 
 @dataclass(slots=True)
@@ -91,6 +92,9 @@ class Sampler:
         raw_logprobs = None
         if logprob_rows:
             raw_logprobs = torch.log_softmax(_select_rows(logits, logprob_rows), dim=-1)
+        for i, row in enumerate(rows):
+            if row.allowed is not None:
+                logits[i].masked_fill_(~row.allowed, float("-inf"))
         process_logits(logits, rows)
         token_ids = _sample(logits, rows)
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
@@ -142,6 +146,7 @@ def _is_plain_greedy(row: SamplingRow) -> bool:
     p = row.params
     return (
         p.greedy
+        and row.allowed is None
         and p.logprobs is None
         and p.repetition_penalty == 1.0
         and p.presence_penalty == 0.0

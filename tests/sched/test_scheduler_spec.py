@@ -97,3 +97,9 @@ def test_abort_in_flight_takes_the_drafts_back():
     assert req.num_computed_tokens == 6                  # back to before the step
     assert s.update_from_output(out, ModelRunnerOutput(sampled_token_ids={"a": [4, 1]})) == []
     assert s.kv.num_free_blocks() == s.kv.num_usable_blocks
+
+
+def test_json_mode_requests_get_no_drafts():
+    s = make_scheduler(num_speculative_tokens=3, ngram_min=1, ngram_max=2)
+    _decoding(s, max_tokens=20, structured_output="json_object")
+    assert s.schedule().spec_token_ids == {}

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from tandem import SamplingParams
+from tandem.sched.json_grammar import START, advance
 from tests.server.server_helpers import running_server, server_config
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
@@ -50,10 +51,8 @@ CASES = [
     ("chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "less than"),
     ("chat/completions", {**CHAT, "logprobs": 3}, 400, "logprobs", "valid boolean"),
     ("chat/completions", {**CHAT, "model": "other"}, 404, "model", "does not exist"),
-    ("chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400, "response_format",
-     "'json_object' is not supported"),
     ("chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-     400, "response_format", "structured (JSON) output"),
+     400, "response_format", "'json_schema' is not supported"),
 ]
 
 
@@ -130,6 +129,18 @@ def test_null_means_the_default(server, offline):
         "logprobs": None, "stop": None, "seed": None})
     assert response.status_code == 200, response.text
     assert [c["text"] for c in response.json()["choices"]] == [want.text]
+
+
+def test_json_object_response_format_gives_json(server):
+    response = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        **CHAT, "max_tokens": 100, "temperature": 3.0, "seed": 1, "n": 4,
+        "response_format": {"type": "json_object"}})
+    assert response.status_code == 200, response.text
+    for choice in response.json()["choices"]:
+        text = choice["message"]["content"]
+        assert advance(START, text.encode()) is not None, text
+        if choice["finish_reason"] == "stop":
+            assert isinstance(json.loads(text), dict)
 
 
 def test_text_response_format_is_served(server):
