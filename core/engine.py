@@ -149,14 +149,6 @@ class LLMEngine:
     def _resolve_max_model_len(self) -> int:
         wanted = self.config.model.max_model_len
         limit = self.arch.max_position_embeddings
-        what = "max_position_embeddings"
-        scaling = self.arch.rope_scaling
-        if scaling is not None and scaling.rope_type == "longrope":
-            # only longrope's short factors are implemented: they hold up to the original length
-            limit = min(limit, scaling.original_max_position_embeddings)
-            what = "original_max_position_embeddings (tandem has no longrope long factors)"
-            if wanted == "auto" and limit < self.arch.max_position_embeddings:
-                logger.warning("longrope model: context limited to %d tokens (%s)", limit, what)
         capacity = (self.kv_cache.shape[0] - 1) * self.config.engine.block_size
         if wanted == "auto":
             if capacity < limit:
@@ -164,7 +156,8 @@ class LLMEngine:
                                limit, capacity)
             return min(limit, capacity)
         if wanted > limit:
-            raise ValueError(f"model.max_model_len = {wanted} exceeds the model's {what} ({limit})")
+            raise ValueError(f"model.max_model_len = {wanted} exceeds the model's "
+                             f"max_position_embeddings ({limit})")
         if wanted > capacity:
             raise ValueError(f"model.max_model_len = {wanted} tokens does not fit the KV pool "
                              f"({capacity} tokens); raise engine.num_kv_blocks/kv_cache_memory or "

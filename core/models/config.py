@@ -26,10 +26,9 @@ class RopeScaling:
     """A RoPE frequency scaling. ``linear`` divides every inverse frequency by ``factor``;
     ``llama3`` divides the low frequencies by ``factor``, keeps the high ones and interpolates
     between ``original_max_position_embeddings / low_freq_factor`` and ``/ high_freq_factor``
-    wavelengths. ``longrope`` (Phi-3) divides frequency ``i`` by ``short_factor[i]`` and scales
-    cos and sin by ``attention_factor``; its ``long_factor`` set, which HF switches to past
-    ``original_max_position_embeddings`` tokens, is not implemented (the engine caps the context
-    there)."""
+    wavelengths. ``longrope`` (Phi-3) divides frequency ``i`` by ``short_factor[i]``, or by
+    ``long_factor[i]`` for the tokens of a sequence past ``original_max_position_embeddings``
+    (see tandem.models.rotary), and scales cos and sin by ``attention_factor``."""
 
     rope_type: str
     factor: float
@@ -37,6 +36,7 @@ class RopeScaling:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
 
 
@@ -202,6 +202,7 @@ def _longrope(params: dict[str, Any], cfg: dict[str, Any]) -> RopeScaling:
         attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
     return RopeScaling("longrope", factor, original_max_position_embeddings=original,
                        short_factor=tuple(float(f) for f in params["short_factor"]),
+                       long_factor=tuple(float(f) for f in params["long_factor"]),
                        attention_factor=float(attention))
 
 

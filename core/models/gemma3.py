@@ -73,8 +73,8 @@ class Gemma3Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids) * self.embed_scale
-        rope = self.rotary_emb(positions, h.dtype)
-        local = rope if self.rotary_emb_local is None else self.rotary_emb_local(positions, h.dtype)
+        rope = self.rotary_emb(positions, h.dtype, metadata)
+        local = rope if self.rotary_emb_local is None else self.rotary_emb_local(positions, h.dtype, metadata)
         for layer, sliding in zip(self.layers, self.layer_is_sliding):
             h = layer(h, *(local if sliding else rope), kv_cache, metadata)
         return self.norm(h)[0]

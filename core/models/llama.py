@@ -89,7 +89,7 @@ class LlamaModel(nn.Module):
         h = self.embed_tokens(input_ids)
         if self.embedding_multiplier != 1.0:
             h = h * self.embedding_multiplier
-        cos, sin = self.rotary_emb(positions, h.dtype)
+        cos, sin = self.rotary_emb(positions, h.dtype, metadata)
         residual = None
         for layer in self.layers:
             h, residual = layer(h, residual, cos, sin, kv_cache, metadata)

@@ -12,7 +12,11 @@ import math
 import torch
 from torch import nn
 
+from tandem.interfaces import AttentionMetadata
 from tandem.models.config import RopeScaling
+
+# metadata.extra key: the prompt length of each sequence of the step (a list of ints)
+PROMPT_LENS_KEY = "num_prompt_tokens"
 
 
 def compute_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -24,11 +28,14 @@ def compute_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None) ->
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
     if scaling.rope_type == "longrope":
-        if len(scaling.short_factor) != len(exponents):
-            raise ValueError(f"longrope short_factor has {len(scaling.short_factor)} entries, the rotary "
-                             f"dimension needs {len(exponents)}")
-        return 1.0 / (torch.tensor(scaling.short_factor, dtype=torch.float32) * base**exponents)
+        return _longrope_inv_freq(exponents, base, scaling.short_factor, "short_factor")
     return _llama3_scale(inv_freq, scaling)
+
+
+def _longrope_inv_freq(exponents: torch.Tensor, base: float, factors: tuple[float, ...], name: str) -> torch.Tensor:
+    if len(factors) != len(exponents):
+        raise ValueError(f"longrope {name} has {len(factors)} entries, the rotary dimension needs {len(exponents)}")
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base**exponents)
 
 
 def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
@@ -64,16 +71,40 @@ def apply_rotary(
 
 
 class RotaryEmbedding(nn.Module):
-    """The inverse frequencies ``[head_dim / 2]`` (float32, not saved in the state dict)."""
+    """The inverse frequencies ``[head_dim / 2]`` (float32, not saved in the state dict).
+
+    Longrope keeps two sets and picks one per token as HF's ``generate`` does for a sequence with
+    a prompt of ``P`` tokens: the long factors when ``P`` exceeds the original context (prompt and
+    output alike) or the token's position reaches it, else the short ones. That is, long iff
+    ``max(position, P - 1) >= original``; ``forward`` gets ``P`` per sequence through
+    ``metadata.extra[PROMPT_LENS_KEY]`` (without it, each token's own position decides, which is
+    the same for every token past its prompt).
+    """
 
     def __init__(self, head_dim: int, base: float, scaling: RopeScaling | None) -> None:
         super().__init__()
         self.register_buffer("inv_freq", compute_inv_freq(head_dim, base, scaling).float(), persistent=False)
         self.attention_factor = scaling.attention_factor if scaling is not None else 1.0
+        self.long_from = None
+        if scaling is not None and scaling.rope_type == "longrope":
+            exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+            long = _longrope_inv_freq(exponents, base, scaling.long_factor, "long_factor")
+            self.register_buffer("long_inv_freq", long, persistent=False)
+            self.long_from = scaling.original_max_position_embeddings
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype,
+                metadata: AttentionMetadata | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions [T]`` → ``(cos, sin)``, each ``[T, head_dim]`` in ``dtype``."""
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        inv_freq = self.inv_freq[None, :]
+        if self.long_from is not None:
+            select = positions
+            prompt_lens = metadata.extra.get(PROMPT_LENS_KEY) if metadata is not None else None
+            if prompt_lens is not None:
+                last_prompt = torch.tensor([p - 1 for p in prompt_lens], device=positions.device)
+                counts = torch.tensor(metadata.query_lens_cpu, device=positions.device)
+                select = torch.maximum(positions, last_prompt.repeat_interleave(counts))
+            inv_freq = torch.where((select >= self.long_from)[:, None], self.long_inv_freq[None, :], inv_freq)
+        freqs = positions.to(torch.float32)[:, None] * inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
         cos, sin = angles.cos(), angles.sin()
         if self.attention_factor != 1.0:

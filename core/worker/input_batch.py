@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.interfaces import AttentionMetadata
+from tandem.models.rotary import PROMPT_LENS_KEY
 from tandem.sched.json_grammar import JsonState
 from tandem.sched.output import NewRequestData, SchedulerOutput
 from tandem.sched.sampling_params import SamplingParams
@@ -88,8 +89,10 @@ def build_step_inputs(
     sample_rows: list[int] = []
     prompt_rows: dict[str, tuple[int, int, int]] = {}
     spec_rows: dict[str, int] = {}
+    prompt_lens: list[int] = []
     for rid, n in out.num_scheduled_tokens.items():
         req = requests[rid]
+        prompt_lens.append(req.num_prompt_tokens)
         start, end = starts[rid], starts[rid] + n
         row0 = len(ids)
         ids.extend(req.token_ids[start:end])
@@ -126,6 +129,7 @@ def build_step_inputs(
         block_size=block_size,
         query_lens_cpu=query_lens,
         seq_lens_cpu=seq_lens,
+        extra={PROMPT_LENS_KEY: prompt_lens},
     )
     return StepInputs(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),

@@ -1,6 +1,5 @@
-"""Phi-3: fused checkpoint tensors split on load, partial rotary, and longrope's short factors
-with its attention factor, against HF transformers; the context stays within longrope's original
-length (the long factors are not implemented)."""
+"""Phi-3: fused checkpoint tensors split on load, partial rotary, and longrope (short and long
+factors, attention factor), against HF transformers."""
 from __future__ import annotations
 
 import pytest
@@ -18,6 +17,7 @@ def test_longrope_config():
     arch = ModelArchConfig.from_pretrained_dir(tiny_model_dir("phi3_longrope"))
     s = arch.rope_scaling
     assert (s.rope_type, s.original_max_position_embeddings, s.short_factor) == ("longrope", 32, (1.0, 1.5, 2.5, 4.0))
+    assert s.long_factor == (8.0,) * 4
     assert s.attention_factor == pytest.approx((1 + torch.log(torch.tensor(16.0)).item()
                                                 / torch.log(torch.tensor(32.0)).item()) ** 0.5)
     assert arch.rotary_dim == 8  # head_dim 16 × partial_rotary_factor 0.5
@@ -30,15 +30,19 @@ def test_longrope_logits_match_hf(chunks):
     torch.testing.assert_close(ours, hf_logits(hf_model(tiny_model_dir("phi3_longrope")), ids), atol=ATOL, rtol=ATOL)
 
 
-def test_longrope_greedy_matches_hf_within_the_original_context():
+def test_longrope_greedy_matches_hf_on_both_sides_of_the_original_context():
+    """Original context 32, one mixed batch in chunks of 24 tokens: prompts of 3 and 12 tokens
+    stay under 32 (short factors), prompts of 40 and 57 use the long factors from their first
+    token — as HF generate does for each alone. A prompt of 20 that generates past position 32
+    matches up to there; HF then recomputes the whole sequence with the long factors, tandem keeps
+    the prompt's short-factor KV (README limits)."""
     path = tiny_model_dir("phi3_longrope")
-    prompts = _prompts(4, [3, 12, 20])
-    llm = LLM(model=str(path), num_kv_blocks=64)
-    assert llm.engine.max_model_len == 32
-    got = [o.outputs[0].token_ids for o in tandem_greedy(llm, prompts, max_tokens=10)]
-    assert got == hf_greedy(path, prompts, max_tokens=10)
-    with pytest.raises(ValueError, match="original_max_position_embeddings"):
-        LLM(model=str(path), num_kv_blocks=64, max_model_len=64)
+    prompts = _prompts(4, [3, 12, 20, 40, 57])
+    llm = LLM(model=str(path), num_kv_blocks=128, max_num_batched_tokens=24)
+    got = [o.outputs[0].token_ids for o in tandem_greedy(llm, prompts, max_tokens=24)]
+    expected = hf_greedy(path, prompts, max_tokens=24)
+    assert [got[i] for i in (0, 1, 3, 4)] == [expected[i] for i in (0, 1, 3, 4)]
+    assert got[2][:13] == expected[2][:13]  # tokens predicted from positions 19..31
 
 
 def test_fused_tensors_of_the_wrong_size_are_named(tmp_path):
