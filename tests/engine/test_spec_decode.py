@@ -13,8 +13,8 @@ from tests.engine.test_greedy_vs_hf import MIXED_LENGTHS, _prompts
 from tests.helpers.tiny_models import tiny_model_dir
 
 
-def _run(kind, prompts, params, k, **engine):
-    llm = LLM(model=str(tiny_model_dir(kind)), num_kv_blocks=256, num_speculative_tokens=k,
+def _run(kind, prompts, params, k, num_kv_blocks=256, **engine):
+    llm = LLM(model=str(tiny_model_dir(kind)), num_kv_blocks=num_kv_blocks, num_speculative_tokens=k,
               speculative_ngram_min=1, **engine)
     counts = Counter()
     step = llm.engine.step
@@ -26,7 +26,9 @@ def _run(kind, prompts, params, k, **engine):
         return outputs
 
     llm.engine.step = counting_step
-    return llm.generate(prompts, params), counts
+    outputs = llm.generate(prompts, params)
+    counts["blocks_in_use"] = llm.engine.scheduler.kv.stats().num_used_blocks
+    return outputs, counts
 
 
 def _same_outputs(a, b, logprobs=False):
@@ -92,3 +94,19 @@ def test_sampling_draws_the_same_random_numbers_until_a_draft_is_rejected():
     assert all(a.outputs[0].token_ids[:2] == b.outputs[0].token_ids[:2] for a, b in zip(plain, spec))
     same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(plain, spec))
     assert same < 64  # rejections happen, and change what follows them
+
+
+def test_preemption_and_prefix_caching_with_drafts_match_hf():
+    """A pool too small for the batch: sequences checking drafts get preempted and recomputed,
+    share prompt prefixes through the cache, and still produce HF's greedy tokens; no block is
+    left in use at the end."""
+    from tests.engine.test_greedy_vs_hf import hf_greedy
+
+    path = tiny_model_dir("mistral")
+    shared = _prompts(7, [20])[0]
+    prompts = [shared + p for p in _prompts(8, [10, 11, 9, 3])] + _prompts(9, [17, 40])
+    params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24)
+    outs, counts = _run("mistral", prompts, params, k=4, num_kv_blocks=11, max_num_batched_tokens=64)
+    assert sum(o.metrics["num_preemptions"] for o in outs) > 0 and counts["accepted"] > 0
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, 24)
+    assert counts["blocks_in_use"] == 0
