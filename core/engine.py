@@ -168,7 +168,15 @@ class LLMEngine:
         eng = self.config.engine
         allocator_cls = self.registry.get("kv_allocator", eng.kv_allocator)
         policy_cls = self.registry.get("scheduler", eng.scheduler)
-        kv = allocator_cls(self.kv_cache.shape[0], eng.block_size, eng.enable_prefix_caching)
+        caching = eng.enable_prefix_caching
+        scaling = self.arch.rope_scaling
+        if caching and scaling is not None and scaling.rope_type == "longrope":
+            # a prompt's KV depends on whether the whole prompt is past the original context
+            # (long or short rope factors), which the token-hash cache cannot tell apart
+            logger.info("prefix caching is off: longrope models rotate the same tokens differently "
+                        "depending on the prompt's length")
+            caching = False
+        kv = allocator_cls(self.kv_cache.shape[0], eng.block_size, caching)
         cfg = SchedulerConfig(
             max_num_seqs=eng.max_num_seqs,
             max_num_batched_tokens=eng.max_num_batched_tokens,

@@ -56,3 +56,16 @@ def test_fused_tensors_of_the_wrong_size_are_named(tmp_path):
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match=r"qkv_proj.weight' has 127 rows, expected 64 \+ 32 \+ 32"):
         load_tiny_model(tmp_path)
+
+
+def test_longrope_turns_prefix_caching_off():
+    """The same leading tokens are rotated with the short factors in a short prompt and with the
+    long ones in a long prompt, so their KV cannot be shared through the token-hash cache (with
+    it on, the long prompt below would reuse the short one's blocks and differ from HF)."""
+    path = tiny_model_dir("phi3_longrope")
+    llm = LLM(model=str(path), num_kv_blocks=128, enable_prefix_caching=True)
+    assert not llm.engine.scheduler.kv.enable_prefix_caching
+    shared = _prompts(6, [16])[0]
+    prompts = [shared + p for p in _prompts(7, [4, 30])]  # 20 tokens (short), then 46 (long)
+    got = [tandem_greedy(llm, [p], max_tokens=8)[0].outputs[0].token_ids for p in prompts]
+    assert got == hf_greedy(path, prompts, max_tokens=8)
