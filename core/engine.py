@@ -168,15 +168,7 @@ class LLMEngine:
         eng = self.config.engine
         allocator_cls = self.registry.get("kv_allocator", eng.kv_allocator)
         policy_cls = self.registry.get("scheduler", eng.scheduler)
-        caching = eng.enable_prefix_caching
-        scaling = self.arch.rope_scaling
-        if caching and scaling is not None and scaling.rope_type == "longrope":
-            # a prompt's KV depends on whether the whole prompt is past the original context
-            # (long or short rope factors), which the token-hash cache cannot tell apart
-            logger.info("prefix caching is off: longrope models rotate the same tokens differently "
-                        "depending on the prompt's length")
-            caching = False
-        kv = allocator_cls(self.kv_cache.shape[0], eng.block_size, caching)
+        kv = allocator_cls(self.kv_cache.shape[0], eng.block_size, eng.enable_prefix_caching)
         cfg = SchedulerConfig(
             max_num_seqs=eng.max_num_seqs,
             max_num_batched_tokens=eng.max_num_batched_tokens,
@@ -187,6 +179,15 @@ class LLMEngine:
             ngram_max=eng.speculative_ngram_max,
         )
         return Scheduler(cfg, kv, policy_cls())
+
+    def _rope_cache_salt(self, num_prompt_tokens: int) -> str | None:
+        """Longrope rotates a prompt with its long factors when the prompt is longer than the
+        original context, so the same tokens' KV differs between short and long prompts: they
+        must not share prefix-cache blocks."""
+        scaling = self.arch.rope_scaling
+        if scaling is None or scaling.rope_type != "longrope":
+            return None
+        return "longrope-long" if num_prompt_tokens > scaling.original_max_position_embeddings else "longrope-short"
 
     def _make_json_masker(self):
         from tandem.worker.structured import JsonMasker, token_bytes
@@ -293,6 +294,7 @@ class LLMEngine:
             priority=priority,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             max_tokens=max_tokens,
+            cache_salt=self._rope_cache_salt(len(token_ids)),
         )
         if (remote_decode or remote_prefill is not None) and self.kv_transfer is None:
             raise ValueError("kv_transfer_params need a prefill or decode instance; this one is "

@@ -28,6 +28,7 @@ class SchedulableRequest(Protocol):
     priority: int
     arrival_time: float
     num_computed_tokens: int
+    cache_salt: str | None  # prefix-cache blocks are shared only within one salt
 
     @property
     def num_prompt_tokens(self) -> int: ...

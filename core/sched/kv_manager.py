@@ -22,6 +22,8 @@ block (the partial last one; full blocks are never written again) gets a private
 """
 from __future__ import annotations
 
+import hashlib
+
 from tandem.interfaces import KVAllocation, KVAllocator, KVStats, SchedulableRequest
 from tandem.sched.block_pool import BlockPool, KVBlock, hash_block_tokens
 
@@ -171,5 +173,11 @@ class PagedKVAllocator(KVAllocator):
         assert num_blocks * bs <= len(tokens)
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
+            parent = hashes[-1] if hashes else _salt_seed(getattr(request, "cache_salt", None))
+            hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs]))
         return hashes
+
+
+def _salt_seed(salt: str | None) -> bytes | None:
+    """The parent hash of a request's first block: none, or one derived from its cache salt."""
+    return None if salt is None else hashlib.blake2b(salt.encode(), digest_size=16).digest()

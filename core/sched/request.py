@@ -63,6 +63,7 @@ class Request:
 
     ``eos_token_ids`` end generation unless ``sampling_params.ignore_eos``. ``max_tokens`` is the
     resolved output limit (``sampling_params.max_tokens`` or what fits the context).
+    ``cache_salt``: prefix-cache blocks are shared only between requests with the same salt.
     """
 
     request_id: str
@@ -79,6 +80,7 @@ class Request:
     num_computed_tokens: int = 0
     stop_reason: int | str | None = None
     reject_reason: str | None = None
+    cache_salt: str | None = None
     metrics: RequestMetrics = None  # type: ignore[assignment]
     _output_token_ids: list[int] = field(default_factory=list)
     _all_token_ids: list[int] = field(default_factory=list)
@@ -140,6 +142,7 @@ class Request:
             forked=True,
             status=self.status,
             num_computed_tokens=self.num_computed_tokens,
+            cache_salt=self.cache_salt,
         )
         child.metrics = RequestMetrics(
             arrival_time=self.metrics.arrival_time,

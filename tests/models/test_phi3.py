@@ -58,14 +58,15 @@ def test_fused_tensors_of_the_wrong_size_are_named(tmp_path):
         load_tiny_model(tmp_path)
 
 
-def test_longrope_turns_prefix_caching_off():
+def test_longrope_prompts_share_prefix_blocks_only_with_prompts_of_their_kind():
     """The same leading tokens are rotated with the short factors in a short prompt and with the
-    long ones in a long prompt, so their KV cannot be shared through the token-hash cache (with
-    it on, the long prompt below would reuse the short one's blocks and differ from HF)."""
+    long ones in a long prompt, so the engine salts the prefix cache with the kind: a long prompt
+    after a short one with the same prefix recomputes it (and matches HF), another short one
+    reuses the short prompt's blocks."""
     path = tiny_model_dir("phi3_longrope")
     llm = LLM(model=str(path), num_kv_blocks=128, enable_prefix_caching=True)
-    assert not llm.engine.scheduler.kv.enable_prefix_caching
     shared = _prompts(6, [16])[0]
-    prompts = [shared + p for p in _prompts(7, [4, 30])]  # 20 tokens (short), then 46 (long)
-    got = [tandem_greedy(llm, [p], max_tokens=8)[0].outputs[0].token_ids for p in prompts]
-    assert got == hf_greedy(path, prompts, max_tokens=8)
+    prompts = [shared + p for p in _prompts(7, [4, 30, 6])]  # 20 tokens (short), 46 (long), 22 (short)
+    outs = [tandem_greedy(llm, [p], max_tokens=8)[0] for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, max_tokens=8)
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 16]

@@ -262,3 +262,19 @@ def test_reset_prefix_cache_forgets_free_cached_blocks():
     kv.free("a")
     kv.reset_prefix_cache()
     assert kv.get_num_cached_tokens(make("b", range(9))) == 0
+
+
+def test_cache_salt_separates_prefixes():
+    kv = PagedKVAllocator(num_blocks=16, block_size=4)
+    a = make("a", range(10))
+    a.cache_salt = "tenant-1"
+    compute(kv, a, 10)
+    kv.free("a")
+    same = make("b", range(10))
+    same.cache_salt = "tenant-1"
+    other = make("c", range(10))
+    other.cache_salt = "tenant-2"
+    unsalted = make("d", range(10))
+    assert kv.get_num_cached_tokens(same) == 8
+    assert kv.get_num_cached_tokens(other) == 0
+    assert kv.get_num_cached_tokens(unsalted) == 0
