@@ -26,24 +26,22 @@ from torch import nn
 
 from tandem.interfaces import AttentionBackend, AttentionMetadata, QuantMethod
 from tandem.models.config import SLIDING_ATTENTION, ModelArchConfig
-from tandem.models.layers import Attention, AttentionOptions, Embedding, GatedMLP, GemmaRMSNorm
-from tandem.models.llama import LlamaForCausalLM
+from tandem.models.layers import AttentionOptions, Embedding, GemmaRMSNorm
+from tandem.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from tandem.models.rotary import RotaryEmbedding
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(LlamaDecoderLayer):
+    """Llama's layer with Gemma norms and two more around the MLP (a different forward)."""
+
     def __init__(self, config: ModelArchConfig, layer_idx: int, quant_method: QuantMethod,
                  attn_backend_cls: type[AttentionBackend], options: AttentionOptions) -> None:
-        super().__init__()
-        self.self_attn = Attention(config, layer_idx, quant_method, attn_backend_cls, options)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias,
-                            config.hidden_act, quant_method)
-        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                     "post_feedforward_layernorm"):
-            setattr(self, name, GemmaRMSNorm(config.hidden_size, config.rms_norm_eps))
+        super().__init__(config, layer_idx, quant_method, attn_backend_cls, options, norm_cls=GemmaRMSNorm)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,  # type: ignore[override]
+                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         h = self.self_attn(self.input_layernorm(x)[0], cos, sin, kv_cache, metadata)
         x = x + self.post_attention_layernorm(h)[0]
         h = self.mlp(self.pre_feedforward_layernorm(x)[0])

@@ -47,20 +47,18 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
         normed = F.rms_norm(x.to(torch.float32), x.shape[-1:], eps=self.eps)
-        return self.weight * normed.to(x.dtype), x
+        return self._scale(normed, x.dtype), x
+
+    def _scale(self, normed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.weight * normed.to(dtype)
 
 
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the checkpoint stores the weight minus one, and the scaling happens in
     float32 before the cast: ``(normed * (1 + weight)).to(dtype)``. Same ``residual`` contract."""
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is not None:
-            x = x + residual
-        normed = F.rms_norm(x.to(torch.float32), x.shape[-1:], eps=self.eps)
-        return (normed * (1.0 + self.weight.float())).to(x.dtype), x
+    def _scale(self, normed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return (normed * (1.0 + self.weight.float())).to(dtype)
 
 
 class LinearLayer(nn.Module):
@@ -164,9 +162,8 @@ class AttentionOptions:
 class Attention(nn.Module):
     """Self-attention of layer ``layer_idx``: fused QKV projection (shards q, k, v), optional
     per-head q/k norms, rotary embedding (unless the config exempts the layer), one attention
-    backend instance over
-    ``kv_cache[:, layer_idx]``, output projection. Query head ``h`` uses KV head
-    ``h // (num_heads // num_kv_heads)`` (GQA as HF's repeat_kv)."""
+    backend instance over ``kv_cache[:, layer_idx]``, output projection. Query head ``h`` uses
+    KV head ``h // (num_heads // num_kv_heads)`` (GQA as HF's repeat_kv)."""
 
     def __init__(self, config: ModelArchConfig, layer_idx: int, quant_method: QuantMethod,
                  attn_backend_cls: type[AttentionBackend], options: AttentionOptions) -> None:

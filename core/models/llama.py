@@ -49,13 +49,14 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "self_attn.k_scale", "self_attn.v_sca
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelArchConfig, layer_idx: int, quant_method: QuantMethod,
-                 attn_backend_cls: type[AttentionBackend], options: AttentionOptions) -> None:
+                 attn_backend_cls: type[AttentionBackend], options: AttentionOptions,
+                 norm_cls: type[RMSNorm] = RMSNorm) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer_idx, quant_method, attn_backend_cls, options)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias,
                             config.hidden_act, quant_method)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = norm_cls(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = norm_cls(config.hidden_size, config.rms_norm_eps)
         self.residual_multiplier = config.residual_multiplier
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,

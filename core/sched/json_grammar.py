@@ -35,7 +35,7 @@ _ARR_FIRST = 5       # after "[": a value or "]"
 _STRING = 6          # inside a string (aux: 1 = a key)
 _ESCAPE = 7          # after a backslash in a string (aux: key flag)
 _UNICODE = 8         # inside \uXXXX (aux: key flag * 8 + hex digits left)
-_NUMBER = 9          # inside a number (aux: its sub-state, see _NUMBER_NEXT)
+_NUMBER = 9          # inside a number (aux: its sub-state, see _number_next)
 _LITERAL = 10        # inside true/false/null (aux: the bytes still to come)
 _START = 11          # before the top-level "{"
 _DONE = 12           # after the top-level "}"
@@ -71,14 +71,10 @@ def advance(state: JsonState | None, data: bytes) -> JsonState | None:
 
 def step(s: JsonState, b: int) -> JsonState | None:
     """The state after one byte ``b``, or None."""
-    return _step(s, b)
-
-
-def _step(s: JsonState, b: int) -> JsonState | None:
     mode = s.mode
     if mode == _STRING:
         if b == 0x22:  # closing quote
-            return JsonState(s.stack, _COLON if s.aux else _AFTER_OR_DONE(s.stack))
+            return JsonState(s.stack, _COLON if s.aux else _after_value(s.stack))
         if b == 0x5C:
             return JsonState(s.stack, _ESCAPE, s.aux)
         return s if b >= 0x20 else None
@@ -101,13 +97,13 @@ def _step(s: JsonState, b: int) -> JsonState | None:
             return JsonState(s.stack, _NUMBER, nxt)
         if s.aux not in _NUMBER_ENDS:
             return None
-        return _step(JsonState(s.stack, _AFTER_OR_DONE(s.stack)), b)  # the byte after the number
+        return step(JsonState(s.stack, _after_value(s.stack)), b)  # the byte after the number
     if mode == _LITERAL:
         rest = s.aux
         if b != rest[0]:
             return None
         if len(rest) == 1:
-            return JsonState(s.stack, _AFTER_OR_DONE(s.stack))
+            return JsonState(s.stack, _after_value(s.stack))
         return JsonState(s.stack, _LITERAL, rest[1:])
     if b in _WS:
         if mode == _DONE or s.whitespace >= MAX_WHITESPACE:
@@ -137,13 +133,14 @@ def _step(s: JsonState, b: int) -> JsonState | None:
     return None  # _DONE: nothing may follow
 
 
-def _AFTER_OR_DONE(stack: tuple[int, ...]) -> int:  # noqa: N802 - reads as a mode constant
+def _after_value(stack: tuple[int, ...]) -> int:
+    """The mode after a complete value: inside a container, or done at the top level."""
     return _AFTER if stack else _DONE
 
 
 def _close(stack: tuple[int, ...]) -> JsonState:
     rest = stack[:-1]
-    return JsonState(rest, _AFTER_OR_DONE(rest))
+    return JsonState(rest, _after_value(rest))
 
 
 def _value_start(stack: tuple[int, ...], b: int) -> JsonState | None:
