@@ -15,10 +15,21 @@ Only the engine thread touches the ``LLMEngine`` (it is not thread-safe); only t
 streams and the queue accounting. The waiting queue the server bounds is "requests accepted that have
 produced no output yet" (waiting, or computing their prompt): a request beyond ``max_queued_requests``
 or ``max_queued_tokens`` prompt tokens raises ``QueueFull`` at once, before reaching the engine.
+
+The tokenizer is never shared between the threads (a Rust tokenizer used from two threads at once
+can fail with "Already borrowed"): the engine thread detokenizes with the engine's, the loop
+encodes prompts and renders chat templates with ``AsyncEngine.tokenizer``, its own copy.
+
+Failures. The engine fails a request alone when its step fails alone (``LLMEngine`` isolates the
+others); its stream raises ``RequestFailed``. An ``EngineDeadError``, or exceptions in
+``MAX_FAILED_STEPS_IN_ROW`` iterations in a row, end the engine thread: the state turns FAILED (no
+more admissions, /health 503), every stream raises ``EngineError``, and ``died`` is set, on which
+the server exits non-zero so that a supervisor restarts the process.
 """
 from __future__ import annotations
 
 import asyncio
+import copy
 import enum
 import logging
 import queue
@@ -28,7 +39,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from tandem.engine import LLMEngine, StepStats
+from tandem.engine import MAX_FAILED_STEPS_IN_ROW, EngineDeadError, LLMEngine, StepStats
 from tandem.interfaces import KVStats
 from tandem.kv_transfer import KVTransferFailed, KVTransferStats, RemotePrefill
 from tandem.outputs import RequestOutput
@@ -59,6 +70,11 @@ class QueueFull(RuntimeError):
 
 class EngineError(RuntimeError):
     """The engine thread died while the request was in flight."""
+
+
+class RequestFailed(RuntimeError):
+    """The engine failed this request alone (an exception in a step it was in by itself, or
+    while admitting or post-processing it); the message names the request and the exception."""
 
 
 class RequestAbortedByShutdown(RuntimeError):
@@ -122,30 +138,15 @@ class _Stop:
     pass
 
 
-@dataclass(slots=True)
-class _PreemptionCounter:
-    """Cumulative preemptions, from the per-request counts the outputs carry."""
-
-    total: int = 0
-    seen: dict[str, int] = field(default_factory=dict)
-
-    def update(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            now = int(out.metrics.get("num_preemptions") or 0)
-            self.total += now - self.seen.get(out.request_id, 0)
-            if out.finished:
-                self.seen.pop(out.request_id, None)
-            else:
-                self.seen[out.request_id] = now
-
-
 class RequestStream:
     """The outputs of one request as they are sampled, read on the event loop.
 
-    Iterating yields cumulative ``RequestOutput``s; outputs that piled up while the reader was busy
-    are coalesced into the latest one. Iteration ends after the finished output and raises the
-    engine's error if the request failed. ``close()`` aborts the request if it has not finished
-    (and sets ``aborted``).
+    The engine sends deltas; the stream folds them into one cumulative ``RequestOutput`` that it
+    owns (``output``), so a reader that falls behind costs the request's own size, never a
+    queue of copies. Iterating yields that same object each time it has grown (read what you
+    need before the next ``await``: it keeps growing); iteration ends after it is finished and
+    raises the engine's error if the request failed. ``close()`` aborts the request if it has
+    not finished (and sets ``aborted``).
     """
 
     def __init__(self, engine: AsyncEngine, request_id: str, prompt: str | None, num_prompt_tokens: int):
@@ -154,19 +155,26 @@ class RequestStream:
         self.arrival_time = time.monotonic()
         self.finished = False
         self.aborted = False
+        self.has_output = False
+        self.output: RequestOutput | None = None
         self._engine = engine
         self._prompt = prompt
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._error: BaseException | None = None
+        self._changed = asyncio.Event()
         self._done = False
-        self.has_output = False
 
     def _push(self, item: RequestOutput | BaseException) -> None:
         if isinstance(item, RequestOutput):
-            item.prompt = self._prompt
+            if self.output is None:
+                item.prompt = self._prompt
+                self.output = item
+            else:
+                self.output.absorb(item)
             self.finished = item.finished
         else:
+            self._error = item
             self.finished = True
-        self._queue.put_nowait(item)
+        self._changed.set()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -174,14 +182,13 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        while not self._queue.empty() and isinstance(item, RequestOutput):
-            item = self._queue.get_nowait()
-        if isinstance(item, BaseException):
+        await self._changed.wait()
+        self._changed.clear()
+        if self._error is not None:
             self._done = True
-            raise item
-        self._done = item.finished
-        return item
+            raise self._error
+        self._done = self.output.finished
+        return self.output
 
     def close(self) -> None:
         if not self.finished:
@@ -209,11 +216,15 @@ class AsyncEngine:
         self.state = EngineState.CREATED
         self.error: BaseException | None = None
         self.engine: LLMEngine | None = None
+        self.tokenizer = None
+        """The event loop's tokenizer (a copy of the engine's): encode and chat templates."""
         self.snapshot = EngineSnapshot()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loaded = asyncio.Event()
+        self.died = asyncio.Event()
+        """Set on the loop when the engine thread ends with an error after loading."""
         self._streams: dict[str, RequestStream] = {}
         self._adds: dict[str, asyncio.Future] = {}
         self._queued_requests = 0
@@ -267,10 +278,9 @@ class AsyncEngine:
     # ------------------------------------------------------------------ requests (event loop)
 
     def tokenize(self, prompt: str) -> list[int]:
-        """Token ids of ``prompt`` as the engine tokenizes it (a pure function of the tokenizer,
-        safe on the loop thread)."""
+        """Token ids of ``prompt`` as the engine tokenizes it, with the loop's own tokenizer."""
         self.check_admitting()
-        return self.engine.tokenize(prompt)
+        return self.tokenizer.encode(prompt)
 
     async def add_request(
         self,
@@ -286,7 +296,8 @@ class AsyncEngine:
 
         Raises at once: ``EngineUnavailable`` (not ready / shutting down), ``QueueFull`` (waiting
         queue at its bound), ``ValueError`` (the engine refuses it: empty prompt, ids outside the
-        vocabulary, too long, an ``n`` the KV pool can never hold…).
+        vocabulary, too long, an ``n`` the KV pool can never hold…), ``RequestFailed`` (admitting
+        it raised something else: a plugin's bug).
         """
         self.check_admitting()
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
@@ -369,6 +380,9 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
+            if out.error is not None:
+                self._fail([out.request_id], RequestFailed(out.error))
+                continue
             if not stream.has_output:
                 self._queued_requests -= 1
                 self._queued_tokens -= stream.num_prompt_tokens
@@ -402,6 +416,7 @@ class AsyncEngine:
         self.error = error
         self.state = EngineState.FAILED
         self._fail(None, EngineError(f"the engine failed: {error}"))
+        self.died.set()
 
     @staticmethod
     def _settle(future: asyncio.Future, error: BaseException | None) -> None:
@@ -423,6 +438,8 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             self.engine = self._factory()
+            self.engine.delta_outputs = True
+            self.tokenizer = copy.deepcopy(self.engine.tokenizer)
         except BaseException as exc:  # noqa: BLE001 — reported to the loop, which decides
             logger.exception("the engine failed to load")
             self._post(self._on_loaded, exc)
@@ -438,38 +455,56 @@ class AsyncEngine:
 
     def _loop_forever(self, engine: LLMEngine) -> None:
         deadline: float | None = None
-        preemptions = _PreemptionCounter()
+        failures_in_row = 0
         while True:
-            for cmd in self._take_commands(self._wait_s(engine)):
-                if isinstance(cmd, _Stop):
-                    self._abort_all(engine, RequestAbortedByShutdown("the server stopped"))
-                    return
-                if isinstance(cmd, _Drain):
-                    deadline = cmd.deadline if deadline is None else min(deadline, cmd.deadline)
-                else:
-                    self._handle(engine, cmd)
-            if deadline is not None and time.monotonic() >= deadline and engine.has_unfinished_requests():
-                self._abort_all(engine, RequestAbortedByShutdown(
-                    "the request did not finish before the server's shutdown deadline"))
-            if engine.has_unfinished_requests():
-                outputs = engine.step()
-                if self._step_listener is not None and engine.last_step is not None:
-                    self._step_listener(engine.last_step)
-                preemptions.update(outputs)
-                self._live.difference_update(o.request_id for o in outputs if o.finished)
-                if outputs:
-                    self._post(self._deliver, outputs)
+            try:
+                for cmd in self._take_commands(self._wait_s(engine)):
+                    if isinstance(cmd, _Stop):
+                        self._abort_all(engine, RequestAbortedByShutdown("the server stopped"))
+                        return
+                    if isinstance(cmd, _Drain):
+                        deadline = cmd.deadline if deadline is None else min(deadline, cmd.deadline)
+                    else:
+                        self._handle(engine, cmd)
+                if deadline is not None and time.monotonic() >= deadline and engine.has_unfinished_requests():
+                    self._abort_all(engine, RequestAbortedByShutdown(
+                        "the request did not finish before the server's shutdown deadline"))
+                self._iterate(engine)
+            except EngineDeadError:
+                raise
+            except Exception as exc:  # noqa: BLE001 — counted: only a run of them is fatal
+                failures_in_row += 1
+                logger.exception("the engine loop failed (%d in a row)", failures_in_row)
+                if failures_in_row >= MAX_FAILED_STEPS_IN_ROW:
+                    raise EngineDeadError(f"the engine loop failed {failures_in_row} times in a row; "
+                                          f"the last time: {type(exc).__name__}: {exc}") from exc
             else:
-                engine.poll_kv_transfers()
-            self._fail_transfers(engine)
-            kv_transfer = engine.kv_transfer
-            self.snapshot = EngineSnapshot(
-                num_running=engine.scheduler.num_running,
-                num_waiting=engine.scheduler.num_waiting + engine.scheduler.num_loading,
-                kv=engine.scheduler.kv.stats(),
-                num_preemptions=preemptions.total,
-                kv_transfer=kv_transfer.stats() if kv_transfer is not None else None,
-            )
+                failures_in_row = 0
+
+    def _iterate(self, engine: LLMEngine) -> None:
+        """One step (or a poll of the KV transfers while idle), then publish the outputs and
+        the snapshot."""
+        if engine.has_unfinished_requests():
+            outputs = engine.step()
+            if self._step_listener is not None and engine.last_step is not None:
+                try:
+                    self._step_listener(engine.last_step)
+                except Exception:  # noqa: BLE001 — metrics must not stop the engine
+                    logger.exception("the step listener raised")
+            self._live.difference_update(o.request_id for o in outputs if o.finished)
+            if outputs:
+                self._post(self._deliver, outputs)
+        else:
+            engine.poll_kv_transfers()
+        self._fail_transfers(engine)
+        kv_transfer = engine.kv_transfer
+        self.snapshot = EngineSnapshot(
+            num_running=engine.scheduler.num_running,
+            num_waiting=engine.scheduler.num_waiting + engine.scheduler.num_loading,
+            kv=engine.scheduler.kv.stats(),
+            num_preemptions=engine.scheduler.num_preemptions,
+            kv_transfer=kv_transfer.stats() if kv_transfer is not None else None,
+        )
 
     @staticmethod
     def _wait_s(engine: LLMEngine) -> float | None:
@@ -502,13 +537,20 @@ class AsyncEngine:
         if isinstance(cmd, _Abort):
             if cmd.request_id in self._live:
                 self._live.discard(cmd.request_id)
-                engine.abort_request(cmd.request_id)
+                try:
+                    engine.abort_request(cmd.request_id)
+                except Exception:  # noqa: BLE001 — the next commands must still be handled
+                    logger.exception("aborting request %s failed", cmd.request_id)
             return
         try:
             engine.add_request(cmd.token_ids, cmd.params, request_id=cmd.request_id, priority=cmd.priority,
                                remote_decode=cmd.remote_decode, remote_prefill=cmd.remote_prefill)
         except ValueError as exc:
             self._post(self._settle, cmd.future, exc)
+        except Exception as exc:  # noqa: BLE001 — this request alone fails
+            logger.exception("admitting request %s failed", cmd.request_id)
+            self._post(self._settle, cmd.future, RequestFailed(
+                f"request {cmd.request_id} failed in the engine (admission): {type(exc).__name__}: {exc}"))
         else:
             self._live.add(cmd.request_id)
             self._post(self._settle, cmd.future, None)

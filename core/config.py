@@ -213,6 +213,8 @@ class ServerConfig(_Section):
     """How long a shutdown waits for running requests."""
     log_requests: bool = False
     """Log every request (ids, token counts, timing)."""
+    stream_stall_timeout_s: float = Field(60.0, ge=0.0)
+    """A stream whose client reads nothing for this long is aborted (0: never)."""
 
 
 class InstanceConfig(_Section):

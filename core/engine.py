@@ -3,6 +3,15 @@
 ``step()`` is the whole loop — schedule, execute, update — and is what the offline ``LLM`` and the
 server's async engine drive. Not thread-safe: one thread calls it (and ``add_request`` /
 ``abort_request``) at a time.
+
+Fault isolation. An exception while scheduling or executing a step (a model, kernel or plugin
+error) does not escape ``step()``: the step's tokens count as never computed and its sequences are
+retried one by one, alone (``Scheduler.isolate_step``); a request whose step fails alone is failed
+— finish reason "error", its blocks freed — and the others go on as if nothing happened. An
+exception while post-processing one request (detokenizing, stop strings) fails that request
+alone. ``step()`` raises only ``EngineDeadError``: on a CUDA (accelerator) error, when the KV pool
+is found inconsistent after a failure, or after ``MAX_FAILED_STEPS_IN_ROW`` failed steps with
+no good step between them — states a process should not go on serving from.
 """
 from __future__ import annotations
 
@@ -22,17 +31,25 @@ from tandem.kv_transfer import KVTransferCoordinator, RemotePrefill
 from tandem.models.config import ModelArchConfig, kv_bytes_per_block, kv_cache_shape
 from tandem.output_processor import OutputProcessor
 from tandem.outputs import RequestOutput
-from tandem.plugin_manager import get_plugin_manager, get_registry
+from tandem.plugin_manager import call_observers, get_registry
 from tandem.sched.request import Request, RequestStatus
 from tandem.sched.sampling_params import SamplingParams
 from tandem.sched.scheduler import Scheduler, SchedulerConfig
 
 logger = logging.getLogger("tandem")
 
+MAX_FAILED_STEPS_IN_ROW = 8
+"""Failed steps with no successful step between them before the engine gives up: isolation makes
+a single poison request cost two failed steps (its batch, then itself alone)."""
 
 
 class RequestRejected(ValueError):
     """A request that can never be served (too long, too many sequences for the KV pool…)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot go on: fail what is in flight and stop the process (see the module
+    docstring for when)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -99,11 +116,14 @@ class LLMEngine:
         self.runner.graphs = self._capture_cuda_graphs()
         self.runner.make_json_masker = self._make_json_masker
         self.outputs = OutputProcessor(self.tokenizer)
+        self.delta_outputs = False
+        """Outputs of ``step()`` carry only what changed (the async engine sets it)."""
         self._ids = count()
         self.last_step: StepStats | None = None
         self.kv_transfer = self._build_kv_transfer()
         self._failed: list[tuple[str, str]] = []
-        get_plugin_manager().hook.tandem_engine_started(config=config)
+        self._num_failed_steps_in_row = 0
+        call_observers("tandem_engine_started", config=config)
 
     # ----------------------------------------------------------------------------- start-up
 
@@ -299,33 +319,37 @@ class LLMEngine:
         if (remote_decode or remote_prefill is not None) and self.kv_transfer is None:
             raise ValueError("kv_transfer_params need a prefill or decode instance; this one is "
                              "colocated (disaggregation.role = both)")
-        if remote_prefill is not None:
-            self.kv_transfer.add_remote(request_id, remote_prefill)
-        request = self.scheduler.add_request(request, load_remote_kv=remote_prefill is not None,
-                                             pin_kv_on_finish=remote_decode)
-        if request.status == RequestStatus.FINISHED_REJECTED:
+        try:  # all or nothing: a plugin or tokenizer that raises leaves no trace of the request
             if remote_prefill is not None:
+                self.kv_transfer.add_remote(request_id, remote_prefill)
+            request = self.scheduler.add_request(request, load_remote_kv=remote_prefill is not None,
+                                                 pin_kv_on_finish=remote_decode)
+            if request.status == RequestStatus.FINISHED_REJECTED:
+                raise RequestRejected(request.reject_reason)
+            self.outputs.add_request(request_id, prompt if isinstance(prompt, str) else None,
+                                     token_ids, params)
+        except BaseException:
+            self.scheduler.abort_requests([request_id])
+            self.outputs.states.pop(request_id, None)
+            if self.kv_transfer is not None:
                 self.kv_transfer.forget(request_id)
-            raise RequestRejected(request.reject_reason)
-        self.outputs.add_request(request_id, prompt if isinstance(prompt, str) else None,
-                                 token_ids, params)
+            raise
         return request_id
 
-    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+    def abort_request(self, request_ids: str | list[str], error: str | None = None) -> list[RequestOutput]:
         """Abort requests at any moment: their blocks are free when this returns. Returns their
-        final outputs (finish reason "abort" for every sequence that had not finished)."""
+        final outputs: finish reason "abort" for every sequence that had not finished, or
+        "error" with ``error`` as the output's message when one is given."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        reason = "abort" if error is None else "error"
         if self.kv_transfer is not None:
             for rid in ids:
                 self.kv_transfer.forget(rid)
-        for request in self.scheduler.abort_requests(ids):
-            self._on_finished(request)
-        finals = []
         for rid in ids:
-            self.outputs.finish_all(rid, "abort")
-            if (out := self.outputs.output(rid)) is not None:
-                finals.append(out)
-        return finals
+            self.outputs.finish_all(rid, reason, error)
+        for request in self.scheduler.abort_requests(ids):
+            self._on_finished(request, reason)
+        return [out for rid in ids if (out := self.outputs.output(rid, self.delta_outputs)) is not None]
 
     def has_unfinished_requests(self) -> bool:
         """Requests to step, or KV loads in flight (an aborted request's blocks wait for them)."""
@@ -355,26 +379,32 @@ class LLMEngine:
     # ----------------------------------------------------------------------------- the loop
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, execute, update. Returns the outputs of the requests that changed."""
+        """Schedule, execute, update. Returns the outputs of the requests that changed, failed
+        ones included (see the module docstring); raises only ``EngineDeadError``."""
         t0 = time.perf_counter()
-        self.poll_kv_transfers()
-        sched_out = self.scheduler.schedule()
-        if self.kv_transfer is not None:
-            self.kv_transfer.start_loads(self.scheduler.take_new_loads())
-        runner_out = self.runner.execute(sched_out)
-        updates = self.scheduler.update_from_output(sched_out, runner_out)
+        try:
+            self.poll_kv_transfers()
+            sched_out = self.scheduler.schedule()
+            if self.kv_transfer is not None:
+                self.kv_transfer.start_loads(self.scheduler.take_new_loads())
+            runner_out = self.runner.execute(sched_out)
+            updates = self.scheduler.update_from_output(sched_out, runner_out)
+        except Exception as exc:  # noqa: BLE001 - isolated below; only EngineDeadError escapes
+            return self._on_step_failed(exc)
+        self._num_failed_steps_in_row = 0
         changed: dict[str, None] = {}
+        failed: dict[str, BaseException] = {}
         for update in updates:
             req = update.request
-            stop_str = self.outputs.process(req, update.new_token_ids, runner_out)
-            if stop_str is not None and not req.is_finished:
-                req.stop_reason = stop_str
-                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-            if req.is_finished:
-                self._on_finished(req)
-            changed[req.parent_id or req.request_id] = None
+            root = req.parent_id or req.request_id
+            try:
+                self._process_update(req, update.new_token_ids, runner_out)
+            except Exception as exc:  # noqa: BLE001 - this request alone fails
+                failed.setdefault(root, exc)
+            changed[root] = None
         self._record_step(sched_out, runner_out, time.perf_counter() - t0)
-        outputs = [o for rid in changed if (o := self.outputs.output(rid)) is not None]
+        outputs = [o for rid in changed if rid not in failed and (o := self._output(rid, failed))]
+        outputs += [self._fail(rid, exc, "post-processing its tokens") for rid, exc in failed.items()]
         if self.kv_transfer is not None:
             params = self.kv_transfer.on_new_pins(self.scheduler.take_new_pins())
             for out in outputs:
@@ -382,11 +412,56 @@ class LLMEngine:
                     out.kv_transfer_params = params[out.request_id]
         return outputs
 
-    def _on_finished(self, request: Request) -> None:
+    def _process_update(self, req: Request, new_token_ids: list[int], runner_out: Any) -> None:
+        stop_str = self.outputs.process(req, new_token_ids, runner_out)
+        if stop_str is not None and not req.is_finished:
+            req.stop_reason = stop_str
+            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+        if req.is_finished:
+            self._on_finished(req)
+
+    def _output(self, request_id: str, failed: dict[str, BaseException]) -> RequestOutput | None:
+        try:
+            return self.outputs.output(request_id, self.delta_outputs)
+        except Exception as exc:  # noqa: BLE001 - this request alone fails
+            failed[request_id] = exc
+            return None
+
+    def _on_step_failed(self, exc: Exception) -> list[RequestOutput]:
+        """Isolate the failed step's requests; fail the one that failed alone."""
+        if _is_accelerator_error(exc):
+            raise EngineDeadError(f"the device failed: {type(exc).__name__}: {exc}") from exc
+        self._num_failed_steps_in_row += 1
+        failed = self.scheduler.isolate_step()
+        logger.error("an engine step failed (%s); %s", f"{type(exc).__name__}: {exc}",
+                     f"failing request {failed[0]}, which failed alone" if failed else
+                     "retrying its requests one by one", exc_info=exc)
+        try:
+            self.scheduler.kv.check_consistency()
+        except AssertionError as bad:
+            raise EngineDeadError(f"the KV pool is inconsistent after a failed step: {bad}") from exc
+        if self._num_failed_steps_in_row >= MAX_FAILED_STEPS_IN_ROW:
+            raise EngineDeadError(f"{self._num_failed_steps_in_row} engine steps failed in a row; "
+                                  f"the last one: {type(exc).__name__}: {exc}") from exc
+        return [self._fail(rid, exc, "its step") for rid in failed]
+
+    def _fail(self, request_id: str, exc: BaseException, where: str) -> RequestOutput:
+        """Fail one client request: its blocks are freed, its output ends with finish reason
+        "error" and a message naming the request and the exception."""
+        if where != "its step":
+            logger.error("request %s failed while %s", request_id, where, exc_info=exc)
+        message = f"request {request_id} failed in the engine ({where}): {type(exc).__name__}: {exc}"
+        finals = self.abort_request(request_id, error=message)
+        if finals:
+            return finals[0]
+        return RequestOutput(request_id, None, [], [], finished=True, error=message)
+
+    def _on_finished(self, request: Request, reason: str | None = None) -> None:
         self.outputs.finish(request)
-        get_plugin_manager().hook.tandem_request_finished(
+        call_observers(
+            "tandem_request_finished",
             request_id=request.request_id,
-            finish_reason=request.status.finish_reason or "abort",
+            finish_reason=reason or request.status.finish_reason or "abort",
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
         )
@@ -409,3 +484,11 @@ class LLMEngine:
             kv_transfer_seconds=tuple(self.kv_transfer.take_transfer_durations()
                                       if self.kv_transfer is not None else ()),
         )
+
+
+def _is_accelerator_error(exc: BaseException) -> bool:
+    """A CUDA (or other accelerator) error: the device's state is unknown afterwards."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    return isinstance(exc, RuntimeError) and "CUDA error" in str(exc)

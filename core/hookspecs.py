@@ -74,11 +74,13 @@ def tandem_register_models(register: Register) -> None:
 @hookspec
 def tandem_engine_started(config: Any) -> None:
     """Observer: called once in each engine process after the model is loaded and the KV pool is
-    allocated, with the effective ``TandemConfig``. The return value is ignored."""
+    allocated, with the effective ``TandemConfig``. The return value is ignored; an
+    implementation that raises is logged and skipped."""
 
 
 @hookspec
 def tandem_request_finished(request_id: str, finish_reason: str, num_prompt_tokens: int,
                             num_output_tokens: int) -> None:
     """Observer: called in the engine process once per finished request (any reason, including
-    "abort"), after its blocks are freed. Keep it fast: it runs on the engine thread."""
+    "abort" and "error"), after its blocks are freed. Keep it fast: it runs on the engine thread.
+    An implementation that raises is logged and skipped."""

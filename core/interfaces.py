@@ -163,6 +163,11 @@ class KVAllocator(ABC):
     def reset_prefix_cache(self) -> None:
         """Forget every cached block that no request holds (optional)."""
 
+    def check_consistency(self) -> None:
+        """Raise ``AssertionError`` naming the problem when the bookkeeping is inconsistent (a
+        block's reference count against the tables holding it, the free list). Called by the
+        engine after a failed step, not per step; optional (the default checks nothing)."""
+
 
 # --------------------------------------------------------------------------- attention backends
 

@@ -3,6 +3,10 @@ matches stop strings, gathers the n sequences of a request and their logprobs.
 
 Runs on the engine thread after each step. A stop string ends its sequence through
 ``Scheduler.finish_requests`` before the next step is scheduled, so no token is computed past it.
+
+Outputs are cumulative (everything so far: the offline API) or deltas (what changed since the
+request's previous output: the server's streams, which fold them back into one cumulative output
+on the event loop, so a step costs what it adds, not what a request holds).
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ class _Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text: str = ""
+    num_sent_tokens: int = 0  # what earlier delta outputs carried
+    num_sent_chars: int = 0
 
 
 @dataclass(slots=True)
@@ -36,6 +42,8 @@ class _RequestState:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float | int | None] = field(default_factory=dict)
+    error: str | None = None
+    num_sent_prompt_logprobs: int = 0
 
     @property
     def finished(self) -> bool:
@@ -111,9 +119,12 @@ class OutputProcessor:
             self._record_metrics(state, request)
             self._finish_sequence(state.sequences[request.sample_index], request)
 
-    def finish_all(self, request_id: str, reason: str) -> None:
+    def finish_all(self, request_id: str, reason: str, error: str | None = None) -> None:
+        """End every unfinished sequence of ``request_id`` with ``reason`` ("abort", or "error"
+        with the ``error`` message)."""
         state = self.states.get(request_id)
         if state is not None:
+            state.error = error
             for seq in state.sequences:
                 if seq.finish_reason is None:
                     seq.finish_reason = reason
@@ -152,32 +163,43 @@ class OutputProcessor:
             return None
         return self.tokenizer.decode([token_id])
 
-    def output(self, request_id: str) -> RequestOutput | None:
-        """The cumulative output of ``request_id``; forgets the request once it is finished."""
+    def output(self, request_id: str, delta: bool = False) -> RequestOutput | None:
+        """The output of ``request_id``: cumulative, or with ``delta`` only what the request's
+        previous delta output did not carry (every sequence is listed; the prompt token ids are
+        shared, not copied). Forgets the request once it is finished."""
         state = self.states.get(request_id)
         if state is None:
             return None
+        prompt_logprobs = state.prompt_logprobs
+        if delta and prompt_logprobs is not None:
+            prompt_logprobs = prompt_logprobs[state.num_sent_prompt_logprobs:]
+            state.num_sent_prompt_logprobs += len(prompt_logprobs)
         out = RequestOutput(
             request_id=request_id,
             prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids,
-            outputs=[
-                CompletionOutput(
-                    index=i,
-                    text=s.text,
-                    token_ids=list(s.token_ids),
-                    cumulative_logprob=s.cumulative_logprob,
-                    logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                    finish_reason=s.finish_reason,
-                    stop_reason=s.stop_reason,
-                )
-                for i, s in enumerate(state.sequences)
-            ],
+            outputs=[self._completion(i, s, delta) for i, s in enumerate(state.sequences)],
             finished=state.finished,
-            prompt_logprobs=state.prompt_logprobs,
+            prompt_logprobs=prompt_logprobs,
             num_cached_tokens=state.num_cached_tokens,
             metrics=dict(state.metrics),
+            error=state.error,
         )
         if state.finished:
             del self.states[request_id]
         return out
+
+    @staticmethod
+    def _completion(index: int, s: _Sequence, delta: bool) -> CompletionOutput:
+        tokens, chars = (s.num_sent_tokens, s.num_sent_chars) if delta else (0, 0)
+        if delta:
+            s.num_sent_tokens, s.num_sent_chars = len(s.token_ids), len(s.text)
+        return CompletionOutput(
+            index=index,
+            text=s.text[chars:],
+            token_ids=s.token_ids[tokens:],
+            cumulative_logprob=s.cumulative_logprob,
+            logprobs=s.logprobs[tokens:] if s.logprobs is not None else None,
+            finish_reason=s.finish_reason,
+            stop_reason=s.stop_reason,
+        )

@@ -49,3 +49,27 @@ class RequestOutput:
     kv_transfer_params: dict | None = None
     """On a prefill instance, in the final output of a request with ``do_remote_decode``: where
     its pinned KV blocks are (engine_id, transfer_id, block_ids, num_tokens, compat_hash)."""
+    error: str | None = None
+    """Set (with ``finished`` and finish reason "error") when the engine failed this request
+    alone: a step it was in raised, and raised again with nothing else in it."""
+
+    def absorb(self, delta: RequestOutput) -> None:
+        """Append ``delta``, the next delta output of the same request (see
+        ``OutputProcessor.output``), to this cumulative output. Costs what ``delta`` holds."""
+        assert delta.request_id == self.request_id and len(delta.outputs) == len(self.outputs)
+        for seq, new in zip(self.outputs, delta.outputs):
+            seq.text += new.text
+            seq.token_ids += new.token_ids
+            if new.logprobs:
+                seq.logprobs += new.logprobs
+            seq.cumulative_logprob = new.cumulative_logprob
+            seq.finish_reason, seq.stop_reason = new.finish_reason, new.stop_reason
+        if delta.prompt_logprobs:
+            if self.prompt_logprobs is None:
+                self.prompt_logprobs = []
+            self.prompt_logprobs += delta.prompt_logprobs
+        self.finished = delta.finished
+        self.num_cached_tokens = delta.num_cached_tokens
+        self.metrics.update(delta.metrics)
+        self.kv_transfer_params = delta.kv_transfer_params or self.kv_transfer_params
+        self.error = delta.error

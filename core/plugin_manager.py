@@ -252,6 +252,17 @@ def get_plugin_manager() -> TandemPluginManager:
         return _plugin_manager
 
 
+def call_observers(hook_name: str, **kwargs: Any) -> None:
+    """Call every implementation of the observer hook ``hook_name`` with ``kwargs``, as pluggy
+    would (each gets the arguments it names, last registered first), except that one that raises
+    is logged and skipped: an observer never breaks the engine or the other observers."""
+    for impl in reversed(getattr(get_plugin_manager().hook, hook_name).get_hookimpls()):
+        try:
+            impl.function(**{name: kwargs[name] for name in impl.argnames})
+        except Exception:  # noqa: BLE001 - an observer's bug is logged, not propagated
+            logger.exception("the %s hook of plugin %r raised; skipped", hook_name, impl.plugin_name)
+
+
 def get_registry() -> Registry:
     """The process's registry, built on the first call from the plugins registered on
     ``get_plugin_manager()`` at that moment."""

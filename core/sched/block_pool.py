@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -99,6 +99,22 @@ class BlockPool:
         if block.block_hash is None and block_hash not in self._cache:
             block.block_hash = block_hash
             self._cache[block_hash] = block
+
+    def check_consistency(self, holders: Mapping[int, int]) -> None:
+        """Raise ``AssertionError`` unless every block's reference count equals ``holders[id]``
+        (how many block tables hold it), exactly the unreferenced blocks are in the free queue,
+        and the cache map and the blocks' hashes agree."""
+        for block in self.blocks[1:]:
+            held = holders.get(block.block_id, 0)
+            assert block.ref_count == held, (
+                f"block {block.block_id} has ref_count {block.ref_count} but {held} holders")
+            assert (block.ref_count == 0) == (block.block_id in self._free), (
+                f"block {block.block_id} (ref_count {block.ref_count}) is "
+                f"{'' if block.block_id in self._free else 'not '}in the free queue")
+            if block.block_hash is not None:
+                assert self._cache.get(block.block_hash) is block, f"block {block.block_id}'s hash is not mapped to it"
+        assert self.blocks[0].ref_count == 0 and 0 not in self._free and 0 not in holders, "the null block is in use"
+        assert len(self._cache) == sum(b.block_hash is not None for b in self.blocks), "stale cache entries"
 
     def reset_cache(self) -> int:
         """Forget every cached block no request holds; returns how many were forgotten."""

@@ -23,6 +23,7 @@ block (the partial last one; full blocks are never written again) gets a private
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 
 from tandem.interfaces import KVAllocation, KVAllocator, KVStats, SchedulableRequest
 from tandem.sched.block_pool import BlockPool, KVBlock, hash_block_tokens
@@ -136,6 +137,10 @@ class PagedKVAllocator(KVAllocator):
 
     def reset_prefix_cache(self) -> None:
         self.block_pool.reset_cache()
+
+    def check_consistency(self) -> None:
+        holders = Counter(block.block_id for table in self._tables.values() for block in table)
+        self.block_pool.check_consistency(holders)
 
     def _lookup_blocks(self, request: SchedulableRequest, num_blocks: int) -> list[KVBlock]:
         hashes = self._block_hashes(request, num_blocks)[:num_blocks]

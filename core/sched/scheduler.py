@@ -42,6 +42,17 @@ Speculative decoding (``num_speculative_tokens > 0``) gives a decoding sequence 
 token plus up to that many n-gram drafts (tandem.sched.ngram) in one step;
 ``num_computed_tokens`` then counts the drafts until ``update_from_output`` learns how many the
 model accepted and takes the rest back.
+
+Isolation after a failed step. When executing a step raises (a model, kernel or plugin error),
+the engine calls ``isolate_step()``: the step's tokens count as never computed, and unless every
+sequence of the step belongs to one client request (then that request is the culprit and the
+engine fails it), each of them is preempted by recompute and queued for isolation. While requests
+are queued for isolation, each step schedules only the first of them (the probe), alone, which may
+preempt others to get its blocks; the probe leaves the queue once it has sampled a new token::
+
+    step of A B C raises → A B C preempted, isolation queue [A, B, C]
+    step [A] ok, A samples → queue [B, C]       step [B] raises → B failed (alone), queue [C]
+    step [C] ok            → queue []           normal batching resumes
 """
 from __future__ import annotations
 
@@ -140,6 +151,13 @@ class _Step:
     num_prompt_tokens: int = 0
     scheduled: dict[str, _Scheduled] = field(default_factory=dict)
     preempted: set[str] = field(default_factory=set)
+    probe: Request | None = None
+    """During isolation: the only request this step may schedule."""
+    current: Request | None = None
+    """The request being scheduled: the one a failure inside ``schedule()`` points at."""
+
+
+_QUEUED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
 def _is_decode(request: Request, num_remaining: int) -> bool:
@@ -174,6 +192,10 @@ class Scheduler:
         self._pin_on_finish: set[str] = set()
         self._pins: set[str] = set()
         self._new_pins: list[PinnedKV] = []
+        self._isolation: dict[str, int] = {}  # request id → output count that ends its isolation
+        self._dropped: set[str] = set()  # preempted between steps: the runner drops their state
+        self._step: _Step | None = None  # the step being built or executed
+        self.num_preemptions = 0
 
     # ------------------------------------------------------------------ queries
 
@@ -188,6 +210,11 @@ class Scheduler:
     def get_request(self, request_id: str) -> Request | None:
         """An unfinished request (waiting or running); None once it finished."""
         return self._requests.get(request_id)
+
+    @property
+    def num_isolated(self) -> int:
+        """Requests queued to be retried alone after a failed step."""
+        return len(self._isolation)
 
     @property
     def num_loading(self) -> int:
@@ -216,12 +243,12 @@ class Scheduler:
             request.metrics.finished_time = time.monotonic()
             return request
         request.status = RequestStatus.WAITING
+        self._enqueue(request)  # first: a policy that raises leaves nothing behind
         self._requests[request.request_id] = request
         if load_remote_kv:
             self._remote_pending.add(request.request_id)
         if pin_kv_on_finish:
             self._pin_on_finish.add(request.request_id)
-        self._enqueue(request)
         return request
 
     def take_new_loads(self) -> list[RemoteKVLoad]:
@@ -318,6 +345,7 @@ class Scheduler:
         request.metrics.finished_time = time.monotonic()
         self._remote_pending.discard(rid)
         self._unsent.discard(rid)
+        self._isolation.pop(rid, None)
         if rid in self._pin_on_finish:
             self._pin_on_finish.discard(rid)
             if was_running and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
@@ -344,19 +372,54 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan one step and advance each scheduled request's ``num_computed_tokens`` by its
         scheduled count (the output carries the values from before)."""
-        step = _Step(
+        self._in_flight = {}
+        step = self._step = _Step(
             token_budget=self.config.max_num_batched_tokens,
             num_free_seats=self.config.max_num_seqs - sum(
                 r.num_sequences for r in (*self._running, *self._loading.values())),
             prompt_cap=self.policy.max_prompt_tokens_per_step(),
+            probe=self._probe(),
         )
         self._schedule_running(step)
-        if not step.preempted:
+        if not step.preempted or step.probe is not None:
             self._schedule_waiting(step)
+        step.current = None
         forked = self._fork_completed_prompts(step)
-        out = self._build_output(step, forked)
-        self._in_flight = dict(out.num_scheduled_tokens)
-        return out
+        return self._build_output(step, forked)
+
+    def _probe(self) -> Request | None:
+        """The first live request queued for isolation (None: not isolating)."""
+        for request_id in self._isolation:
+            return self._requests[request_id]
+        return None
+
+    def isolate_step(self) -> list[str]:
+        """After the step being scheduled or executed raised: its tokens count as never
+        computed. Returns the client request ids to fail — the one request every sequence of the
+        step belongs to, when there is one — and queues every other sequence of the step for
+        isolation (preempted by recompute). Between this call and the next ``schedule()`` the
+        runner must not see this step's output."""
+        step, self._step = self._step, None
+        suspects = [self._requests[rid] for rid in self._in_flight if rid in self._requests]
+        current = step.current if step is not None else None
+        if current is not None and current not in suspects and current.request_id in self._requests:
+            suspects.append(current)
+        for request in suspects:
+            request.num_computed_tokens -= self._in_flight.pop(request.request_id, 0)
+        self._in_flight = {}
+        roots = {r.parent_id or r.request_id for r in suspects}
+        if len(roots) == 1:
+            return list(roots)
+        for request in suspects:
+            if request.status is RequestStatus.RUNNING:
+                self._running.remove(request)
+                self._requeue(request)
+                self._dropped.add(request.request_id)
+            elif request.status in _QUEUED and not any(
+                    entry[2] is request for entry in self._waiting):
+                self._enqueue(request)  # taken off the queue by the admission that raised
+            self._isolation[request.request_id] = request.num_output_tokens + 1
+        return []
 
     def _schedule_running(self, step: _Step) -> None:
         """Give each running request its next tokens, preempting the policy's victims until its
@@ -366,6 +429,9 @@ class Scheduler:
                 return
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
+            if step.probe is not None and request is not step.probe:
+                continue
+            step.current = request
             num_remaining = request.num_tokens - request.num_computed_tokens
             num_new = min(num_remaining, self._token_limit(step, request, num_remaining))
             if num_new == 0:
@@ -400,9 +466,13 @@ class Scheduler:
     def _schedule_waiting(self, step: _Step) -> None:
         """Admit from the head of the queue until one does not fit (no skipping ahead). A request
         preempted in this step is not readmitted in it."""
+        if step.probe is not None:
+            self._admit_probe(step)
+            return
         while self._waiting and step.token_budget > 0:
             entry = heapq.heappop(self._waiting)
             request = entry[2]
+            step.current = request
             admitted = (
                 request.request_id not in step.preempted
                 and request.num_sequences <= step.num_free_seats
@@ -411,6 +481,17 @@ class Scheduler:
             if not admitted:
                 heapq.heappush(self._waiting, entry)
                 return
+
+    def _admit_probe(self, step: _Step) -> None:
+        """During isolation, admit the probe if it waits (wherever it is in the queue)."""
+        probe = step.probe
+        if probe.status not in _QUEUED:
+            return
+        step.current = probe
+        self._waiting = [e for e in self._waiting if e[2] is not probe]
+        heapq.heapify(self._waiting)
+        if not self._try_admit(step, probe):
+            self._enqueue(probe)
 
     def _try_admit(self, step: _Step, request: Request) -> bool:
         """Prefix lookup, then allocation, preempting running requests while the policy allows."""
@@ -451,7 +532,7 @@ class Scheduler:
         allocation = self.kv.allocate(request, num_new, num_cached)
         while allocation is None and self._running:
             victim = self.policy.select_victim(self._running)
-            if not self.policy.should_preempt_for(request, victim):
+            if request is not step.probe and not self.policy.should_preempt_for(request, victim):
                 return None
             self._preempt(victim, step)
             allocation = self.kv.allocate(request, num_new, num_cached)
@@ -489,6 +570,7 @@ class Scheduler:
         step.token_budget -= num_new
         step.num_prompt_tokens += num_prompt_phase
         request.num_computed_tokens = start + num_new
+        self._in_flight[request.request_id] = num_new
 
     def _preempt(self, victim: Request, step: _Step) -> None:
         """Preempt by recompute; a victim scheduled earlier in this step gives its tokens back
@@ -498,15 +580,22 @@ class Scheduler:
             step.token_budget += record.num_new
             step.num_prompt_tokens -= record.num_prompt_phase
             victim.num_computed_tokens = record.start
-        self.kv.free(victim.request_id)
-        self._unsent.discard(victim.request_id)
-        victim.num_computed_tokens = 0
-        victim.status = RequestStatus.PREEMPTED
+            del self._in_flight[victim.request_id]
         victim.metrics.num_preemptions += 1
+        self.num_preemptions += 1
         self._running.remove(victim)
         step.num_free_seats += victim.num_sequences
         step.preempted.add(victim.request_id)
-        self._enqueue(victim)
+        self._requeue(victim)
+
+    def _requeue(self, request: Request) -> None:
+        """Back to the waiting queue with nothing computed (the caller took it off the running
+        list and gave back its tokens in flight): its computed full blocks stay cached."""
+        self.kv.free(request.request_id)
+        self._unsent.discard(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        self._enqueue(request)
 
     def _fork_completed_prompts(self, step: _Step) -> list[ForkedRequestData]:
         """Fork every not-yet-forked request with n > 1 whose prompt this step completes. Done
@@ -521,6 +610,7 @@ class Scheduler:
                 child = parent.fork(f"{parent.request_id}#{index}", index)
                 self.kv.fork(parent.request_id, child.request_id)
                 self._requests[child.request_id] = child
+                self._in_flight[child.request_id] = record.num_new  # computed by the parent's step
                 self._running.append(child)
                 forked.append(ForkedRequestData(child.request_id, parent.request_id, index))
         return forked
@@ -529,9 +619,10 @@ class Scheduler:
         out = SchedulerOutput(
             forked_requests=forked,
             finished_req_ids=self._finished_ids,
-            preempted_req_ids=set(step.preempted),
+            preempted_req_ids=step.preempted | self._dropped,
         )
         self._finished_ids = set()
+        self._dropped = set()
         for request_id, record in step.scheduled.items():
             request, allocation = record.request, record.allocation
             if record.is_new:
@@ -565,8 +656,8 @@ class Scheduler:
         """Append each sampled token, then check, in order: EOS, stop token ids (both only once
         ``min_tokens`` are out), ``max_tokens``, the context length. A finished request frees
         its blocks at once. Tokens for requests aborted meanwhile are dropped."""
-        for request_id in out.num_scheduled_tokens:
-            self._in_flight.pop(request_id, None)
+        self._in_flight = {}
+        self._step = None
         now = time.monotonic()
         updates = []
         for request_id, token_ids in result.sampled_token_ids.items():
@@ -591,6 +682,8 @@ class Scheduler:
                     self._finish(request, status)
                     break
             updates.append(RequestUpdate(request, appended, status is not None))
+            if self._isolation.get(request_id, 1 << 62) <= request.num_output_tokens:
+                del self._isolation[request_id]
         return updates
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:

@@ -55,7 +55,8 @@ def create_app(config: TandemConfig, engine_factory: Callable[[], LLMEngine] | N
     )
     metrics.track(lambda: engine.snapshot)
     ctx = ServingContext(engine, config.model.served_model_name or config.model.path,
-                         config.model.path, metrics, config.server.log_requests)
+                         config.model.path, metrics, config.server.log_requests,
+                         config.server.stream_stall_timeout_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

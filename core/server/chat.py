@@ -71,7 +71,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
 
 def render_chat(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
     """The prompt token ids of the conversation, through the tokenizer's chat template."""
-    tokenizer = ctx.engine.engine.tokenizer
+    tokenizer = ctx.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request(f"the model {ctx.model_name!r} has no chat template, so it cannot serve "
                           "/v1/chat/completions; use /v1/completions", "messages")

@@ -165,14 +165,14 @@ class _CompletionView:
     def _prompt_text(self, index: int) -> str:
         text = self.texts[index]
         if text is None:
-            text = self.ctx.engine.engine.tokenizer.decode(self.prompts[index])
+            text = self.ctx.tokenizer.decode(self.prompts[index])
         return text
 
     def _add_prompt_logprobs(self, lp: CompletionLogprobs, index: int, out: RequestOutput,
                              st: _ChoiceState) -> None:
         entries = out.prompt_logprobs or []
         prompt = self.prompts[index]
-        tokenizer = self.ctx.engine.engine.tokenizer
+        tokenizer = self.ctx.tokenizer
         for pos, token_id in enumerate(prompt):
             entry = entries[pos] if pos < len(entries) else None
             if entry is None:

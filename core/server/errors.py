@@ -10,7 +10,13 @@ import re
 
 from fastapi.responses import JSONResponse
 
-from tandem.async_engine import EngineError, EngineUnavailable, QueueFull, RequestAbortedByShutdown
+from tandem.async_engine import (
+    EngineError,
+    EngineUnavailable,
+    QueueFull,
+    RequestAbortedByShutdown,
+    RequestFailed,
+)
 from tandem.kv_transfer import KVTransferFailed
 from tandem.server.protocol import ErrorInfo, ErrorResponse
 
@@ -67,6 +73,8 @@ def api_error_from(exc: BaseException) -> APIError:
         return APIError(503, str(exc), code="shutdown")
     if isinstance(exc, KVTransferFailed):
         return APIError(502, str(exc), code="kv_transfer_failed")
+    if isinstance(exc, RequestFailed):
+        return APIError(500, str(exc), code="engine_exception")
     if isinstance(exc, EngineError):
         return APIError(500, str(exc), code="engine_error")
     if isinstance(exc, ValueError):

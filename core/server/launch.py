@@ -66,8 +66,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Serve until a signal; 0 after a graceful shutdown, 1 when the model failed to load,
-    2 for a bad configuration."""
+    """Serve until a signal; 0 after a graceful shutdown, 1 when the model failed to load or
+    the engine failed for good (see tandem.async_engine), 2 for a bad configuration."""
     try:
         config = load_config(args.config_file, flags_to_overrides(args))
     except ConfigError as exc:
@@ -101,10 +101,21 @@ async def serve(config: TandemConfig, uvicorn_log_level: str = "warning") -> int
           f"at http://{srv.host}:{srv.port} (OpenAI API under /v1)", flush=True)
     serving = asyncio.ensure_future(server.serve())
     loading = asyncio.ensure_future(_wait_loaded(ctx.engine))
+    died = asyncio.ensure_future(ctx.engine.died.wait())
     await asyncio.wait({serving, loading}, return_when=asyncio.FIRST_COMPLETED)
     if loading.done() and not loading.result():
         server.should_exit = True
+    else:
+        await asyncio.wait({serving, died}, return_when=asyncio.FIRST_COMPLETED)
+    engine_died = died.done()
+    died.cancel()
+    if engine_died:
+        print(f"tandem serve: the engine failed, exiting: {ctx.engine.error}", file=sys.stderr,
+              flush=True)
+        server.should_exit = True
     await serving
+    if engine_died:
+        return EXIT_FAILURE
     if not loading.done():
         loading.cancel()
         return EXIT_OK

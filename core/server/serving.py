@@ -34,7 +34,13 @@ class ServingContext:
     model_path: str
     metrics: ServerMetrics
     log_requests: bool = False
+    stream_stall_timeout_s: float = 60.0
     handshakes: HandshakeCache = field(default_factory=HandshakeCache)
+
+    @property
+    def tokenizer(self):
+        """The event loop's tokenizer (never the engine thread's)."""
+        return self.engine.tokenizer
 
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested != self.model_name:
@@ -130,9 +136,12 @@ def close_all(streams: list[RequestStream]) -> None:
 
 async def merged(ctx: ServingContext,
                  streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, cumulative output) as the outputs of any stream arrive; engine failures
-    raise as APIError. Closing the iterator early aborts the unfinished requests."""
+    """(prompt index, cumulative output) whenever a stream's output has grown, each stream's
+    finished output exactly once and last; engine failures raise as APIError. The output is the
+    stream's own object, which goes on growing: render it before the next ``await``. Closing the
+    iterator early aborts the unfinished requests."""
     inbox: asyncio.Queue = asyncio.Queue()
+    pending: set[int] = set()  # indices in the inbox: a reader that falls behind holds one each
 
     async def pump(index: int, stream: RequestStream) -> None:
         timer = RequestTimer(ctx.metrics, stream.arrival_time)
@@ -141,20 +150,26 @@ async def merged(ctx: ServingContext,
                 timer.on_output(out)
                 if out.finished and ctx.log_requests:
                     _log_finished(stream, out)
-                inbox.put_nowait((index, out))
+                if index not in pending:
+                    pending.add(index)
+                    inbox.put_nowait(index)
         except Exception as exc:  # noqa: BLE001 — handed to the consumer
-            inbox.put_nowait((index, exc))
+            inbox.put_nowait(exc)
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    remaining = len(streams)
+    done: set[int] = set()
     try:
-        while remaining:
-            index, item = await inbox.get()
-            if isinstance(item, Exception):
-                raise api_error_from(item) from item
-            if item.finished:
-                remaining -= 1
-            yield index, item
+        while len(done) < len(streams):
+            index = await inbox.get()
+            if isinstance(index, Exception):
+                raise api_error_from(index) from index
+            pending.discard(index)
+            if index in done:
+                continue
+            out = streams[index].output
+            if out.finished:
+                done.add(index)
+            yield index, out
     finally:
         for task in tasks:
             task.cancel()
@@ -196,7 +211,13 @@ async def _wait_for_disconnect(request: Request) -> None:
 class SSEResponse(StreamingResponse):
     """Server-sent events: ``data: <json>`` per chunk, ``data: [DONE]`` at the end. However the
     response ends (finished, client gone, cancelled), the unfinished engine requests are aborted,
-    even when the body iterator never started; a client that left counts as an error."""
+    even when the body iterator never started; a client that left counts as an error.
+
+    A client that reads nothing stalls the writes once the socket buffers are full (the kernel's
+    and uvicorn's hold some hundreds of KiB); a write blocked for ``stream_stall_timeout_s``
+    ends the response and aborts its requests (reason "client_stalled"). Meanwhile the engine
+    goes on filling the stream's one cumulative output, so a stalled client costs its request's
+    size, never a queue of copies."""
 
     media_type = "text/event-stream"
 
@@ -206,12 +227,31 @@ class SSEResponse(StreamingResponse):
         self._streams = streams
 
     async def __call__(self, scope, receive, send) -> None:
+        timeout_s = self._ctx.stream_stall_timeout_s
+
+        async def send_or_give_up(message) -> None:
+            try:
+                await asyncio.wait_for(send(message), timeout_s or None)
+            except TimeoutError:
+                raise _ClientStalled() from None
+
+        reason = "client_disconnected"
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_or_give_up)
+        except _ClientStalled:
+            reason = "client_stalled"
+            logger.warning("%s: the client read nothing for %.0f s; aborted",
+                           ", ".join(s.request_id for s in self._streams), timeout_s)
+            for stream in self._streams:
+                stream.close()
         finally:
             close_all(self._streams)
             if any(s.aborted for s in self._streams):
-                self._ctx.metrics.record_error("client_disconnected")
+                self._ctx.metrics.record_error(reason)
+
+
+class _ClientStalled(Exception):
+    """A write to the client blocked for longer than ``server.stream_stall_timeout_s``."""
 
 
 def sse(payload: str) -> str:

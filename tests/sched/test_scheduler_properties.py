@@ -11,6 +11,11 @@ reads holds that request's own prefix (see sim_runner); under FCFS no request is
 earlier one waits. At the end: every request finished, was aborted, or was rejected with a
 reason, within a step bound, and the whole pool is free again.
 
+Some steps fail after the runner wrote their KV (a model error), and some requests are poison:
+every step they are in fails. After a failed step the scheduler isolates (``isolate_step``) and
+the harness aborts the request it names; then a poison request never samples a token, and
+every other one still ends, with no block leaked and no stale KV read.
+
 Some requests take their prompt's KV from a simulated remote instance (WAITING_FOR_REMOTE_KV):
 a load ends after a few steps, done or failed, and on "done" writes the prompt's prefixes into
 the shadow pool exactly where a connector would (even for a request aborted meanwhile, whose
@@ -51,6 +56,7 @@ class Spec:
     kv_role: str = "none"
     kv_steps: int = 0
     load_ok: bool = True
+    poison: bool = False
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,7 @@ class Workload:
     caching: bool
     config: SchedulerConfig
     specs: tuple[Spec, ...]
+    failing_steps: frozenset[int] = frozenset()
 
 
 @st.composite
@@ -86,6 +93,7 @@ def specs(draw, index, with_priorities):
         kv_role=draw(st.sampled_from(["none", "none", "remote", "pin"])),
         kv_steps=draw(st.integers(0, 4)),
         load_ok=draw(st.integers(0, 3)) > 0,
+        poison=draw(st.integers(0, 11)) == 0,
     )
 
 
@@ -106,6 +114,7 @@ def workloads(draw, with_priorities=False):
             ngram_min=1,
         ),
         specs=tuple(draw(specs(i, with_priorities)) for i in range(num_requests)),
+        failing_steps=frozenset(draw(st.lists(st.integers(0, 40), max_size=3))),
     )
 
 
@@ -136,6 +145,7 @@ class Harness:
         self.loads: dict[str, list] = {}
         self.loaded: set[str] = set()
         self.pins: dict[str, list] = {}
+        self.isolated_once = False
 
     def run(self) -> None:
         for step in range(MAX_STEPS):
@@ -149,6 +159,10 @@ class Harness:
                 self.loads[load.request_id] = [load, self.specs[load.request_id].kv_steps]
             self._exit(step, ("abort_in_flight",))
             result = self.runner.execute(out)
+            if self._fails(step, out):
+                self._isolate(out)
+                self.isolated_once = True
+                continue
             self.sched.update_from_output(out, result)
             self._collect_pins()
             self._check_blocks(runner_synced=True)
@@ -159,6 +173,22 @@ class Harness:
         else:
             raise AssertionError(f"requests still unfinished after {MAX_STEPS} steps")
         self._check_end()
+
+    def _fails(self, step: int, out) -> bool:
+        """Whether the model "raises" on this step (after its KV was written)."""
+        poisoned = any(self.specs[rid.split("#")[0]].poison for rid in out.num_scheduled_tokens)
+        return poisoned or (step in self.w.failing_steps and bool(out.num_scheduled_tokens))
+
+    def _isolate(self, out) -> None:
+        in_step = {rid.split("#")[0] for rid in out.num_scheduled_tokens
+                   if not self.requests[rid].is_finished}
+        in_step |= {f.parent_id for f in out.forked_requests if not self.requests[f.parent_id].is_finished}
+        failed = self.sched.isolate_step()
+        assert failed == (sorted(in_step) if len(in_step) == 1 else []), (failed, in_step)
+        for request in self.sched.abort_requests(failed):
+            assert request.status is RequestStatus.FINISHED_ABORTED
+        self.kv.check_consistency()
+        self._check_blocks(runner_synced=False)
 
     def _collect_pins(self) -> None:
         for pin in self.sched.take_new_pins():
@@ -250,7 +280,7 @@ class Harness:
             else:
                 assert table == [] and r.num_computed_tokens == 0
         self._check_blocks(runner_synced=False)
-        if isinstance(self.policy, FCFSPolicy):
+        if isinstance(self.policy, FCFSPolicy) and not self.sched.num_isolated and not self.isolated_once:
             waiting = [r for r in self._live()
                        if r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)]
             from_loads = self.loaded & {new.request_id for new in out.new_requests}
@@ -288,6 +318,8 @@ class Harness:
             if r.status is RequestStatus.FINISHED_REJECTED:
                 assert r.reject_reason
             assert r.num_output_tokens <= r.max_tokens
+            if self.specs[r.request_id.split("#")[0]].poison:
+                assert r.num_output_tokens == 0, f"poison request {r.request_id} sampled"
         assert self.kv.stats().num_free_blocks == self.w.num_blocks - 1
         assert all(b.ref_count == 0 for b in self.kv.block_pool.blocks)
 
