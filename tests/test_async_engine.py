@@ -18,9 +18,11 @@ from tandem.async_engine import (
     QueueFull,
     QueueLimits,
     RequestAbortedByShutdown,
+    RequestStream,
 )
 from tandem.config import load_config
 from tandem.engine import LLMEngine
+from tandem.outputs import CompletionOutput, RequestOutput
 from tests.helpers.tiny_models import tiny_model_dir
 
 ENGINE = {"num_kv_blocks": 64, "max_num_seqs": 8, "max_num_batched_tokens": 256, "num_threads": 1}
@@ -259,3 +261,20 @@ def test_graceful_shutdown_aborts_what_outlives_the_deadline(model_dir):
 
     snapshot = asyncio.run(run())
     assert snapshot.kv.num_used_blocks == 0
+
+
+def test_an_unread_stream_folds_its_deltas_into_one_output():
+    """A reader that falls behind finds one cumulative output, not a queue of copies."""
+    async def run():
+        stream = RequestStream(engine=None, request_id="r", prompt="p", num_prompt_tokens=1)
+        for i in range(1000):
+            delta = RequestOutput("r", None, [1], [CompletionOutput(0, f"{i},", [i])], finished=i == 999)
+            stream._push(delta)
+        first = stream.output
+        return first, [out async for out in stream]
+
+    first, outs = asyncio.run(run())
+    assert len(outs) == 1 and outs[0] is first
+    assert first.outputs[0].token_ids == list(range(1000))
+    assert first.outputs[0].text == "".join(f"{i}," for i in range(1000))
+    assert first.finished and first.prompt == "p"

@@ -245,6 +245,7 @@ class SSEResponse(StreamingResponse):
             for stream in self._streams:
                 stream.close()
         finally:
+            await self.body_iterator.aclose()  # its merged() cancels the readers of the streams
             close_all(self._streams)
             if any(s.aborted for s in self._streams):
                 self._ctx.metrics.record_error(reason)
