@@ -189,8 +189,8 @@ def _fallback_tokens(
 
 def _plain_argmax(logits: torch.Tensor) -> list[int] | None:
     """Each row's argmax, or None where a row holds a NaN (that row needs sanitizing first)."""
-    argmax = logits.argmax(dim=-1)
-    chosen = logits.gather(1, argmax[:, None]).squeeze(1)
+    # max takes a row's first NaN over any number (the same index as argmax, at the same cost).
+    chosen, argmax = logits.max(dim=-1)
     token_ids = argmax.masked_fill_(chosen.isnan(), -1).tolist()
     return None if -1 in token_ids else token_ids
 
@@ -234,8 +234,7 @@ def _put_chosen(token_ids: torch.Tensor, row_ids: list[int], chosen: torch.Tenso
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax; -1 for a row of -inf only."""
-    argmax = logits.argmax(dim=-1)
-    chosen = logits.gather(1, argmax[:, None]).squeeze(1)
+    chosen, argmax = logits.max(dim=-1)
     return argmax.masked_fill_(chosen == -math.inf, -1)
 
 
