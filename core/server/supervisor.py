@@ -10,9 +10,12 @@
 Each child gets the effective configuration (file < environment < flags) written to a temporary
 TOML file, so every knob given to this command reaches it; the router's lists the two instances.
 The instances listen on 127.0.0.1 only; the router on ``server.host:server.port``. The parent
-supervises: when a child exits, it says which and with what status, stops the others and exits 1;
-SIGINT or SIGTERM stops all of them (SIGTERM, then SIGKILL after ``server.shutdown_timeout_s``)
-and exits 0.
+supervises: a child that exits (an instance whose engine failed for good exits 1, see
+tandem.async_engine) is restarted with the same command and port, and the router's health checks
+put it back in rotation once it is ready; a child that exits a ``MAX_RESTARTS + 1``-th time within
+``RESTART_WINDOW_S`` is crash-looping: the parent says so, stops the others and exits 1. SIGINT
+or SIGTERM stops all of them (SIGTERM, then SIGKILL after ``server.shutdown_timeout_s``) and
+exits 0.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.config import InstanceConfig, TandemConfig
@@ -30,6 +33,8 @@ from tandem.config import InstanceConfig, TandemConfig
 POLL_S = 0.2
 EXIT_OK = 0
 EXIT_FAILURE = 1
+MAX_RESTARTS = 3
+RESTART_WINDOW_S = 60.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -43,9 +48,15 @@ class Child:
     name: str
     argv: list[str]
     proc: subprocess.Popen | None = None
+    restarts: list[float] = field(default_factory=list)  # time.monotonic() of each restart
 
     def start(self) -> None:
         self.proc = subprocess.Popen(self.argv)
+
+    def may_restart(self, now: float) -> bool:
+        """Whether a restart now stays within ``MAX_RESTARTS`` per ``RESTART_WINDOW_S``."""
+        self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_S]
+        return len(self.restarts) < MAX_RESTARTS
 
 
 def _write_config(config: TandemConfig, folder: Path, name: str) -> str:
@@ -98,10 +109,18 @@ def _supervise(children: list[Child], stop: list[int]) -> int:
     while not stop:
         for child in children:
             status = child.proc.poll()
-            if status is not None:
-                print(f"tandem serve: the {child.name} process (pid {child.proc.pid}) exited with "
-                      f"status {status}; stopping the others", file=sys.stderr, flush=True)
+            if status is None:
+                continue
+            now = time.monotonic()
+            exited = f"the {child.name} process (pid {child.proc.pid}) exited with status {status}"
+            if not child.may_restart(now):
+                print(f"tandem serve: {exited}, its {MAX_RESTARTS + 1}th exit within "
+                      f"{RESTART_WINDOW_S:.0f} s; stopping the others", file=sys.stderr, flush=True)
                 return EXIT_FAILURE
+            child.restarts.append(now)
+            child.start()
+            print(f"tandem serve: {exited}; restarted it (pid {child.proc.pid})", file=sys.stderr,
+                  flush=True)
         time.sleep(POLL_S)
     return EXIT_OK
 

@@ -1,6 +1,7 @@
 """``tandem serve --disaggregated`` as a user runs it: one command, a router in front of a prefill
-and a decode instance. Requests through it are disaggregated; killing a child makes the command
-say so and exit non-zero; SIGTERM stops every child and exits 0."""
+and a decode instance. Requests through it are disaggregated; a killed child is restarted and
+serves again, one that keeps dying makes the command exit non-zero; SIGTERM stops every child and
+exits 0."""
 from __future__ import annotations
 
 import os
@@ -33,6 +34,14 @@ def child_pids(lines: list[str]) -> dict[str, int]:
 
 def read_lines(proc: subprocess.Popen, count: int) -> list[str]:
     return [proc.stdout.readline() for _ in range(count)]
+
+
+def read_until(proc: subprocess.Popen, text: str) -> str:
+    """The first line of the command's output (from here on) that contains ``text``."""
+    for line in proc.stdout:
+        if text in line:
+            return line
+    raise AssertionError(f"the command ended without saying {text!r}")
 
 
 def answered(url: str) -> bool:
@@ -81,16 +90,38 @@ def test_one_command_serves_disaggregated_and_stops_on_sigterm(model_dir):
         proc.kill()
 
 
+@pytest.mark.timeout(300)
+def test_a_dead_instance_is_restarted_and_serves_again(model_dir):
+    port = free_port()
+    proc = start(model_dir, port)
+    try:
+        pids = child_pids(read_lines(proc, 3))
+        url = f"http://127.0.0.1:{port}"
+        assert wait_for(lambda: all_instances_healthy(url), 180)
+        os.kill(pids["decode"], signal.SIGKILL)
+        read_until(proc, f"the decode process (pid {pids['decode']}) exited with status -9; restarted it")
+        assert wait_for(lambda: all_instances_healthy(url) and answered(url), 180)
+        assert alive(pids["prefill"]) and alive(pids["router"]) and proc.poll() is None
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
 @pytest.mark.timeout(240)
-def test_a_dead_child_is_reported_and_the_command_exits_non_zero(model_dir):
+def test_a_crash_looping_child_stops_the_command_with_status_1(model_dir):
+    from tandem.server.supervisor import MAX_RESTARTS
+
     proc = start(model_dir, free_port())
     try:
         pids = child_pids(read_lines(proc, 3))
-        time.sleep(1.0)
-        os.kill(pids["decode"], signal.SIGKILL)
+        pid = pids["decode"]
+        for _ in range(MAX_RESTARTS):
+            os.kill(pid, signal.SIGKILL)
+            line = read_until(proc, f"(pid {pid}) exited")
+            pid = int(re.search(r"restarted it \(pid (\d+)\)", line).group(1))
+        os.kill(pid, signal.SIGKILL)
         assert proc.wait(60) == 1
-        output = proc.stdout.read()
-        assert f"the decode process (pid {pids['decode']}) exited" in output
+        assert f"{MAX_RESTARTS + 1}th exit within" in proc.stdout.read()
         assert wait_for(lambda: not alive(pids["prefill"]) and not alive(pids["router"]), 30)
     finally:
         proc.kill()
