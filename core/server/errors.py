@@ -6,12 +6,11 @@ Retry-After, 400 a request the engine refuses, 500 an engine failure).
 """
 from __future__ import annotations
 
-import re
-
 from fastapi.responses import JSONResponse
 
 from tandem.async_engine import EngineError, EngineUnavailable, QueueFull, RequestAbortedByShutdown
 from tandem.kv_transfer import KVTransferFailed
+from tandem.sched.request_checks import InvalidRequest
 from tandem.server.protocol import ErrorInfo, ErrorResponse
 
 _TYPES = {
@@ -51,9 +50,6 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
-_PARAM = re.compile(r"SamplingParams\.(\w+)")
-
-
 def api_error_from(exc: BaseException) -> APIError:
     """The client-facing error of an exception raised while admitting or running a request."""
     if isinstance(exc, APIError):
@@ -69,7 +65,8 @@ def api_error_from(exc: BaseException) -> APIError:
         return APIError(502, str(exc), code="kv_transfer_failed")
     if isinstance(exc, EngineError):
         return APIError(500, str(exc), code="engine_error")
+    if isinstance(exc, InvalidRequest):
+        return bad_request(f"{exc.param} {exc.detail}", exc.param)
     if isinstance(exc, ValueError):
-        match = _PARAM.search(str(exc))
-        return bad_request(str(exc), match.group(1) if match else None)
+        return bad_request(str(exc))
     return APIError(500, f"internal error: {exc}", code="internal_error")
