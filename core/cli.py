@@ -61,9 +61,15 @@ CONFIG_FLAGS = [
     ConfigFlag("--attention-backend", "engine.attention_backend", metavar="NAME"),
     ConfigFlag("--enforce-eager", "engine.enforce_eager", None),
     ConfigFlag("--num-speculative-tokens", "engine.num_speculative_tokens", int, "N"),
+    ConfigFlag("--max-logprobs", "engine.max_logprobs", int, "N"),
     ConfigFlag("--host", "server.host", metavar="HOST"),
     ConfigFlag("--port", "server.port", int, "N"),
     ConfigFlag("--api-key", "server.api_key", metavar="KEY"),
+    ConfigFlag("--max-queued-requests", "server.max_queued_requests", int, "N"),
+    ConfigFlag("--max-queued-tokens", "server.max_queued_tokens", int, "N"),
+    ConfigFlag("--shutdown-timeout-s", "server.shutdown_timeout_s", float, "SECONDS"),
+    ConfigFlag("--stream-stall-timeout-s", "server.stream_stall_timeout_s", float, "SECONDS"),
+    ConfigFlag("--log-requests", "server.log_requests", None),
     ConfigFlag("--role", "disaggregation.role"),
 ]
 _POSITIONAL_MODEL = "model_path_positional"

@@ -171,6 +171,9 @@ class EngineConfig(_Section):
     cuda_graph_max_batch_size: int = Field(256, ge=1)
     """On CUDA: the largest decode batch replayed from a CUDA graph (capped by max_num_seqs);
     larger decode batches, prefills and chunks run eagerly."""
+    max_logprobs: int = Field(20, ge=0)
+    """Most logprobs a request may ask per token (completions' logprobs, chat's top_logprobs,
+    SamplingParams.logprobs and prompt_logprobs); more is refused (400), as in vLLM."""
 
     @model_validator(mode="after")
     def _check_ngram(self) -> EngineConfig:
@@ -211,6 +214,9 @@ class ServerConfig(_Section):
     """Waiting prompt tokens beyond which new requests get 429."""
     shutdown_timeout_s: float = Field(30.0, ge=0.0)
     """How long a shutdown waits for running requests."""
+    stream_stall_timeout_s: float = Field(60.0, gt=0.0, allow_inf_nan=False)
+    """A streamed request whose client reads nothing for this long is aborted and its KV
+    blocks freed; a positive, finite number of seconds."""
     log_requests: bool = False
     """Log every request (ids, token counts, timing)."""
     stream_stall_timeout_s: float = Field(60.0, ge=0.0)

@@ -33,6 +33,7 @@ from tandem.output_processor import OutputProcessor
 from tandem.outputs import RequestOutput
 from tandem.plugin_manager import call_observers, get_registry
 from tandem.sched.request import Request, RequestStatus
+from tandem.sched.request_checks import RequestLimits, check_request, check_text
 from tandem.sched.sampling_params import SamplingParams
 from tandem.sched.scheduler import Scheduler, SchedulerConfig
 
@@ -275,6 +276,13 @@ class LLMEngine:
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt)
 
+    @property
+    def request_limits(self) -> RequestLimits:
+        """What ``add_request`` lets through (see ``tandem.sched.request_checks``)."""
+        return RequestLimits(vocab_size=self.arch.vocab_size, max_model_len=self.max_model_len,
+                             max_num_seqs=self.config.engine.max_num_seqs,
+                             max_logprobs=self.config.engine.max_logprobs)
+
     def add_request(
         self,
         prompt: str | list[int],
@@ -285,8 +293,11 @@ class LLMEngine:
         remote_decode: bool = False,
         remote_prefill: RemotePrefill | None = None,
     ) -> str:
-        """Queue a request; returns its id. Raises RequestRejected (a ValueError) at once when
-        the request can never be served, and ValueError for bad input.
+        """Queue a request; returns its id. Raises ``InvalidRequest`` (a ValueError naming the
+        field) for input this engine refuses (``check_request``: token ids outside the
+        vocabulary, n above max_num_seqs, logprobs above max_logprobs, no room in the context, a
+        prompt that is not valid Unicode), RequestRejected (a ValueError) when the KV pool could
+        never hold it, and ValueError for other bad input.
 
         On a prefill instance, ``remote_decode`` keeps the request's blocks pinned when it
         finishes; its final output carries the ``kv_transfer_params`` a decode instance needs.
@@ -296,13 +307,10 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.outputs.states:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            check_text("prompt", prompt)
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.arch.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        check_request(token_ids, params, self.request_limits)
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = max(self.max_model_len - len(token_ids), 1)

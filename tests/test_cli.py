@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from tandem.cli import add_config_flags, flags_to_overrides, main
-from tandem.config import ConfigError
+from tandem.cli import add_config_flags, build_parser, flags_to_overrides, main
+from tandem.cli import CONFIG_FLAGS
+from tandem.config import ConfigError, ServerConfig, load_config
 
 FAKE_BUILTINS = '''
 import tandem
@@ -210,6 +211,30 @@ def test_every_serve_flag_maps_to_its_config_field():
         "engine.kv_cache_memory": "2GiB", "engine.enable_prefix_caching": True,
         "engine.enable_chunked_prefill": False,
     }
+
+
+def test_every_server_setting_has_a_flag():
+    argv = [
+        "--max-queued-requests", "7", "--max-queued-tokens", "900", "--shutdown-timeout-s", "2.5",
+        "--stream-stall-timeout-s", "12.5", "--log-requests", "--max-logprobs", "5",
+    ]
+    assert flags_to_overrides(parse(argv)) == {
+        "server.max_queued_requests": 7, "server.max_queued_tokens": 900,
+        "server.shutdown_timeout_s": 2.5, "server.stream_stall_timeout_s": 12.5,
+        "server.log_requests": True, "engine.max_logprobs": 5,
+    }
+    server_fields = {"host", "port", "api_key", "max_queued_requests", "max_queued_tokens",
+                     "shutdown_timeout_s", "log_requests", "stream_stall_timeout_s"}
+    assert server_fields == set(ServerConfig.model_fields), "a [server] field was added: give it a flag"
+    assert {f"server.{name}" for name in server_fields} <= {flag.key for flag in CONFIG_FLAGS}
+
+
+def test_serve_accepts_the_queue_flags_it_used_to_refuse():
+    args = build_parser().parse_args(["serve", "--max-queued-requests", "5", "--stream-stall-timeout-s", "3"])
+    overrides = flags_to_overrides(args)
+    assert overrides == {"server.max_queued_requests": 5, "server.stream_stall_timeout_s": 3.0}
+    config = load_config(overrides=overrides, env={}, check_plugins=False)
+    assert (config.server.max_queued_requests, config.server.stream_stall_timeout_s) == (5, 3.0)
 
 
 def test_unset_flags_are_left_out_and_the_config_file_is_kept_apart():

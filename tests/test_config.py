@@ -33,11 +33,12 @@ DEFAULTS = {
         "enable_chunked_prefill": True, "scheduler": "fcfs", "kv_allocator": "paged",
         "attention_backend": "auto", "num_threads": None, "num_speculative_tokens": 0,
         "speculative_ngram_min": 2, "speculative_ngram_max": 4, "enforce_eager": False,
-        "cuda_graph_max_batch_size": 256,
+        "cuda_graph_max_batch_size": 256, "max_logprobs": 20,
     },
     "server": {
         "host": "127.0.0.1", "port": 8000, "api_key": None, "max_queued_requests": 256,
         "max_queued_tokens": 262144, "shutdown_timeout_s": 30.0, "log_requests": False,
+        "stream_stall_timeout_s": 60.0,
     },
     "disaggregation": {
         "role": "both", "instances": [], "kv_connector": "nixl", "routing_policy": "round_robin",
@@ -198,6 +199,8 @@ def test_device_accepts_its_documented_spellings(device):
     ("gpu_memory_utilization", 0.0), ("gpu_memory_utilization", 1.5), ("num_kv_blocks", 1),
     ("block_size", 0), ("kv_load_failure_policy", "retry"), ("role", "router"),
     ("instances", [{"url": "ftp://x", "role": "decode"}]), ("kv_cache_memory", "lots"),
+    ("max_logprobs", -1), ("stream_stall_timeout_s", 0.0), ("stream_stall_timeout_s", -1.0),
+    ("stream_stall_timeout_s", float("nan")), ("stream_stall_timeout_s", float("inf")),
 ])
 def test_out_of_range_values_are_rejected(key, value):
     with pytest.raises(ConfigError, match=key):

@@ -4,7 +4,18 @@ Pure Python: the scheduler side imports this, so it must never import torch.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+from tandem.sched.request_checks import InvalidRequest, check_text
+
+SEED_MIN = -(2**63)
+SEED_MAX = 2**63 - 1
+"""Seeds are signed 64-bit integers, as in vLLM (torch.long)."""
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+"""Generous bounds on what every step checks for each sequence (OpenAI allows 4 stop strings)."""
 
 
 @dataclass(slots=True)
@@ -15,7 +26,11 @@ class SamplingParams:
     ``max_tokens=None`` generates until EOS/stop or the model's context length. ``stop`` strings are
     matched on the detokenized text across token boundaries and are not part of the output.
     ``logprobs=k`` returns the sampled token's logprob plus the top-k alternatives per step.
-    Invalid values raise ``ValueError`` naming the field, at construction.
+    Invalid values raise ``InvalidRequest`` (a ValueError) naming the field and the values it
+    accepts, at construction: every float must be finite, ``seed`` a signed 64-bit integer, at most
+    ``MAX_STOP_STRINGS`` stop strings of ``MAX_STOP_STRING_CHARS`` characters each, valid Unicode,
+    and at most ``MAX_STOP_TOKEN_IDS`` stop token ids. What depends on the engine (vocabulary,
+    context length, ``max_logprobs``) is checked when a request is added (``check_request``).
     """
 
     n: int = 1
@@ -45,34 +60,20 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        self._validate()
+        self.validate()
 
-    def _validate(self) -> None:
-        checks = [
-            (self.n >= 1, "n", "must be at least 1"),
-            (self.temperature >= 0.0, "temperature", "must be non-negative"),
-            (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
-            (self.top_k >= -1, "top_k", "must be -1, 0 (disabled) or a positive integer"),
-            (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
-            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
-            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
-            (self.repetition_penalty > 0.0, "repetition_penalty", "must be positive"),
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1"),
-            (self.min_tokens >= 0, "min_tokens", "must be non-negative"),
-            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
-             "must not exceed max_tokens"),
-            (self.logprobs is None or self.logprobs >= 0, "logprobs", "must be non-negative"),
-            (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
-             "must be non-negative"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-             "must be non-negative integers"),
-            (self.structured_output in (None, "json_object"), "structured_output",
-             "must be None or 'json_object'"),
-        ]
-        for ok, name, msg in checks:
-            if not ok:
-                raise ValueError(f"SamplingParams.{name} {msg} (got {getattr(self, name)!r})")
+    def validate(self) -> None:
+        """Raise ``InvalidRequest`` for the first field out of its range (run at construction;
+        ``check_request`` runs it again, as fields may have been set since)."""
+        for name, ok, allowed in _CHECKS:
+            value = getattr(self, name)
+            if not ok(value):
+                raise InvalidRequest(name, f"must be {allowed} (got {_shown(value)})", "SamplingParams")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequest("min_tokens", f"must not exceed max_tokens ({self.max_tokens}) "
+                                               f"(got {self.min_tokens})", "SamplingParams")
+        for stop in self.stop:
+            check_text("stop", stop, "SamplingParams")
 
     @property
     def greedy(self) -> bool:
@@ -83,3 +84,59 @@ class SamplingParams:
         from dataclasses import replace
 
         return replace(self, n=1)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _finite(value: object) -> bool:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _in(low: float, high: float) -> object:
+    return lambda v: _finite(v) and low <= v <= high
+
+
+def _optional(check) -> object:
+    return lambda v: v is None or check(v)
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, list) and len(value) > 8:
+        return f"a list of {len(value)}"
+    if _is_int(value) and value.bit_length() > 256:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+# (field, check, what it accepts)
+_CHECKS = (
+    ("n", lambda v: _is_int(v) and v >= 1, "an integer of at least 1"),
+    ("temperature", _in(0.0, math.inf), "a finite number >= 0 (0 = greedy)"),
+    ("top_p", lambda v: _finite(v) and 0.0 < v <= 1.0, "a finite number in (0, 1]"),
+    ("top_k", lambda v: _is_int(v) and v >= -1, "-1 or 0 (disabled) or a positive integer"),
+    ("min_p", _in(0.0, 1.0), "a finite number in [0, 1]"),
+    ("presence_penalty", _in(-2.0, 2.0), "a finite number in [-2, 2]"),
+    ("frequency_penalty", _in(-2.0, 2.0), "a finite number in [-2, 2]"),
+    ("repetition_penalty", lambda v: _finite(v) and v > 0.0, "a finite number > 0 (1 = none)"),
+    ("seed", _optional(lambda v: _is_int(v) and SEED_MIN <= v <= SEED_MAX),
+     f"None or an integer in [{SEED_MIN}, {SEED_MAX}] (signed 64 bits)"),
+    ("max_tokens", _optional(lambda v: _is_int(v) and v >= 1), "None or an integer of at least 1"),
+    ("min_tokens", lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
+    ("logprobs", _optional(lambda v: _is_int(v) and v >= 0), "None or a non-negative integer"),
+    ("prompt_logprobs", _optional(lambda v: _is_int(v) and v >= 0), "None or a non-negative integer"),
+    ("stop", lambda v: len(v) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} strings"),
+    ("stop", lambda v: all(isinstance(s, str) and s for s in v), "non-empty strings"),
+    ("stop", lambda v: all(len(s) <= MAX_STOP_STRING_CHARS for s in v),
+     f"strings of at most {MAX_STOP_STRING_CHARS} characters"),
+    ("stop_token_ids", lambda v: len(v) <= MAX_STOP_TOKEN_IDS, f"at most {MAX_STOP_TOKEN_IDS} token ids"),
+    ("stop_token_ids", lambda v: all(_is_int(t) and t >= 0 for t in v), "non-negative integers"),
+    ("structured_output", lambda v: v in (None, "json_object"), "None or 'json_object'"),
+)

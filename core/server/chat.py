@@ -4,7 +4,7 @@ engine request with ``n`` choices; logprobs in the chat shape; SSE deltas with t
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -38,25 +38,27 @@ from tandem.server.serving import (
     sse_error,
     until_disconnect,
 )
+from tandem.server.validation import check_body, check_messages, check_response_format, message_text
+
+ROUTE = "/v1/chat/completions"
 
 
 async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest,
                                  request: Request) -> Response:
-    log_unknown_fields(body, "/v1/chat/completions")
+    log_unknown_fields(body, ROUTE)
+    check_body(body, ROUTE)
+    check_messages(body)
     ctx.check_model(body.model)
     ctx.check_ready()
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs = true", "top_logprobs")
-    json_mode = body.response_format is not None and body.response_format.type == "json_object"
-    if body.response_format is not None and body.response_format.type not in ("text", "json_object"):
-        raise bad_request(f"response_format type {body.response_format.type!r} is not supported: "
-                          "tandem serves 'text' and 'json_object' (no JSON schemas yet)", "response_format")
-    token_ids = render_chat(ctx, body)
+    check_response_format(body)
     max_tokens = body.max_completion_tokens or body.max_tokens
-    check_prompt(ctx, token_ids, max_tokens, param="messages")
     params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
-    if json_mode:
-        params = replace(params, structured_output="json_object")
+    token_ids = render_chat(ctx, body)
+    max_tokens_name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    check_prompt(ctx, token_ids, params, {"prompt": "messages", "logprobs": "top_logprobs",
+                                          "max_tokens": max_tokens_name})
     kv_transfer = await kv_transfer_args(ctx.engine.engine, ctx.handshakes, body, 1)
     view = _ChatView(ctx, body, f"chatcmpl-{uuid.uuid4().hex}", len(token_ids))
     streams = await admit(ctx, [token_ids], params, view.request_id, body.priority, kv_transfer)
@@ -75,21 +77,13 @@ def render_chat(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request(f"the model {ctx.model_name!r} has no chat template, so it cannot serve "
                           "/v1/chat/completions; use /v1/completions", "messages")
-    messages = [{"role": m.role, "content": _text(m.content)} for m in body.messages]
+    messages = [{"role": m.role, "content": message_text(m.content)} for m in body.messages]
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False,
                                              add_generation_prompt=body.add_generation_prompt)
     except Exception as exc:  # noqa: BLE001 — a template may raise anything on bad input
         raise bad_request(f"the chat template refused the messages: {exc}", "messages") from exc
     return tokenizer.encode(text, add_special_tokens=False)
-
-
-def _text(content) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "\n".join(part.text for part in content)
 
 
 @dataclass(slots=True)

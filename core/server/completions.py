@@ -32,17 +32,22 @@ from tandem.server.serving import (
     sse_error,
     until_disconnect,
 )
+from tandem.server.validation import check_body, check_response_format
+
+ROUTE = "/v1/completions"
 
 
 async def create_completion(ctx: ServingContext, body: CompletionRequest, request: Request) -> Response:
-    log_unknown_fields(body, "/v1/completions")
+    log_unknown_fields(body, ROUTE)
+    check_body(body, ROUTE)
     ctx.check_model(body.model)
     ctx.check_ready()
-    prompts, texts = _prompts(ctx, body.prompt)
-    for token_ids in prompts:
-        check_prompt(ctx, token_ids, body.max_tokens)
+    check_response_format(body)
     echo_logprobs = body.logprobs if body.echo else None
     params = sampling_params(body, body.max_tokens, body.logprobs, echo_logprobs)
+    prompts, texts = _prompts(ctx, body.prompt)
+    for token_ids in prompts:
+        check_prompt(ctx, token_ids, params, {"prompt_logprobs": "logprobs"})
     kv_transfer = await kv_transfer_args(ctx.engine.engine, ctx.handshakes, body, len(prompts))
     view = _CompletionView(ctx, body, f"cmpl-{uuid.uuid4().hex}", prompts, texts)
     streams = await admit(ctx, prompts, params, view.request_id, body.priority, kv_transfer)

@@ -6,8 +6,6 @@ Retry-After, 400 a request the engine refuses, 500 an engine failure).
 """
 from __future__ import annotations
 
-import re
-
 from fastapi.responses import JSONResponse
 
 from tandem.async_engine import (
@@ -18,6 +16,7 @@ from tandem.async_engine import (
     RequestFailed,
 )
 from tandem.kv_transfer import KVTransferFailed
+from tandem.sched.request_checks import InvalidRequest
 from tandem.server.protocol import ErrorInfo, ErrorResponse
 
 _TYPES = {
@@ -57,9 +56,6 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
-_PARAM = re.compile(r"SamplingParams\.(\w+)")
-
-
 def api_error_from(exc: BaseException) -> APIError:
     """The client-facing error of an exception raised while admitting or running a request."""
     if isinstance(exc, APIError):
@@ -77,7 +73,8 @@ def api_error_from(exc: BaseException) -> APIError:
         return APIError(500, str(exc), code="engine_exception")
     if isinstance(exc, EngineError):
         return APIError(500, str(exc), code="engine_error")
+    if isinstance(exc, InvalidRequest):
+        return bad_request(f"{exc.param} {exc.detail}", exc.param)
     if isinstance(exc, ValueError):
-        match = _PARAM.search(str(exc))
-        return bad_request(str(exc), match.group(1) if match else None)
+        return bad_request(str(exc))
     return APIError(500, f"internal error: {exc}", code="internal_error")

@@ -1,8 +1,13 @@
 """The OpenAI API's request and response bodies, as pydantic models.
 
-Requests are validated strictly (``"5"`` is not an integer) and accept unknown fields, which the
-handlers log and ignore, as vLLM does. Besides OpenAI's fields the requests accept vLLM's sampling
-extras (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids, priority…).
+Requests are validated strictly (``"5"`` is not an integer; NaN and ±Infinity, which Python's
+JSON parser accepts, are not numbers) and accept unknown fields, which the handlers log and
+ignore, as vLLM does — except the fields of OpenAI's and vLLM's APIs that tandem does not
+implement, which ``tandem.server.validation`` refuses unless they carry their neutral value.
+Besides OpenAI's fields the requests accept vLLM's sampling extras (top_k, min_p,
+repetition_penalty, ignore_eos, min_tokens, stop_token_ids, priority…). What depends on the
+engine (vocabulary, context length, max_logprobs, max_num_seqs) is checked by
+``tandem.sched.request_checks`` once the prompt is tokenized.
 """
 from __future__ import annotations
 
@@ -12,11 +17,15 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-MAX_LOGPROBS = 20
+from tandem.sched.sampling_params import SEED_MAX, SEED_MIN
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+"""The chat roles of OpenAI's API (its deprecated "function" role belongs to function calling,
+which tandem does not implement)."""
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -41,6 +50,13 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class ResponseFormat(_Request):
+    """OpenAI's ``response_format``: ``{"type": "text"}`` or ``{"type": "json_object"}`` (JSON
+    mode: the reply is one JSON object); JSON schemas are refused."""
+
+    type: str
+
+
 class SamplingFields(_Request):
     """The fields that become ``SamplingParams``; None means the default."""
 
@@ -53,7 +69,7 @@ class SamplingFields(_Request):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -64,6 +80,8 @@ class SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    """Chat and (as in vLLM) completions: JSON mode or plain text."""
     kv_transfer_params: dict[str, Any] | None = None
     """Disaggregated prefill/decode, set by the router: ``{"do_remote_decode": true}`` on a
     prefill instance; the prefill answer's params plus ``"do_remote_prefill": true`` on a decode
@@ -76,7 +94,8 @@ class CompletionRequest(SamplingFields):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0)
+    """At most ``engine.max_logprobs`` (20 by default)."""
     echo: bool = False
 
 
@@ -86,16 +105,11 @@ class TextContentPart(_Request):
 
 
 class ChatMessage(_Request):
-    role: str
-    content: str | list[TextContentPart] | None = None
+    """One message; ``content`` is required (text only), whatever the role."""
+
+    role: Literal[ROLES]
+    content: str | list[TextContentPart]
     name: str | None = None
-
-
-class ResponseFormat(_Request):
-    """OpenAI's ``response_format``: ``{"type": "text"}`` or ``{"type": "json_object"}`` (JSON
-    mode: the reply is one JSON object); JSON schemas are refused."""
-
-    type: str
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -106,9 +120,9 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0)
+    """At most ``engine.max_logprobs`` (20 by default)."""
     add_generation_prompt: bool = True
-    response_format: ResponseFormat | None = None
 
 
 # ----------------------------------------------------------------------------- responses

@@ -8,7 +8,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -17,10 +17,12 @@ from starlette.responses import StreamingResponse
 from tandem.async_engine import AsyncEngine, EngineUnavailable, RequestStream
 from tandem.server.disagg import HandshakeCache, KVTransferArgs
 from tandem.outputs import RequestOutput
+from tandem.sched.request_checks import InvalidRequest, check_request
 from tandem.sched.sampling_params import SamplingParams
 from tandem.server.errors import APIError, api_error_from, bad_request
 from tandem.server.metrics import RequestTimer, ServerMetrics
 from tandem.server.protocol import SamplingFields
+from tandem.server.validation import UNKNOWN_FIELDS, unknown_fields
 
 logger = logging.getLogger("tandem.server")
 
@@ -55,9 +57,11 @@ class ServingContext:
 
 
 def log_unknown_fields(body: SamplingFields, route: str) -> None:
-    extra = sorted(body.model_extra or {})
-    if extra:
-        logger.warning("%s: ignoring unknown fields %s", route, ", ".join(extra))
+    """Log the fields of ``body`` that tandem does not know (it ignores them): one line per name
+    a minute at most (``tandem.server.validation.UnknownFieldLog``)."""
+    names = unknown_fields(body, route)
+    if names:
+        UNKNOWN_FIELDS.log(route, names)
 
 
 def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None,
@@ -68,6 +72,7 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
         "min_p": body.min_p, "presence_penalty": body.presence_penalty,
         "frequency_penalty": body.frequency_penalty, "repetition_penalty": body.repetition_penalty,
     }
+    json_mode = body.response_format is not None and body.response_format.type == "json_object"
     try:
         return SamplingParams(
             n=body.n,
@@ -81,29 +86,23 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
+            structured_output="json_object" if json_mode else None,
             **{k: v for k, v in fields.items() if v is not None},
         )
     except ValueError as exc:
         raise api_error_from(exc) from exc
 
 
-def check_prompt(ctx: ServingContext, token_ids: list[int], max_tokens: int | None,
-                 param: str = "prompt") -> None:
-    """400 for an empty prompt, ids outside the vocabulary, or no room for ``max_tokens``."""
-    engine = ctx.engine.engine
-    if not token_ids:
-        raise bad_request("the prompt is empty", param)
-    vocab = engine.arch.vocab_size
-    bad = [t for t in token_ids if not 0 <= t < vocab]
-    if bad:
-        raise bad_request(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param)
-    limit = engine.max_model_len
-    if max_tokens is None and len(token_ids) >= limit:
-        raise bad_request(f"the prompt has {len(token_ids)} tokens; the context length is {limit}, "
-                          "which leaves no room for output", param)
-    if max_tokens is not None and len(token_ids) + max_tokens > limit:
-        raise bad_request(f"the prompt ({len(token_ids)} tokens) plus max_tokens ({max_tokens}) "
-                          f"exceeds the context length ({limit} tokens)", "max_tokens")
+def check_prompt(ctx: ServingContext, token_ids: list[int], params: SamplingParams,
+                 names: Mapping[str, str] | None = None) -> None:
+    """400 for a prompt or params this engine can never serve (``check_request``: ids outside
+    the vocabulary, n above max_num_seqs, logprobs above max_logprobs, no room in the context).
+    ``names`` maps a SamplingParams field to the request field the client sent (chat's
+    ``top_logprobs`` for ``logprobs``)."""
+    try:
+        check_request(token_ids, params, ctx.engine.engine.request_limits)
+    except InvalidRequest as exc:
+        raise api_error_from(exc.renamed(names or {})) from exc
 
 
 async def admit(ctx: ServingContext, prompts: list[list[int]], params: SamplingParams,

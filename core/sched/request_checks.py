@@ -1,0 +1,111 @@
+"""The one check of a request against the engine that would serve it, shared by the offline
+``LLM`` (through ``LLMEngine.add_request``) and the server (before it admits anything).
+
+``SamplingParams`` checks what holds on every engine (ranges, finite numbers, seed width, stop
+strings); ``check_request`` adds what depends on this engine: its vocabulary, its context length,
+``max_num_seqs`` and ``max_logprobs``. Every refusal is an ``InvalidRequest`` — a ValueError that
+names the field and the values it accepts; the server turns it into a 400 with that ``param``.
+
+Pure Python: the scheduler side imports this, so it must never import torch.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tandem.sched.sampling_params import SamplingParams
+
+
+class InvalidRequest(ValueError):
+    """A request refused at the boundary. ``param`` is the field (a ``SamplingParams`` name, or
+    ``prompt``); ``detail`` what is wrong with it, readable after the field's name. ``owner``
+    prefixes the name in the message (``SamplingParams.temperature must be…``)."""
+
+    def __init__(self, param: str, detail: str, owner: str | None = None) -> None:
+        self.param = param
+        self.detail = detail
+        super().__init__(f"{owner}.{param} {detail}" if owner else f"{param} {detail}")
+
+    def renamed(self, names: Mapping[str, str]) -> InvalidRequest:
+        """The same refusal under the name a client used for the field (the chat API's
+        ``top_logprobs`` is ``SamplingParams.logprobs``)."""
+        return InvalidRequest(names.get(self.param, self.param), self.detail)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What one engine can serve: its vocabulary, its context length in tokens, the sequences of
+    one step and the most logprobs per token it computes (``engine.max_logprobs``)."""
+
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_logprobs: int
+
+
+def check_request(token_ids: Sequence[int], params: SamplingParams, limits: RequestLimits) -> None:
+    """Raise ``InvalidRequest`` unless the engine of ``limits`` can serve ``token_ids`` (the
+    prompt) with ``params``: prompt and ``stop_token_ids`` inside the vocabulary, ``n`` at most
+    ``max_num_seqs``, ``logprobs``/``prompt_logprobs`` at most ``max_logprobs`` (and the
+    vocabulary), room in the context for ``max_tokens`` — or for at least one token when it is
+    None — and for ``min_tokens``. The KV pool's own limit is the scheduler's to check."""
+    params.validate()
+    _check_ids("prompt", token_ids, limits.vocab_size)
+    if not token_ids:
+        raise InvalidRequest("prompt", "is empty")
+    _check_ids("stop_token_ids", params.stop_token_ids, limits.vocab_size)
+    if params.n > limits.max_num_seqs:
+        raise InvalidRequest("n", f"must be at most max_num_seqs ({limits.max_num_seqs}): the n "
+                                  f"sequences of a request run in one batch; got {params.n}")
+    most = min(limits.max_logprobs, limits.vocab_size)
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > most:
+            raise InvalidRequest(name, f"must be at most {most} (engine.max_logprobs = "
+                                       f"{limits.max_logprobs}, vocabulary {limits.vocab_size}); "
+                                       f"got {value}")
+    _check_room(len(token_ids), params, limits.max_model_len)
+
+
+def _check_ids(name: str, token_ids: Sequence[int], vocab_size: int) -> None:
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(name, f"holds token ids {bad[:5]} outside the vocabulary "
+                                   f"[0, {vocab_size})")
+
+
+def _check_room(num_prompt_tokens: int, params: SamplingParams, max_model_len: int) -> None:
+    room = max_model_len - num_prompt_tokens
+    if params.max_tokens is None:
+        if room < 1:
+            raise InvalidRequest("prompt", f"has {num_prompt_tokens} tokens; the context length is "
+                                           f"{max_model_len}, which leaves no room for output")
+    elif params.max_tokens > room:
+        raise InvalidRequest("max_tokens", f"({params.max_tokens}) plus the prompt "
+                                           f"({num_prompt_tokens} tokens) exceeds the context "
+                                           f"length ({max_model_len} tokens): at most {max(room, 0)}")
+    if params.min_tokens > room:
+        raise InvalidRequest("min_tokens", f"({params.min_tokens}) exceeds the room for output: the "
+                                           f"context length ({max_model_len}) minus the prompt "
+                                           f"({num_prompt_tokens} tokens) is {max(room, 0)}")
+
+
+def lone_surrogate(text: str) -> int | None:
+    """The index of the first lone surrogate (U+D800–U+DFFF) in ``text``, None when it is valid
+    Unicode. JSON's ``"\\ud800"`` decodes to one; it has no UTF-8 encoding, so no tokenizer can
+    take it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
+
+
+def check_text(name: str, text: str, owner: str | None = None) -> None:
+    """Raise ``InvalidRequest`` when ``text`` (the field ``name``) is not valid Unicode."""
+    index = lone_surrogate(text)
+    if index is not None:
+        raise InvalidRequest(name, f"is not valid UTF-8 text: it holds the lone surrogate "
+                                   f"U+{ord(text[index]):04X} at index {index}", owner)

@@ -1,0 +1,118 @@
+"""tandem.server.validation without a server: the log of unknown fields (one line per name a
+minute, bounded under a fuzzer), driven by a fake clock, and the body checks on parsed models."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from tandem.server.errors import APIError
+from tandem.server.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.server.validation import UnknownFieldLog, check_body, check_messages, unknown_fields
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "tandem.server"]
+
+
+def test_a_name_is_logged_once_a_minute(caplog):
+    clock = Clock()
+    log = UnknownFieldLog(clock=clock)
+    with caplog.at_level(logging.WARNING, logger="tandem.server"):
+        log.log("/v1/completions", ["frob", "zap"])
+        clock.now += 30
+        log.log("/v1/completions", ["frob"])
+        clock.now += 29.9
+        log.log("/v1/completions", ["frob", "zap"])
+        assert len(_lines(caplog)) == 2
+        clock.now += 0.2  # 60.1 s after the first line
+        log.log("/v1/completions", ["frob"])
+    lines = _lines(caplog)
+    assert len(lines) == 3
+    assert "'frob'" in lines[0] and "'zap'" in lines[1] and "'frob'" in lines[2]
+
+
+def test_a_fuzzer_gets_at_most_max_lines_a_minute_then_one_summary(caplog):
+    clock = Clock()
+    log = UnknownFieldLog(max_lines=5, clock=clock)
+    with caplog.at_level(logging.WARNING, logger="tandem.server"):
+        for i in range(1000):
+            log.log("/v1/completions", [f"random_{i}"])
+            clock.now += 0.01
+        assert len(_lines(caplog)) == 5
+        clock.now += 60
+        log.log("/v1/completions", ["random_0"])
+    lines = _lines(caplog)
+    assert len(lines) == 7
+    assert "995 more unknown field names" in lines[5]
+    assert "'random_0'" in lines[6]
+
+
+def test_names_are_logged_as_ascii_and_cut(caplog):
+    with caplog.at_level(logging.WARNING, logger="tandem.server"):
+        UnknownFieldLog(clock=Clock()).log("/v1/chat/completions", ["\ud800\n" + "y" * 100])
+    (line,) = _lines(caplog)
+    assert "'\\ud800\\n" in line and "y" * 62 + "'…" in line and "y" * 63 not in line
+
+
+def test_unimplemented_fields_are_not_unknown():
+    body = CompletionRequest.model_validate({"prompt": "x", "logit_bias": {}, "suffix": "", "zap": 1})
+    assert unknown_fields(body, "/v1/completions") == ["zap"]
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                                 "tools": [], "suffix": "s"})
+    assert unknown_fields(chat, "/v1/chat/completions") == ["suffix"]  # no suffix in chat
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"logit_bias": {"1": 1.0}}, "logit_bias"), ({"logit_bias": []}, "logit_bias"),
+    ({"best_of": 2}, "best_of"), ({"best_of": True}, "best_of"), ({"suffix": "s"}, "suffix"),
+    ({"use_beam_search": 0}, "use_beam_search"), ({"guided_json": {}}, "guided_json"),
+    ({"add_special_tokens": False}, "add_special_tokens"),
+])
+def test_non_neutral_values_are_refused(extra, param):
+    body = CompletionRequest.model_validate({"prompt": "x", **extra})
+    with pytest.raises(APIError) as info:
+        check_body(body, "/v1/completions")
+    assert (info.value.status, info.value.param) == (400, param)
+    assert "not supported" in info.value.message or "at least n" in info.value.message
+
+
+@pytest.mark.parametrize("extra", [
+    {"logit_bias": {}}, {"logit_bias": None}, {"best_of": 1}, {"best_of": None}, {"suffix": ""},
+    {"use_beam_search": False}, {"add_special_tokens": True}, {"bad_words": []},
+])
+def test_neutral_values_pass(extra):
+    check_body(CompletionRequest.model_validate({"prompt": "x", **extra}), "/v1/completions")
+
+
+def test_the_path_of_a_lone_surrogate_is_named():
+    chat = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": "fine"},
+        {"role": "user", "content": [{"type": "text", "text": "ok"}, {"type": "text", "text": "x\udc01"}]}]})
+    with pytest.raises(APIError) as info:
+        check_body(chat, "/v1/chat/completions")
+    assert info.value.param == "messages"
+    assert info.value.message.startswith("messages[1].content[1].text is not valid UTF-8 text")
+    assert "U+DC01 at index 1" in info.value.message
+
+
+def test_a_lone_surrogate_in_a_dict_key_is_found():
+    body = CompletionRequest.model_validate({"prompt": "x", "kv_transfer_params": {"\ud800": 1}})
+    with pytest.raises(APIError) as info:
+        check_body(body, "/v1/completions")
+    assert info.value.param == "kv_transfer_params"
+
+
+def test_tool_calls_in_history_are_refused():
+    chat = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]})
+    with pytest.raises(APIError, match="tool_calls"):
+        check_messages(chat)
