@@ -219,8 +219,6 @@ class ServerConfig(_Section):
     blocks freed; a positive, finite number of seconds."""
     log_requests: bool = False
     """Log every request (ids, token counts, timing)."""
-    stream_stall_timeout_s: float = Field(60.0, ge=0.0)
-    """A stream whose client reads nothing for this long is aborted (0: never)."""
 
 
 class InstanceConfig(_Section):

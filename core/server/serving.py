@@ -230,7 +230,7 @@ class SSEResponse(StreamingResponse):
 
         async def send_or_give_up(message) -> None:
             try:
-                await asyncio.wait_for(send(message), timeout_s or None)
+                await asyncio.wait_for(send(message), timeout_s)
             except TimeoutError:
                 raise _ClientStalled() from None
 
