@@ -51,7 +51,9 @@ class LLM:
 
         ``prompts``: a string, a list of token ids, or a list of either. ``sampling_params``: one
         for all prompts or one per prompt. A prompt that can never be served raises ValueError
-        before anything runs.
+        before anything runs. A request the engine fails alone (see ``tandem.engine``) is
+        returned finished with ``finish_reason`` "error" and its ``error`` message; an engine
+        that cannot go on raises ``EngineDeadError``.
         """
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
@@ -62,7 +64,7 @@ class LLM:
         try:
             for prompt, p, prio in zip(prompt_list, params, priorities):
                 ids.append(self.engine.add_request(prompt, p, priority=prio))
-        except ValueError:
+        except BaseException:  # a refusal, or a plugin that raises: nothing stays queued
             self.engine.abort_request(ids)
             raise
         return self._run(ids, use_tqdm)

@@ -442,13 +442,19 @@ class Scheduler:
                 drafts = []
                 allocation = self.kv.allocate(request, num_new)
             while allocation is None:
-                victim = self.policy.select_victim(self._running)
+                victim = self.policy.select_victim(self._victims(step))
                 self._preempt(victim, step)
                 if victim is request:
                     return
                 allocation = self.kv.allocate(request, num_new)
             is_new = request.request_id in self._unsent
             self._record(step, request, 0, num_new + len(drafts), allocation, is_new=is_new, drafts=drafts)
+
+    def _victims(self, step: _Step) -> list[Request]:
+        """The running requests a preemption may pick: during isolation not the probe, which
+        alone runs, unless it is the only one (then the pool cannot hold even it now)."""
+        others = [r for r in self._running if r is not step.probe]
+        return others if step.probe is not None and others else self._running
 
     def _drafts(self, step: _Step, request: Request, num_remaining: int) -> list[int]:
         """N-gram drafts for a decoding sequence, as many as the token budget, its max_tokens

@@ -144,3 +144,22 @@ def test_a_policy_whose_sort_key_raises_leaves_no_trace_of_the_request():
         pass
     assert not s.has_unfinished_requests() and s.get_request("bad") is None
     assert isinstance(s.policy, SchedulingPolicy)
+
+
+def test_a_running_probe_short_of_blocks_preempts_another_request_not_itself():
+    # 7 usable blocks of 4 tokens; a (8 tokens) is retried first and keeps its 2 blocks while it
+    # waits for the isolation to end; b (24 tokens) then needs 6 blocks over two chunks, and for
+    # the second only 1 is free. FCFS names the newest request, b itself, as the victim: b must
+    # take a's blocks instead, or it would start over at every step and never finish.
+    s = make_scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=16)
+    a = s.add_request(make_request("a", range(8), max_tokens=4, arrival=0.0))
+    b = s.add_request(make_request("b", range(100, 124), max_tokens=4, arrival=1.0))
+    out, failed = _fail_step(s)
+    assert out.num_scheduled_tokens == {"a": 8, "b": 8} and failed == []
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {"a": 8} and a.status is RequestStatus.RUNNING
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {"b": 16}
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {"b": 8} and b.num_output_tokens == 1
+    assert out.preempted_req_ids == {"a"} and s.num_isolated == 0

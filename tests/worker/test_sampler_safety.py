@@ -83,7 +83,7 @@ def sampling_rows(draw, vocab: int):
         presence_penalty=draw(PRESENCE_FREQUENCY),
         frequency_penalty=draw(PRESENCE_FREQUENCY),
         repetition_penalty=draw(REPETITION_PENALTIES),
-        seed=draw(st.one_of(st.none(), st.integers(0, 2**64 - 1))),
+        seed=draw(st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1))),  # the admitted range
         max_tokens=None,
         min_tokens=draw(st.integers(0, 3)),
         stop_token_ids=stop_ids,
