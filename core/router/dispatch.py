@@ -21,7 +21,7 @@
                                instance may have claimed the prefill's blocks: the next one
                                recomputes the prompt, and the prefill instance frees its blocks
                                at its own expiry)
-                other status → relayed
+                other status → relayed (a 500 is that request's failure: the instance stays)
               none left → 503 "no_instance"
 
 A stream is retried until its first token reaches the client; if the connection breaks after
@@ -46,6 +46,7 @@ from tandem.router.proxy import (
     SSE_DONE,
     Answer,
     OpenedStream,
+    RawHeaders,
     RelayedStream,
     Unreachable,
     open_stream,
@@ -59,11 +60,12 @@ logger = logging.getLogger("tandem.router")
 @dataclass(slots=True, frozen=True)
 class RouterRequest:
     """A client request as the router handles it: ``path`` is the route ("/v1/completions"),
-    ``headers`` those relayed to instances, ``arrival`` its ``time.monotonic()`` arrival."""
+    ``headers`` those relayed to instances (raw name and value), ``arrival`` its
+    ``time.monotonic()`` arrival."""
 
     path: str
     body: dict
-    headers: dict[str, str]
+    headers: RawHeaders
     prompt: PromptInfo
     arrival: float
 
@@ -98,10 +100,10 @@ class Dispatcher:
         kv_transfer_params = None
         if path == "disaggregated":
             prefilled = await self._prefill(request)
-            if isinstance(prefilled, Answer):
+            if isinstance(prefilled, Response):
                 self.metrics.dispatched(path)
                 self._done(request)
-                return prefilled.response()
+                return prefilled
             kv_transfer_params = prefilled.kv_transfer_params
             path = "disaggregated" if prefilled.by_instance else "local_prefill"
         self.metrics.dispatched(path)
@@ -135,7 +137,7 @@ class Dispatcher:
 
     # ----------------------------------------------------------------------- prefill
 
-    async def _prefill(self, request: RouterRequest) -> _Prefilled | Answer:
+    async def _prefill(self, request: RouterRequest) -> _Prefilled | Response:
         body = prefill_body(request.body)
         tried: set[str] = set()
         while (url := self._pick("prefill", request, tried)) is not None:
@@ -154,7 +156,7 @@ class Dispatcher:
                 continue
             self.metrics.attempt(url, "prefill", "ok" if answer.status == 200 else "error")
             if answer.status != 200:
-                return answer
+                return answer.response()
             return _Prefilled(_hand_over(answer), by_instance=True)
         logger.info("no prefill instance took the request: the decode instance computes it")
         return _Prefilled(None, by_instance=False)
