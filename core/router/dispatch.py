@@ -24,6 +24,10 @@
                 other status → relayed (a 500 is that request's failure: the instance stays)
               none left → 503 "no_instance"
 
+A request whose connection broke after it reached an instance may be what broke it (a poison
+request): once MAX_BROKEN_CONNECTIONS instances, prefill and decode together, broke that way under
+it, the client gets a 502 "instance_failed" and no other instance is risked.
+
 A stream is retried until its first token reaches the client; if the connection breaks after
 that, the stream ends with an error event and ``[DONE]``.
 """
@@ -56,6 +60,8 @@ from tandem.router.registry import InstanceRegistry
 
 logger = logging.getLogger("tandem.router")
 
+MAX_BROKEN_CONNECTIONS = 2
+
 
 @dataclass(slots=True, frozen=True)
 class RouterRequest:
@@ -83,6 +89,22 @@ class _Prefilled:
     by_instance: bool
 
 
+@dataclass(slots=True)
+class _Broken:
+    """The instances whose connection broke after the request reached them."""
+
+    count: int = 0
+
+    def add(self) -> bool:
+        """Count one; whether the request must now stop going to other instances."""
+        self.count += 1
+        return self.count >= MAX_BROKEN_CONNECTIONS
+
+    def response(self) -> Response:
+        return RouterError(502, f"the connection to {self.count} instances broke after the request reached "
+                                f"them; it is not sent to another", code="instance_failed").response()
+
+
 class Dispatcher:
     """Routes requests over ``registry``'s instances; one per router app."""
 
@@ -98,8 +120,9 @@ class Dispatcher:
     async def handle(self, request: RouterRequest) -> Response:
         path = self._plan(request)
         kv_transfer_params = None
+        broken = _Broken()
         if path == "disaggregated":
-            prefilled = await self._prefill(request)
+            prefilled = await self._prefill(request, broken)
             if isinstance(prefilled, Response):
                 self.metrics.dispatched(path)
                 self._done(request)
@@ -107,7 +130,7 @@ class Dispatcher:
             kv_transfer_params = prefilled.kv_transfer_params
             path = "disaggregated" if prefilled.by_instance else "local_prefill"
         self.metrics.dispatched(path)
-        return await self._decode(request, kv_transfer_params)
+        return await self._decode(request, kv_transfer_params, broken)
 
     def _plan(self, request: RouterRequest) -> str:
         estimate = request.prompt.estimated_tokens
@@ -137,7 +160,7 @@ class Dispatcher:
 
     # ----------------------------------------------------------------------- prefill
 
-    async def _prefill(self, request: RouterRequest) -> _Prefilled | Response:
+    async def _prefill(self, request: RouterRequest, broken: _Broken) -> _Prefilled | Response:
         body = prefill_body(request.body)
         tried: set[str] = set()
         while (url := self._pick("prefill", request, tried)) is not None:
@@ -147,6 +170,8 @@ class Dispatcher:
                     answer = await post(self.client, url + request.path, body, request.headers)
             except Unreachable as exc:
                 self._lost(url, "prefill", "unreachable", f"prefill request failed: {exc}")
+                if exc.connected and broken.add():
+                    return broken.response()
                 continue
             if answer.status == 429:
                 self.metrics.attempt(url, "prefill", "busy")
@@ -163,7 +188,8 @@ class Dispatcher:
 
     # ----------------------------------------------------------------------- decode
 
-    async def _decode(self, request: RouterRequest, kv_transfer_params: dict | None) -> Response:
+    async def _decode(self, request: RouterRequest, kv_transfer_params: dict | None,
+                      broken: _Broken) -> Response:
         tried: set[str] = set()
         busy: Answer | None = None
         while (url := self._pick("decode", request, tried)) is not None:
@@ -177,6 +203,9 @@ class Dispatcher:
                 self._lost(url, "decode", "unreachable", f"decode request failed: {exc}")
                 if exc.connected:
                     kv_transfer_params = None
+                    if broken.add():
+                        self._done(request)
+                        return broken.response()
                 continue
             except BaseException:
                 flight.close()

@@ -145,6 +145,33 @@ def test_a_request_the_prefill_instance_fails_alone_is_relayed_and_the_instance_
         assert upstream(router.url, prefill.url, "prefill", "error") == 1
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_request_that_breaks_two_instances_is_not_sent_to_a_third(stream):
+    """A request whose connection broke after it reached an instance may have killed it; it is
+    retried once, and after a second broken instance the client gets a 502 and the other
+    instances are spared."""
+    stack, instances = fakes(*[sse_reply([TEXT, DONE], break_after=0)] * 3)
+    with stack, running_router([(i.url, "decode") for i in instances], health_interval_s=60,
+                               decode_routing_policy="round_robin") as router:
+        answer = httpx.post(f"{router.url}/v1/completions", json={**BODY, "stream": stream}, timeout=30)
+        assert answer.status_code == 502, answer.text
+        assert answer.json()["error"]["code"] == "instance_failed"
+        assert sorted(len(i.bodies) for i in instances) == [0, 1, 1]
+        spared = next(i for i in instances if not i.bodies)
+        assert router_instance(router.url, spared.url)["healthy"] is True
+
+
+def test_a_request_that_breaks_two_prefill_instances_goes_to_no_decode_instance():
+    stack, (first, second, decode) = fakes(sse_reply([TEXT, DONE], break_after=0),
+                                           sse_reply([TEXT, DONE], break_after=0),
+                                           json_reply(completion("decoded")))
+    with stack, running_router([(first.url, "prefill"), (second.url, "prefill"), (decode.url, "decode")],
+                               health_interval_s=60) as router:
+        answer = httpx.post(f"{router.url}/v1/completions", json=BODY, timeout=30)
+        assert answer.status_code == 502 and answer.json()["error"]["code"] == "instance_failed"
+        assert (len(first.bodies), len(second.bodies), decode.bodies) == (1, 1, [])
+
+
 def test_one_broken_instance_is_replaced_by_the_next():
     stack, (broken, sound) = fakes(sse_reply([TEXT, DONE], break_after=0), json_reply(completion("decoded")))
     with stack, running_router([(broken.url, "decode"), (sound.url, "decode")], health_interval_s=60,
