@@ -25,6 +25,13 @@ INSTANCE_FLAGS = ["--served-model-name", MODEL_NAME, "--num-kv-blocks", "64", "-
                   "--max-num-batched-tokens", "256"]
 
 
+def role_env(role: str, kv_expiry_s: float, **extra: str) -> dict[str, str]:
+    """The environment of a disaggregated instance of ``role`` over the nixl connector."""
+    return {"TANDEM_DISAGGREGATION__ROLE": role, "TANDEM_DISAGGREGATION__KV_CONNECTOR": "nixl",
+            "TANDEM_DISAGGREGATION__KV_EXPIRY_S": str(kv_expiry_s),
+            "TANDEM_DISAGGREGATION__KV_TRANSFER_TIMEOUT_S": "5", **extra}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
