@@ -39,10 +39,13 @@ def free_port() -> int:
 
 
 class InstanceProcess:
-    """``tandem serve MODEL --port N`` as a subprocess; its output goes to ``log_dir``."""
+    """``tandem serve MODEL --port N`` as a subprocess; its output goes to ``log_dir``. ``flags``
+    come after INSTANCE_FLAGS (a flag given twice: the last one counts)."""
 
-    def __init__(self, model_dir: Path, log_dir: Path, port: int | None = None, **env: str) -> None:
+    def __init__(self, model_dir: Path, log_dir: Path, port: int | None = None, flags: tuple[str, ...] = (),
+                 **env: str) -> None:
         self.model_dir = model_dir
+        self.flags = flags
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"instance-{self.port}.log"
@@ -53,7 +56,7 @@ class InstanceProcess:
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "tandem.cli", "serve", str(self.model_dir), "--port", str(self.port),
-                 *INSTANCE_FLAGS], env=self.env, stdout=log, stderr=subprocess.STDOUT)
+                 *INSTANCE_FLAGS, *self.flags], env=self.env, stdout=log, stderr=subprocess.STDOUT)
         return self
 
     def wait_ready(self, timeout_s: float = 180.0) -> InstanceProcess:
