@@ -7,8 +7,9 @@ instance's own ``/openapi.json``, for a bounded time, plus a watch on ``/health`
     fuzz_seconds(), fuzz_seed()   TANDEM_FUZZ_SECONDS (default 60), TANDEM_FUZZ_SEED (default random)
 
 Generated requests are hostile in every field but their cost: a ``before_call`` hook lowers a
-``max_tokens`` / ``max_completion_tokens`` above MAX_TOKENS to MAX_TOKENS (and sets it where a
-body leaves it unset, which means "up to the context length"), and an ``n`` above MAX_N to MAX_N.
+``max_tokens`` / ``max_completion_tokens`` above MAX_TOKENS to MAX_TOKENS (and sets ``max_tokens``
+where a body leaves both unset or null, which means "up to the context length"), and an ``n``
+above MAX_N to MAX_N.
 Nothing else is changed or filtered: zero, negative, fractional, null and wrongly typed values of
 those fields go out as generated. Every answer is counted through an ``after_call`` hook; every
 5xx (and every request that got no answer) is kept with its body.

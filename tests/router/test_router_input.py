@@ -1,8 +1,9 @@
 """The router holds to the instances' rules (issue 11, point 7): a client's bad input gets a 4xx
 from the router or from the instance it reaches, never a 5xx; a 5xx comes only from an upstream
 failure; a request that an instance fails alone is relayed as it is, and that instance stays in
-rotation. Real router app under uvicorn, recording stand-ins for instances (tests/router/fakes.py);
-every expected status and body is written out by hand."""
+rotation. Real router app under uvicorn, before recording stand-ins for instances
+(tests/router/fakes.py) or the real instances of tests/router/conftest.py; every expected status
+and body is written out by hand."""
 from __future__ import annotations
 
 from contextlib import ExitStack
@@ -210,3 +211,66 @@ def test_a_routing_policy_that_picks_a_stranger_is_an_internal_error_in_openai_s
         assert "RuntimeError" in answer.json()["error"]["message"] and stranger.url in answer.json()["error"]["message"]
         assert decode.bodies == []
         assert httpx.post(f"{router.url}/v1/completions", json=BODY, timeout=30).json() == completion("decoded")
+
+
+# Bodies that are JSON objects but not what the API (or core/router/prompts.py) expects, through
+# the router to real instances (tests/router/conftest.py), and the status each must get: the
+# instance's 400 (404 for an unknown model), relayed; kv_transfer_params are the router's to
+# set, so a client's, of any type, is dropped and the request served.
+C, CHAT_PATH = "/v1/completions", "/v1/chat/completions"
+PROMPT = {"model": "tiny", "prompt": "a prompt long enough to be disaggregated", "max_tokens": 2}
+MESSAGES = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+WRONG_TYPES = [
+    ("prompt is an object", C, {**PROMPT, "prompt": {"text": "x"}}, 400),
+    ("prompt is a number", C, {**PROMPT, "prompt": 5}, 400),
+    ("prompt of floats", C, {**PROMPT, "prompt": [1.5, 2.5]}, 400),
+    ("prompt of mixed ids", C, {**PROMPT, "prompt": [[1, "a"]]}, 400),
+    ("prompt of booleans", C, {**PROMPT, "prompt": [True, False]}, 400),
+    ("prompt missing", C, {"model": "tiny", "max_tokens": 2}, 400),
+    ("stream is a string", C, {**PROMPT, "stream": "yes"}, 400),
+    ("stream is a number", C, {**PROMPT, "stream": 1}, 400),
+    ("stream_options is a number", C, {**PROMPT, "stream_options": 5}, 400),
+    ("max_tokens is a string", C, {**PROMPT, "max_tokens": "2"}, 400),
+    ("logprobs is a string", C, {**PROMPT, "logprobs": "x"}, 400),
+    ("n is a string", C, {**PROMPT, "n": "2"}, 400),
+    ("temperature is a string", C, {**PROMPT, "temperature": "hot"}, 400),
+    ("model is a number", C, {**PROMPT, "model": 5}, 400),
+    ("unknown model", C, {**PROMPT, "model": "no-such-model"}, 404),
+    ("messages is a string", CHAT_PATH, {**MESSAGES, "messages": "hello"}, 400),
+    ("messages of numbers", CHAT_PATH, {**MESSAGES, "messages": [1, 2]}, 400),
+    ("messages empty", CHAT_PATH, {**MESSAGES, "messages": []}, 400),
+    ("content is a number", CHAT_PATH, {**MESSAGES, "messages": [{"role": "user", "content": 5}]}, 400),
+    ("content part not text", CHAT_PATH, {**MESSAGES, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     400),
+    ("message without role", CHAT_PATH, {**MESSAGES, "messages": [{"content": "hello"}]}, 400),
+    ("max_completion_tokens is a string", CHAT_PATH, {**MESSAGES, "max_completion_tokens": "2"}, 400),
+    ("kv_transfer_params is a string", C, {**PROMPT, "kv_transfer_params": "x"}, 200),
+    ("kv_transfer_params is a list", C, {**PROMPT, "kv_transfer_params": [1]}, 200),
+    ("kv_transfer_params claims a hand-over", C,
+     {**PROMPT, "kv_transfer_params": {"do_remote_prefill": True, "block_ids": [10**9], "engine_id": 7}}, 200),
+    ("kv_transfer_params in a chat", CHAT_PATH, {**MESSAGES, "kv_transfer_params": {"do_remote_decode": "maybe"}}, 200),
+]
+
+
+@pytest.fixture(scope="module")
+def real_router(cluster):
+    with running_router([(cluster.prefill.url, "prefill"), (cluster.decode[0].url, "decode")],
+                        health_interval_s=60) as router:
+        yield router
+
+
+STREAMED = [(f"{name}, streamed", path, {**body, "stream": True}, status)
+            for name, path, body, status in WRONG_TYPES if "stream" not in body]
+
+
+@pytest.mark.parametrize("name, path, body, status", WRONG_TYPES + STREAMED,
+                         ids=[c[0] for c in WRONG_TYPES + STREAMED])
+def test_wrongly_typed_bodies_get_the_instances_4xx_through_the_router(cluster, real_router, name, path, body,
+                                                                        status):
+    answer = httpx.post(f"{real_router.url}{path}", json=body, timeout=60)
+    assert answer.status_code == status, answer.text
+    if status != 200:
+        assert answer.json()["error"]["type"] == "invalid_request_error"
+    for url in (cluster.prefill.url, cluster.decode[0].url):
+        assert router_instance(real_router.url, url)["healthy"] is True
+        assert upstream(real_router.url, url, "decode", "unavailable") == 0
