@@ -7,15 +7,21 @@
     GET|POST|DELETE /admin/instances             list, add ({url, role}), remove (?url=...)
 
 The /v1 routes need ``Authorization: Bearer <server.api_key>`` when that key is set; the header
-is relayed to the instances. The admin routes need ``Authorization: Bearer
+is relayed to the instances byte for byte. The admin routes need ``Authorization: Bearer
 <disaggregation.router_admin_key>`` when that key is set (401 otherwise). A client that goes away
 before its answer is ready cancels the upstream requests (the instances abort them).
+
+A body is relayed only when it is a JSON object that can be sent on as it came (RFC 8259: no NaN
+or Infinity; strings of Unicode characters, not lone UTF-16 surrogates); anything else is the
+client's 400, answered here. Client input never gets a 5xx from the router itself: a 5xx is an
+instance's answer, relayed, or an upstream failure (dispatch.py).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -35,7 +41,8 @@ from tandem.router.dispatch import Dispatcher, RouterRequest
 from tandem.router.errors import RouterError
 from tandem.router.metrics import RouterMetrics
 from tandem.router.prompts import PromptInfo, chat_prompt, completion_prompt
-from tandem.router.registry import InstanceRegistry
+from tandem.router.proxy import RawHeaders
+from tandem.router.registry import DuplicateInstance, InstanceRegistry
 
 logger = logging.getLogger("tandem.router")
 
@@ -43,7 +50,7 @@ logger = logging.getLogger("tandem.router")
 # connection, and the health checks take a frozen one out of rotation for new requests.
 UPSTREAM_TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None)
 HEALTH_TIMEOUT_S = 2.0
-_RELAYED_HEADERS = ("authorization",)
+_RELAYED_HEADERS = (b"authorization",)
 
 
 def create_router_app(config: TandemConfig, health_interval_s: float = 1.0) -> FastAPI:
@@ -99,9 +106,8 @@ def _v1_routes(dispatcher: Dispatcher, api_key: str | None) -> APIRouter:
 
     async def route(request: Request, path: str, prompt_of: Callable[[dict], PromptInfo]) -> Response:
         arrival = time.monotonic()
-        body = await _json_object(request)
-        headers = {k: request.headers[k] for k in _RELAYED_HEADERS if k in request.headers}
-        routed = RouterRequest(path, body, headers, prompt_of(body), arrival)
+        body = json_object(await request.body())
+        routed = RouterRequest(path, body, _relayed_headers(request), prompt_of(body), arrival)
         return await _until_disconnect(request, dispatcher.handle(routed))
 
     @router.post("/completions")
@@ -115,7 +121,7 @@ def _v1_routes(dispatcher: Dispatcher, api_key: str | None) -> APIRouter:
     @router.get("/models")
     async def models(request: Request) -> Response:
         """The model list of the first healthy instance that answers."""
-        headers = {k: request.headers[k] for k in _RELAYED_HEADERS if k in request.headers}
+        headers = _relayed_headers(request)
         registry = dispatcher.registry
         for info in registry.candidates("decode") + registry.candidates("prefill"):
             try:
@@ -131,14 +137,39 @@ def _v1_routes(dispatcher: Dispatcher, api_key: str | None) -> APIRouter:
     return router
 
 
-async def _json_object(request: Request) -> dict[str, Any]:
+def _relayed_headers(request: Request) -> RawHeaders:
+    """The client's headers that go on to the instances, as the bytes that came (a header value
+    is bytes on the wire; decoding it to re-encode it as ASCII would fail on any other byte)."""
+    return [(k, v) for k, v in request.headers.raw if k.lower() in _RELAYED_HEADERS]
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object that the router can send on; a ``RouterError`` (400)
+    naming what is wrong otherwise."""
     try:
-        body = await request.json()
-    except ValueError as exc:
-        raise RouterError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
+        body = json.loads(raw, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise _invalid_json("it is nested too deeply") from None
+    except ValueError as exc:  # includes UnicodeDecodeError: bytes that are not UTF-8
+        raise _invalid_json(str(exc)) from exc
     if not isinstance(body, dict):
         raise RouterError(400, "the request body must be a JSON object", code="invalid_json")
+    try:  # what httpx does to send it: every string must encode to UTF-8
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError as exc:
+        raise _invalid_json(f"it has a string that is not valid Unicode ({exc.object[exc.start:exc.end]!r} is "
+                            f"half a UTF-16 surrogate pair)") from exc
+    except RecursionError:
+        raise _invalid_json("it is nested too deeply") from None
     return body
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _invalid_json(reason: str) -> RouterError:
+    return RouterError(400, f"the request body is not valid JSON: {reason}", code="invalid_json")
 
 
 async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
@@ -177,8 +208,10 @@ def _admin_routes(registry: InstanceRegistry, health_client: httpx.AsyncClient,
         """Add an instance; it is health-checked at once and in rotation if it answers."""
         try:
             state = registry.add(instance.url, instance.role)
-        except ValueError as exc:
+        except DuplicateInstance as exc:
             raise RouterError(409, str(exc), code="instance_exists", param="url") from exc
+        except ValueError as exc:
+            raise RouterError(400, str(exc), code="invalid_url", param="url") from exc
         await registry.check(state, health_client)
         return state.as_dict()
 
@@ -219,3 +252,10 @@ def _add_error_handlers(app: FastAPI) -> None:
         problems = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body')}: "
                              f"{e.get('msg', 'invalid value')}" for e in exc.errors())
         return RouterError(400, problems, code="invalid_request").response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        """A bug of the router's or of a routing policy plugin's, answered in OpenAI's shape
+        (uvicorn logs the traceback)."""
+        return RouterError(500, f"internal error of the router: {type(exc).__name__}: {exc}",
+                           code="internal_error").response()

@@ -21,8 +21,12 @@
                                instance may have claimed the prefill's blocks: the next one
                                recomputes the prompt, and the prefill instance frees its blocks
                                at its own expiry)
-                other status → relayed
+                other status → relayed (a 500 is that request's failure: the instance stays)
               none left → 503 "no_instance"
+
+A request whose connection broke after it reached an instance may be what broke it (a poison
+request): once MAX_BROKEN_CONNECTIONS instances, prefill and decode together, broke that way under
+it, the client gets a 502 "instance_failed" and no other instance is risked.
 
 A stream is retried until its first token reaches the client; if the connection breaks after
 that, the stream ends with an error event and ``[DONE]``.
@@ -46,6 +50,7 @@ from tandem.router.proxy import (
     SSE_DONE,
     Answer,
     OpenedStream,
+    RawHeaders,
     RelayedStream,
     Unreachable,
     open_stream,
@@ -55,15 +60,18 @@ from tandem.router.registry import InstanceRegistry
 
 logger = logging.getLogger("tandem.router")
 
+MAX_BROKEN_CONNECTIONS = 2
+
 
 @dataclass(slots=True, frozen=True)
 class RouterRequest:
     """A client request as the router handles it: ``path`` is the route ("/v1/completions"),
-    ``headers`` those relayed to instances, ``arrival`` its ``time.monotonic()`` arrival."""
+    ``headers`` those relayed to instances (raw name and value), ``arrival`` its
+    ``time.monotonic()`` arrival."""
 
     path: str
     body: dict
-    headers: dict[str, str]
+    headers: RawHeaders
     prompt: PromptInfo
     arrival: float
 
@@ -81,6 +89,22 @@ class _Prefilled:
     by_instance: bool
 
 
+@dataclass(slots=True)
+class _Broken:
+    """The instances whose connection broke after the request reached them."""
+
+    count: int = 0
+
+    def add(self) -> bool:
+        """Count one; whether the request must now stop going to other instances."""
+        self.count += 1
+        return self.count >= MAX_BROKEN_CONNECTIONS
+
+    def response(self) -> Response:
+        return RouterError(502, f"the connection to {self.count} instances broke after the request reached "
+                                f"them; it is not sent to another", code="instance_failed").response()
+
+
 class Dispatcher:
     """Routes requests over ``registry``'s instances; one per router app."""
 
@@ -96,16 +120,17 @@ class Dispatcher:
     async def handle(self, request: RouterRequest) -> Response:
         path = self._plan(request)
         kv_transfer_params = None
+        broken = _Broken()
         if path == "disaggregated":
-            prefilled = await self._prefill(request)
-            if isinstance(prefilled, Answer):
+            prefilled = await self._prefill(request, broken)
+            if isinstance(prefilled, Response):
                 self.metrics.dispatched(path)
                 self._done(request)
-                return prefilled.response()
+                return prefilled
             kv_transfer_params = prefilled.kv_transfer_params
             path = "disaggregated" if prefilled.by_instance else "local_prefill"
         self.metrics.dispatched(path)
-        return await self._decode(request, kv_transfer_params)
+        return await self._decode(request, kv_transfer_params, broken)
 
     def _plan(self, request: RouterRequest) -> str:
         estimate = request.prompt.estimated_tokens
@@ -135,7 +160,7 @@ class Dispatcher:
 
     # ----------------------------------------------------------------------- prefill
 
-    async def _prefill(self, request: RouterRequest) -> _Prefilled | Answer:
+    async def _prefill(self, request: RouterRequest, broken: _Broken) -> _Prefilled | Response:
         body = prefill_body(request.body)
         tried: set[str] = set()
         while (url := self._pick("prefill", request, tried)) is not None:
@@ -145,6 +170,8 @@ class Dispatcher:
                     answer = await post(self.client, url + request.path, body, request.headers)
             except Unreachable as exc:
                 self._lost(url, "prefill", "unreachable", f"prefill request failed: {exc}")
+                if exc.connected and broken.add():
+                    return broken.response()
                 continue
             if answer.status == 429:
                 self.metrics.attempt(url, "prefill", "busy")
@@ -154,14 +181,15 @@ class Dispatcher:
                 continue
             self.metrics.attempt(url, "prefill", "ok" if answer.status == 200 else "error")
             if answer.status != 200:
-                return answer
+                return answer.response()
             return _Prefilled(_hand_over(answer), by_instance=True)
         logger.info("no prefill instance took the request: the decode instance computes it")
         return _Prefilled(None, by_instance=False)
 
     # ----------------------------------------------------------------------- decode
 
-    async def _decode(self, request: RouterRequest, kv_transfer_params: dict | None) -> Response:
+    async def _decode(self, request: RouterRequest, kv_transfer_params: dict | None,
+                      broken: _Broken) -> Response:
         tried: set[str] = set()
         busy: Answer | None = None
         while (url := self._pick("decode", request, tried)) is not None:
@@ -175,6 +203,9 @@ class Dispatcher:
                 self._lost(url, "decode", "unreachable", f"decode request failed: {exc}")
                 if exc.connected:
                     kv_transfer_params = None
+                    if broken.add():
+                        self._done(request)
+                        return broken.response()
                 continue
             except BaseException:
                 flight.close()

@@ -11,6 +11,7 @@ _TYPES = {
     401: "authentication_error",
     404: "invalid_request_error",
     409: "invalid_request_error",
+    500: "internal_server_error",
     502: "service_unavailable_error",
     503: "service_unavailable_error",
 }

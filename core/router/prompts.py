@@ -8,7 +8,9 @@ The router does not tokenize. It needs two things from a prompt:
   ``role + "\\n" + content + "\\n"`` for each message).
 
 A body with several prompts, or one the router cannot read, gets no estimate: it is never
-disaggregated and goes whole to a decode instance, which validates it.
+disaggregated and goes whole to a decode instance, which validates it. Token ids outside
+``[0, 2**63)`` (no vocabulary has them; routing policies pack ids as int64) make a prompt one the
+router cannot read.
 
 The disaggregated flow (ARCHITECTURE.md §2) sends the prefill instance the request reduced to
 one output token (``max_tokens = 1``, not streamed, one sequence, no logprobs, no echo) plus
@@ -52,8 +54,11 @@ def completion_prompt(body: dict[str, Any]) -> PromptInfo:
     return _UNREADABLE
 
 
+_TOKEN_ID_END = 2**63
+
+
 def _is_token_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _TOKEN_ID_END
 
 
 def chat_prompt(body: dict[str, Any]) -> PromptInfo:

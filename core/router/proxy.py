@@ -23,6 +23,8 @@ from fastapi.responses import Response
 from starlette.responses import StreamingResponse
 
 SSE_DONE = "data: [DONE]\n\n"
+RawHeaders = list[tuple[bytes, bytes]]
+"""Headers relayed from the client: raw names and values."""
 _RELAYED_HEADERS = ("content-type", "retry-after")
 
 
@@ -58,7 +60,7 @@ class Answer:
         return Response(self.content, status_code=self.status, headers=headers)
 
 
-async def post(client: httpx.AsyncClient, url: str, body: dict, headers: dict[str, str]) -> Answer:
+async def post(client: httpx.AsyncClient, url: str, body: dict, headers: RawHeaders) -> Answer:
     try:
         response = await client.post(url, json=body, headers=headers)
     except httpx.TransportError as exc:
@@ -81,7 +83,7 @@ class OpenedStream:
 
 
 async def open_stream(client: httpx.AsyncClient, url: str, body: dict,
-                      headers: dict[str, str]) -> Answer | OpenedStream:
+                      headers: RawHeaders) -> Answer | OpenedStream:
     """POST a streamed request; a non-200 status is returned as a whole ``Answer``."""
     request = client.build_request("POST", url, json=body, headers=headers)
     try:

@@ -82,6 +82,10 @@ def parse_load(metrics_text: str) -> Load | None:
     return Load(int(values["num_waiting"]), int(values["num_running"]), values["kv_usage"])
 
 
+class DuplicateInstance(ValueError):
+    """The URL is already registered."""
+
+
 class InstanceRegistry:
     """The instances by URL, in the order they were added."""
 
@@ -92,11 +96,13 @@ class InstanceRegistry:
 
     def add(self, url: str, role: str) -> InstanceState:
         """A new instance, out of rotation until its first health check; ``ValueError`` when
-        the URL is already registered or the role unknown."""
+        the role is unknown or the URL not one httpx can send to, ``DuplicateInstance`` when it
+        is already registered."""
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
+        _check_url(url)
         if url in self._instances:
-            raise ValueError(f"the instance {url} is already registered")
+            raise DuplicateInstance(f"the instance {url} is already registered")
         state = self._instances[url] = InstanceState(url, role)
         logger.info("instance %s (%s) added", url, role)
         return state
@@ -148,7 +154,7 @@ class InstanceRegistry:
         """One health check of ``state``: /health, then /metrics for its load."""
         try:
             health = await client.get(f"{state.url}/health")
-        except httpx.HTTPError as exc:
+        except Exception as exc:  # noqa: BLE001 — whatever fails, the checks of the others go on
             self._set_health(state, False, f"health check failed: {type(exc).__name__}: {exc}")
             return
         if health.status_code != 200:
@@ -180,3 +186,12 @@ class InstanceRegistry:
         elif not healthy and state.healthy:
             logger.warning("instance %s leaves rotation: %s", state.url, reason)
         state.healthy, state.reason = healthy, reason
+
+
+def _check_url(url: str) -> None:
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as exc:
+        raise ValueError(f"{url!r} is not a URL the router can send to: {exc}") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"{url!r} is not a URL the router can send to: it needs http:// or https:// and a host")

@@ -2,7 +2,7 @@
 each step, and how it relays what it gets back (including connections that break mid-stream),
 which a real colocated instance cannot show yet (it ignores kv_transfer_params). Each answers
 /health with 200 and /metrics with idle gauges, records the JSON body of every POST to the /v1
-routes, and answers it with ``reply(body)``."""
+routes (and its raw headers), and answers it with ``reply(body)``."""
 from __future__ import annotations
 
 import json
@@ -22,6 +22,7 @@ Reply = Callable[[dict], Response]
 class FakeInstance:
     def __init__(self, reply: Reply) -> None:
         self.bodies: list[dict] = []
+        self.headers: list[list[tuple[bytes, bytes]]] = []
         app = FastAPI()
 
         @app.get("/health")
@@ -37,6 +38,7 @@ class FakeInstance:
         async def generate(request: Request) -> Response:
             body = await request.json()
             self.bodies.append(body)
+            self.headers.append(list(request.headers.raw))
             return reply(body)
 
         self.server = ServerThread(app)

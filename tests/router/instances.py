@@ -25,6 +25,13 @@ INSTANCE_FLAGS = ["--served-model-name", MODEL_NAME, "--num-kv-blocks", "64", "-
                   "--max-num-batched-tokens", "256"]
 
 
+def role_env(role: str, kv_expiry_s: float, **extra: str) -> dict[str, str]:
+    """The environment of a disaggregated instance of ``role`` over the nixl connector."""
+    return {"TANDEM_DISAGGREGATION__ROLE": role, "TANDEM_DISAGGREGATION__KV_CONNECTOR": "nixl",
+            "TANDEM_DISAGGREGATION__KV_EXPIRY_S": str(kv_expiry_s),
+            "TANDEM_DISAGGREGATION__KV_TRANSFER_TIMEOUT_S": "5", **extra}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -32,10 +39,13 @@ def free_port() -> int:
 
 
 class InstanceProcess:
-    """``tandem serve MODEL --port N`` as a subprocess; its output goes to ``log_dir``."""
+    """``tandem serve MODEL --port N`` as a subprocess; its output goes to ``log_dir``. ``flags``
+    come after INSTANCE_FLAGS (a flag given twice: the last one counts)."""
 
-    def __init__(self, model_dir: Path, log_dir: Path, port: int | None = None, **env: str) -> None:
+    def __init__(self, model_dir: Path, log_dir: Path, port: int | None = None, flags: tuple[str, ...] = (),
+                 **env: str) -> None:
         self.model_dir = model_dir
+        self.flags = flags
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"instance-{self.port}.log"
@@ -46,7 +56,7 @@ class InstanceProcess:
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "tandem.cli", "serve", str(self.model_dir), "--port", str(self.port),
-                 *INSTANCE_FLAGS], env=self.env, stdout=log, stderr=subprocess.STDOUT)
+                 *INSTANCE_FLAGS, *self.flags], env=self.env, stdout=log, stderr=subprocess.STDOUT)
         return self
 
     def wait_ready(self, timeout_s: float = 180.0) -> InstanceProcess:

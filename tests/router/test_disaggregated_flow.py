@@ -21,6 +21,7 @@ from tests.router.instances import (
     MODEL_NAME,
     InstanceProcess,
     dispatched,
+    role_env,
     running_router,
     scrape,
     wait_for,
@@ -30,12 +31,6 @@ pytest.importorskip("nixl_cu12", reason="the nixl KV connector needs nixl-cu12")
 
 BLOCK = 16
 EXPIRY_S = 3.0
-
-
-def role_env(role: str, **extra: str) -> dict[str, str]:
-    return {"TANDEM_DISAGGREGATION__ROLE": role, "TANDEM_DISAGGREGATION__KV_CONNECTOR": "nixl",
-            "TANDEM_DISAGGREGATION__KV_EXPIRY_S": str(EXPIRY_S),
-            "TANDEM_DISAGGREGATION__KV_TRANSFER_TIMEOUT_S": "5", **extra}
 
 
 def body(prompt: list[int], **extra) -> dict:
@@ -79,8 +74,8 @@ def oracle(model_dir, log_dir) -> Iterator[InstanceProcess]:
 def setup(request, model_dir, log_dir, oracle) -> Iterator[Setup]:
     """Prefill and decode instances over UCX's default transports, or over TCP only."""
     ucx = {"UCX_TLS": "tcp"} if request.param == "tcp" else {}
-    prefill = InstanceProcess(model_dir, log_dir, **role_env("prefill", **ucx)).start()
-    decode = InstanceProcess(model_dir, log_dir, **role_env("decode", **ucx)).start()
+    prefill = InstanceProcess(model_dir, log_dir, **role_env("prefill", EXPIRY_S, **ucx)).start()
+    decode = InstanceProcess(model_dir, log_dir, **role_env("decode", EXPIRY_S, **ucx)).start()
     try:
         prefill.wait_ready()
         decode.wait_ready()
@@ -145,8 +140,8 @@ def test_hundred_concurrent_streams_complete_without_leaks(setup):
 
 @pytest.mark.timeout(240)
 def test_decode_killed_mid_request_client_gets_error_and_prefill_frees_at_expiry(model_dir, log_dir):
-    prefill = InstanceProcess(model_dir, log_dir, **role_env("prefill")).start()
-    decode = InstanceProcess(model_dir, log_dir, **role_env("decode")).start()
+    prefill = InstanceProcess(model_dir, log_dir, **role_env("prefill", EXPIRY_S)).start()
+    decode = InstanceProcess(model_dir, log_dir, **role_env("decode", EXPIRY_S)).start()
     try:
         prefill.wait_ready()
         decode.wait_ready()
@@ -185,10 +180,10 @@ def _hand_over(prefill_url: str, prompt: list[int]) -> dict:
 
 @pytest.mark.timeout(240)
 def test_prefill_killed_decode_follows_its_failure_policy(model_dir, log_dir, oracle):
-    prefill = InstanceProcess(model_dir, log_dir, **role_env("prefill")).start()
-    lenient = InstanceProcess(model_dir, log_dir, **role_env("decode")).start()
+    prefill = InstanceProcess(model_dir, log_dir, **role_env("prefill", EXPIRY_S)).start()
+    lenient = InstanceProcess(model_dir, log_dir, **role_env("decode", EXPIRY_S)).start()
     strict = InstanceProcess(model_dir, log_dir, **role_env(
-        "decode", TANDEM_DISAGGREGATION__KV_LOAD_FAILURE_POLICY="fail")).start()
+        "decode", EXPIRY_S, TANDEM_DISAGGREGATION__KV_LOAD_FAILURE_POLICY="fail")).start()
     try:
         for proc in (prefill, lenient, strict):
             proc.wait_ready()
@@ -213,7 +208,7 @@ def test_prefill_killed_decode_follows_its_failure_policy(model_dir, log_dir, or
 
 @pytest.mark.timeout(180)
 def test_compat_mismatch_through_router_is_a_clear_error(model_dir, log_dir, setup):
-    other = InstanceProcess(model_dir, log_dir, **role_env("decode", TANDEM_ENGINE__BLOCK_SIZE="8")).start()
+    other = InstanceProcess(model_dir, log_dir, **role_env("decode", EXPIRY_S, TANDEM_ENGINE__BLOCK_SIZE="8")).start()
     try:
         other.wait_ready()
         with running_router([(setup.prefill.url, "prefill"), (other.url, "decode")]) as router:

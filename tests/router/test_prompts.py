@@ -24,6 +24,9 @@ from tandem.router.prompts import (
     (["a", "b"], PromptInfo([], None)),                         # several prompts
     ([[1], [2]], PromptInfo([], None)),
     ([True, 1], PromptInfo([], None)),                          # booleans are not token ids
+    ([2**63 - 1, 0], PromptInfo([2**63 - 1, 0], 2)),            # the int64 range, which policies pack
+    ([5, 2**63], PromptInfo([], None)),                         # beyond it: no vocabulary has these
+    ([[-1, 5]], PromptInfo([], None)),
     ([], PromptInfo([], None)),
     (5, PromptInfo([], None)),
 ])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.router.registry import InstanceRegistry, Load, parse_load
+from tandem.router.registry import DuplicateInstance, InstanceRegistry, Load, parse_load
 
 METRICS = """\
 # HELP tandem:num_requests_running Requests in the running batch.
@@ -74,12 +74,21 @@ def test_in_flight_of_a_removed_instance_is_harmless():
 
 def test_add_refuses_duplicates_and_unknown_roles():
     reg = registry()
-    with pytest.raises(ValueError, match="already registered"):
+    with pytest.raises(DuplicateInstance, match="already registered"):
         reg.add("http://d", "decode")
     with pytest.raises(ValueError, match="unknown role 'router'"):
         reg.add("http://x", "router")
     with pytest.raises(KeyError):
         reg.remove("http://x")
+
+
+@pytest.mark.parametrize("url", ["http://[::1", "http://[::1]:x", "http://", "mailto:someone"])
+def test_add_refuses_urls_httpx_cannot_send_to(url):
+    reg = registry()
+    with pytest.raises(ValueError, match="not a URL the router can send to") as refused:
+        reg.add(url, "decode")
+    assert not isinstance(refused.value, DuplicateInstance)
+    assert [s.url for s in reg.all()] == ["http://p", "http://d", "http://b"]
 
 
 def test_has_role_counts_unhealthy_instances_too():
