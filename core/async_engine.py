@@ -545,7 +545,7 @@ class AsyncEngine:
         try:
             engine.add_request(cmd.token_ids, cmd.params, request_id=cmd.request_id, priority=cmd.priority,
                                remote_decode=cmd.remote_decode, remote_prefill=cmd.remote_prefill)
-        except ValueError as exc:
+        except (ValueError, KVTransferFailed) as exc:
             self._post(self._settle, cmd.future, exc)
         except Exception as exc:  # noqa: BLE001 — this request alone fails
             logger.exception("admitting request %s failed", cmd.request_id)

@@ -302,7 +302,9 @@ class LLMEngine:
         On a prefill instance, ``remote_decode`` keeps the request's blocks pinned when it
         finishes; its final output carries the ``kv_transfer_params`` a decode instance needs.
         On a decode instance, ``remote_prefill`` loads the prompt's KV from the prefill instance
-        instead of computing it (a compat mismatch raises ValueError)."""
+        instead of computing it (see ``KVTransferCoordinator.admit``: a used transfer id raises
+        ``KVTransferReplayed``, a compat mismatch ValueError, a load refused under the "fail"
+        policy ``KVTransferFailed``)."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.outputs.states:
@@ -328,19 +330,19 @@ class LLMEngine:
             raise ValueError("kv_transfer_params need a prefill or decode instance; this one is "
                              "colocated (disaggregation.role = both)")
         try:  # all or nothing: a plugin or tokenizer that raises leaves no trace of the request
-            if remote_prefill is not None:
-                self.kv_transfer.add_remote(request_id, remote_prefill)
-            request = self.scheduler.add_request(request, load_remote_kv=remote_prefill is not None,
+            load = remote_prefill is not None and self.kv_transfer.admit(request_id, remote_prefill,
+                                                                         token_ids)
+            request = self.scheduler.add_request(request, load_remote_kv=load,
                                                  pin_kv_on_finish=remote_decode)
             if request.status == RequestStatus.FINISHED_REJECTED:
                 raise RequestRejected(request.reject_reason)
             self.outputs.add_request(request_id, prompt if isinstance(prompt, str) else None,
                                      token_ids, params)
         except BaseException:
-            self.scheduler.abort_requests([request_id])
-            self.outputs.states.pop(request_id, None)
             if self.kv_transfer is not None:
                 self.kv_transfer.forget(request_id)
+            self.scheduler.abort_requests([request_id])
+            self.outputs.states.pop(request_id, None)
             raise
         return request_id
 
@@ -360,8 +362,9 @@ class LLMEngine:
         return [out for rid in ids if (out := self.outputs.output(rid, self.delta_outputs)) is not None]
 
     def has_unfinished_requests(self) -> bool:
-        """Requests to step, or KV loads in flight (an aborted request's blocks wait for them)."""
-        return self.scheduler.has_unfinished_requests() or self.scheduler.holds_remote_loads()
+        """Requests to step, or KV hand-overs not over (reads whose blocks are held)."""
+        return self.scheduler.has_unfinished_requests() or (
+            self.kv_transfer is not None and self.kv_transfer.has_loads())
 
     def has_kv_pins(self) -> bool:
         """Blocks pinned for decode instances: ``poll_kv_transfers`` must run now and then."""

@@ -395,9 +395,12 @@ class KVConnector(ABC):
 
     @abstractmethod
     def poll(self) -> dict[str, str]:
-        """States of unfinished transfers that changed: transfer_id → "done" or "error:<reason>"
-        ("peer": the peer died or is unknown; "deadline"; "transfer": anything else). Each
-        transfer is reported exactly once; from then on its local blocks are the caller's.
+        """States of transfers that changed: transfer_id → "done" or "error:<reason>" ("peer":
+        the peer died or is unknown; "deadline"; "transfer": anything else), once each; from
+        then on the transfer's local blocks are the caller's — except after "error:deadline":
+        a read past its deadline may still write into them (a frozen peer that resumes; TCP
+        cannot take back a request already sent), so they are the caller's only once a later
+        poll reports the same transfer "closed" (the read completed late, or the peer is gone).
         Never raises."""
 
     @abstractmethod
@@ -408,6 +411,12 @@ class KVConnector(ABC):
     def notify_release(self, peer: str, transfer_id: str) -> None:
         """Reader side: tell ``peer`` that ``transfer_id``'s blocks will not be read (the request
         was aborted, or the prefix cache already held them). Never raises."""
+
+    def remove_peer(self, peer: str) -> None:
+        """Forget ``peer`` (it died, or is no longer used): its transfers end as "error:peer"
+        ("closed" for those past their deadline); a later ``add_peer`` of its handshake makes it
+        readable again. Called only for peers none of whose reads can still land. Optional (the
+        default forgets nothing); never raises."""
 
     def close(self) -> None:
         """Release the transport's resources (optional; idempotent)."""

@@ -1,54 +1,80 @@
-"""The engine side of disaggregated prefill/decode (ARCHITECTURE.md §2, pull model): pins on the
-prefill instance, remote loads on the decode instance, both over one ``KVConnector``.
+"""The engine side of disaggregated prefill/decode (ARCHITECTURE.md §2, pull model): it drives the
+hand-over state machines of ``tandem.handover`` over one ``KVConnector`` and the scheduler.
 
 ::
 
     prefill instance                                  decode instance
     request with do_remote_decode finishes            request with do_remote_prefill (its
-      → scheduler pins its blocks (PinnedKV)            RemotePrefill) is admitted: blocks for
-      → on_new_pins: transfer_id, kv_transfer_params    prompt positions 0..P-2, prefix hits kept
-                                                      start_loads: start_read of the blocks
-                                                        [first_block, blocks_for(P-1)) only
+      → scheduler pins its blocks (PinnedKV)            RemotePrefill) arrives: admit() checks it
+      → on_new_pins: PINNED, kv_transfer_params         is no replay, its prompt's digest, the
+        (transfer_id, block_ids, num_tokens,            peer → ADMITTED; the scheduler gives it
+         prompt_digest, compat_hash)                    blocks for prompt positions 0..P-2
+                                                      start_loads: a read of the blocks
+                                                        [first_block, blocks_for(P-1)) → LOADING
     poll: notification for transfer_id  <──────────── (the connector notifies when the read ends,
-      → release_pin                                    or notify_release when nothing is read)
-    poll: pin older than kv_expiry_s → release_pin    poll: "done" → the request runs from P-1
-                                                            "error:*" → recompute, or fail it
+      → RELEASED, unpin                                or notify_release when nothing is read)
+    poll: pin older than kv_expiry_s → EXPIRED        poll: "done" → LOADED, the request runs
+                                                            "error:*" → FAILED: recompute or fail
+                                                            deadline → QUARANTINED: recompute or fail
+                                                              in fresh blocks; the old ones are
+                                                              held until the read is "closed"
+
+A transfer id is used once: one in flight, or among the last ``CONSUMED_IDS`` ended, is refused
+(``KVTransferReplayed``) and the first hand-over is left alone. A prompt whose digest differs
+from the prefilled one is never read (a load failure, "mismatch"), so KV of another prompt can
+neither be decoded on nor enter the prefix cache. A peer with a read past its deadline that may
+still land is "stalled": hand-overs from it are refused ("peer") until the read is over; a peer
+that died is removed from the connector; at most ``MAX_PEERS`` peers are kept.
 
 Called only from the engine thread (``LLMEngine`` owns one coordinator when its role is prefill or
-decode); ``poll`` runs every engine iteration, also while idle, so notifications and expiries are
-seen without traffic. Transport failures are states, never exceptions out of here.
+decode); ``poll`` runs every engine iteration, also while idle, so notifications, expiries and
+late reads are seen without traffic. Transport failures are states, never exceptions out of here.
 """
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
-from collections.abc import Callable
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem import handover
+from tandem.handover import DecodeHandover, DecodeState, PrefillHandover
 from tandem.interfaces import KVConnector
-from tandem.sched.scheduler import PinnedKV, RemoteKVLoad, Scheduler
+from tandem.sched.block_pool import token_digest
+from tandem.sched.scheduler import PinnedKV, RemoteKVLoad, Scheduler, load_hold_id
 
 logger = logging.getLogger("tandem")
 
-_REMOTE_PREFILL_FIELDS = ("engine_id", "transfer_id", "block_ids", "num_tokens", "compat_hash")
+CONSUMED_IDS = 65536
+"""Ended transfer ids remembered (per decode instance) to refuse replays."""
+MAX_PEERS = 256
+"""Prefill engines a decode instance keeps connected; the least recently used idle one goes."""
+
+_REMOTE_PREFILL_FIELDS = ("engine_id", "transfer_id", "block_ids", "num_tokens", "prompt_digest",
+                          "compat_hash")
 
 
 class KVTransferFailed(RuntimeError):
     """A request's KV could not be loaded and ``kv_load_failure_policy`` is "fail"."""
 
 
+class KVTransferReplayed(ValueError):
+    """A hand-over whose transfer id is in flight or was already used (HTTP 409)."""
+
+
 @dataclass(slots=True, frozen=True)
 class RemotePrefill:
     """Where a decode request's prompt KV lives: the prefill answer's ``kv_transfer_params``
-    (``block_ids`` cover the prompt's ``num_tokens`` tokens on engine ``engine_id``) and that
-    engine's connector handshake."""
+    (``block_ids`` cover the ``num_tokens`` tokens, whose ``token_digest`` is ``prompt_digest``,
+    on engine ``engine_id``) and that engine's connector handshake."""
 
     engine_id: str
     transfer_id: str
     block_ids: tuple[int, ...]
     num_tokens: int
+    prompt_digest: str
     compat_hash: str
     handshake: dict[str, Any] = field(hash=False, compare=False)
 
@@ -65,7 +91,7 @@ class RemotePrefill:
         if type(num_tokens) is not int or num_tokens < 1:
             raise ValueError("kv_transfer_params.num_tokens must be a positive integer")
         return cls(str(params["engine_id"]), str(params["transfer_id"]), tuple(block_ids), num_tokens,
-                   str(params["compat_hash"]), handshake)
+                   str(params["prompt_digest"]), str(params["compat_hash"]), handshake)
 
 
 @dataclass(slots=True, frozen=True)
@@ -77,21 +103,7 @@ class KVTransferStats:
     pending_release_blocks: int = 0
     num_pins: int = 0
     num_loads: int = 0
-
-
-@dataclass(slots=True)
-class _Pin:
-    pin_id: str
-    num_blocks: int
-    expires_at: float
-
-
-@dataclass(slots=True)
-class _Read:
-    request_id: str
-    peer: str
-    num_blocks: int
-    started_at: float
+    num_quarantined_blocks: int = 0
 
 
 class KVTransferCoordinator:
@@ -110,11 +122,11 @@ class KVTransferCoordinator:
         self.expiry_s = expiry_s
         self.failure_policy = failure_policy
         self._clock = clock
-        self._pins: dict[str, _Pin] = {}
-        self._peers: dict[str, str] = {}
-        self._admitting: dict[str, tuple[RemotePrefill, str]] = {}
-        self._reads: dict[str, _Read] = {}
-        self._ended: list[tuple[str, str]] = []
+        self._pins: dict[str, PrefillHandover] = {}  # PINNED, by transfer id
+        self._loads: dict[str, DecodeHandover] = {}  # not yet final, by transfer id
+        self._consumed: OrderedDict[str, None] = OrderedDict()  # ended transfer ids
+        self._peers: OrderedDict[str, str] = OrderedDict()  # prefill engine id → connector peer
+        self._failed: list[tuple[str, str]] = []  # requests to fail, for the next poll
         self._bytes_total = 0
         self._failures: Counter[str] = Counter()
         self._durations_s: list[float] = []
@@ -122,16 +134,22 @@ class KVTransferCoordinator:
     # ------------------------------------------------------------------ queries
 
     def stats(self) -> KVTransferStats:
+        quarantined = [h for h in self._loads.values() if h.state is DecodeState.QUARANTINED]
         return KVTransferStats(
             bytes_total=self._bytes_total,
             failures=tuple(sorted(self._failures.items())),
             pending_release_blocks=sum(p.num_blocks for p in self._pins.values()),
             num_pins=len(self._pins),
-            num_loads=len(self._reads),
+            num_loads=len(self._loads) - len(quarantined),
+            num_quarantined_blocks=sum(h.num_blocks for h in quarantined),
         )
 
     def has_pins(self) -> bool:
         return bool(self._pins)
+
+    def has_loads(self) -> bool:
+        """Hand-overs that are not over: admitted, loading, or quarantined."""
+        return bool(self._loads)
 
     def take_transfer_durations(self) -> list[float]:
         """Seconds of each read that completed since the last call."""
@@ -141,18 +159,19 @@ class KVTransferCoordinator:
     # ------------------------------------------------------------------ prefill side
 
     def on_new_pins(self, pins: list[PinnedKV]) -> dict[str, dict[str, Any]]:
-        """Track the scheduler's new pins; returns each pinned request's ``kv_transfer_params``
-        (without ``handshake_url``, which the server adds)."""
+        """PINNED for each of the scheduler's new pins; returns each pinned request's
+        ``kv_transfer_params`` (without ``handshake_url``, which the server adds)."""
         params = {}
         expires_at = self._clock() + self.expiry_s
         for pin in pins:
             transfer_id = f"{self.engine_id}/{pin.request_id}"
-            self._pins[transfer_id] = _Pin(pin.pin_id, len(pin.block_ids), expires_at)
+            self._pins[transfer_id] = PrefillHandover(transfer_id, pin.pin_id, len(pin.block_ids), expires_at)
             params[pin.request_id] = {
                 "engine_id": self.engine_id,
                 "transfer_id": transfer_id,
                 "block_ids": list(pin.block_ids),
                 "num_tokens": pin.num_tokens,
+                "prompt_digest": pin.digest,
                 "compat_hash": self.compat_hash,
             }
         return params
@@ -161,87 +180,188 @@ class KVTransferCoordinator:
         for transfer_id in self.connector.get_notifications():
             pin = self._pins.pop(transfer_id, None)
             if pin is not None:
-                self.scheduler.release_pin(pin.pin_id)
+                handover.release(pin)
+                self.scheduler.release_hold(pin.pin_id)
         now = self._clock()
         for transfer_id, pin in list(self._pins.items()):
             if now >= pin.expires_at:
                 logger.info("KV blocks of %s expired unclaimed after %.0f s", transfer_id, self.expiry_s)
                 del self._pins[transfer_id]
-                self.scheduler.release_pin(pin.pin_id)
+                handover.expire(pin)
+                self.scheduler.release_hold(pin.pin_id)
                 self._failures["expired"] += 1
 
     # ------------------------------------------------------------------ decode side
 
-    def add_remote(self, request_id: str, remote: RemotePrefill) -> None:
-        """Prepare ``request_id`` (about to be added to the scheduler with ``load_remote_kv``)
-        to load from ``remote``. Adds the peer once per engine id; raises ValueError (from the
-        connector's ``add_peer``: compat hash or layout mismatch) when its blocks are unusable."""
+    def admit(self, request_id: str, remote: RemotePrefill, prompt_token_ids: Sequence[int]) -> bool:
+        """Check the hand-over of ``request_id`` (about to be added to the scheduler) and make
+        it ADMITTED. True: add the request with ``load_remote_kv``. False: no read will be made
+        (a mismatched prompt, a stalled peer) and the policy is "recompute": add it as an
+        ordinary request. Raises ``KVTransferReplayed`` for a used transfer id, ValueError for
+        an incompatible peer (compat hash, layout), ``KVTransferFailed`` where the policy is
+        "fail"."""
+        transfer_id = remote.transfer_id
+        if transfer_id in self._loads or transfer_id in self._consumed:
+            raise KVTransferReplayed(f"kv_transfer_params.transfer_id {transfer_id!r} has already "
+                                     "been used: a hand-over is read once")
         if remote.compat_hash != self.compat_hash:
             raise ValueError(
                 f"KV compat hash mismatch: the prefill instance {remote.engine_id!r} has "
                 f"{remote.compat_hash!r}, this decode instance {self.compat_hash!r}; both must serve "
-                "the same model with the same dtype, layer count, KV heads, head size and block size")
-        peer = self._peers.get(remote.engine_id)
-        if peer is None:
-            peer = self._peers[remote.engine_id] = self.connector.add_peer(remote.handshake)
-        self._admitting[request_id] = (remote, peer)
+                "the same model and tokenizer with the same dtype, layer count, KV heads, head size "
+                "and block size")
+        reason = None
+        if remote.num_tokens != len(prompt_token_ids) or remote.prompt_digest != token_digest(prompt_token_ids):
+            reason = "mismatch"  # another prompt was prefilled: its KV must not be read
+        elif self._stalled(remote.engine_id):
+            reason = "peer"
+        peer = self._peer(remote) if reason is None else ""
+        load = DecodeHandover(transfer_id, request_id, peer, remote.engine_id, remote.block_ids)
+        if reason is None:
+            self._loads[transfer_id] = load
+            return True
+        handover.refuse(load, reason)
+        self._end(load)
+        self._failures[reason] += 1
+        message = self._failure_message(load)
+        if self.failure_policy == "fail":
+            raise KVTransferFailed(message)
+        logger.warning("%s; computing the prompt here", message)
+        return False
 
     def forget(self, request_id: str) -> None:
-        """``request_id`` ends before admission (aborted, rejected): tell its prefill instance
-        that its blocks will not be read. A read already started ends on its own."""
-        entry = self._admitting.pop(request_id, None)
-        if entry is not None:
-            remote, peer = entry
-            self.connector.notify_release(peer, remote.transfer_id)
+        """``request_id`` ends (aborted, rejected): before its read, the prefill instance learns
+        its blocks will not be read; during it, the blocks the read writes into stay held (the
+        scheduler holds them under ``load_hold_id``) until the read is over."""
+        load = self._load_of(request_id)
+        if load is None:
+            return
+        if load.state is DecodeState.ADMITTED:
+            handover.cancel(load)
+            self.connector.notify_release(load.peer, load.transfer_id)
+            self._end(load)
+        else:
+            handover.quarantine(load, load_hold_id(request_id), "aborted")
 
     def start_loads(self, loads: list[RemoteKVLoad]) -> None:
-        """Start one read per load: the remote blocks of the same logical indices."""
-        for load in loads:
-            remote, peer = self._admitting.pop(load.request_id)
-            end = load.first_block + len(load.block_ids)
-            remote_ids = list(remote.block_ids[load.first_block:end])
-            read = _Read(load.request_id, peer, len(load.block_ids), self._clock())
-            num_prompt_tokens = self.scheduler.get_request(load.request_id).num_prompt_tokens
-            if remote.num_tokens != num_prompt_tokens or len(remote_ids) != len(load.block_ids):
-                # the prefill instance tokenized another prompt, or holds too few blocks
-                self._end_now(remote.transfer_id, read, "error:mismatch")
+        """LOADING: one read per load, of the remote blocks with the same logical indices."""
+        for new in loads:
+            load = self._load_of(new.request_id)
+            end = new.first_block + len(new.block_ids)
+            remote_ids = list(load.remote_block_ids[new.first_block:end])
+            if len(remote_ids) != len(new.block_ids):  # the prefill instance holds too few blocks
+                self._refuse_admitted(load, "mismatch")
                 continue
             try:
-                self.connector.start_read(remote.transfer_id, peer, remote_ids, list(load.block_ids),
+                self.connector.start_read(load.transfer_id, load.peer, remote_ids, list(new.block_ids),
                                           self.transfer_timeout_s)
             except ValueError as exc:
-                logger.warning("KV read %s refused: %s", remote.transfer_id, exc)
-                self._end_now(remote.transfer_id, read, "error:transfer")
+                logger.warning("KV read %s refused: %s", load.transfer_id, exc)
+                self._refuse_admitted(load, "transfer")
                 continue
-            self._reads[remote.transfer_id] = read
-
-    def _end_now(self, transfer_id: str, read: _Read, state: str) -> None:
-        self._reads[transfer_id] = read
-        self._ended.append((transfer_id, state))
+            handover.start(load, len(new.block_ids), self._clock())
 
     def poll(self) -> list[tuple[str, str]]:
-        """Release notified and expired pins; end finished reads. Returns (request id, message)
-        of the requests to fail (policy "fail"); under "recompute" they wait again instead."""
+        """Release notified and expired pins; advance the loads the connector reports on.
+        Returns (request id, message) of the requests to fail (policy "fail"); under
+        "recompute" they wait again instead."""
         self._release_pins()
-        ended, self._ended = self._ended, []
-        ended += list(self.connector.poll().items())
-        failed = []
-        for transfer_id, state in ended:
-            read = self._reads.pop(transfer_id, None)
-            if read is None:
+        for transfer_id, state in self.connector.poll().items():
+            load = self._loads.get(transfer_id)
+            if load is None:
                 continue
-            ok = state == "done"
-            if ok:
-                self._bytes_total += read.num_blocks * self.block_bytes
-                self._durations_s.append(self._clock() - read.started_at)
-            else:
-                reason = state.removeprefix("error:")
-                self._failures[reason] += 1
-                self.connector.notify_release(read.peer, transfer_id)
-                logger.warning("KV read %s failed (%s); policy %s", transfer_id, state, self.failure_policy)
-            live = self.scheduler.get_request(read.request_id) is not None
-            self.scheduler.finish_remote_load(read.request_id, ok)
-            if live and not ok and self.failure_policy == "fail":
-                failed.append((read.request_id, f"loading the prompt's KV cache from the prefill "
-                                                f"instance failed ({reason})"))
+            if load.state is DecodeState.LOADING:
+                self._on_read_ended(load, state)
+            elif load.state is DecodeState.QUARANTINED and state != "error:deadline":
+                handover.release_quarantine(load)  # "closed", or the read ended: nothing more lands
+                self.scheduler.release_hold(load.quarantine_id)
+                self._end(load)
+        failed, self._failed = self._failed, []
         return failed
+
+    def _on_read_ended(self, load: DecodeHandover, state: str) -> None:
+        rid = load.request_id
+        if state == "done":
+            handover.loaded(load)
+            self._bytes_total += load.num_blocks * self.block_bytes
+            self._durations_s.append(self._clock() - load.started_at)
+            self.scheduler.finish_remote_load(rid, ok=True)
+            self._end(load)
+            return
+        reason = state.removeprefix("error:")
+        if reason == "deadline":  # the read may still land: keep its blocks apart until "closed"
+            handover.quarantine(load, load_hold_id(rid), reason)
+            self.scheduler.finish_remote_load(rid, ok=False, hold=True)
+        else:
+            handover.fail(load, reason)
+            self.scheduler.finish_remote_load(rid, ok=False)
+            self._end(load)
+        self.connector.notify_release(load.peer, load.transfer_id)
+        self._on_failed(load)
+        if reason == "peer":
+            self._drop_peer(load.engine_id)
+
+    def _refuse_admitted(self, load: DecodeHandover, reason: str) -> None:
+        """An admitted load that cannot start: the request waits again (or fails)."""
+        handover.refuse(load, reason)
+        self.scheduler.finish_remote_load(load.request_id, ok=False)
+        self.connector.notify_release(load.peer, load.transfer_id)
+        self._end(load)
+        self._on_failed(load)
+
+    def _on_failed(self, load: DecodeHandover) -> None:
+        self._failures[load.reason] += 1
+        message = self._failure_message(load)
+        logger.warning("%s; policy %s", message, self.failure_policy)
+        if self.failure_policy == "fail":
+            self._failed.append((load.request_id, message))
+
+    def _failure_message(self, load: DecodeHandover) -> str:
+        what = {"mismatch": "the prefill instance prefilled another prompt",
+                "peer": "the prefill instance is gone or stalled",
+                "deadline": f"no answer within kv_transfer_timeout_s ({self.transfer_timeout_s:g} s)",
+                "transfer": "the transport refused the read"}.get(load.reason, load.reason)
+        return f"loading the prompt's KV cache from the prefill instance failed ({load.reason}: {what})"
+
+    def _end(self, load: DecodeHandover) -> None:
+        """A final state: the transfer id is used up."""
+        assert load.finished, load.state
+        self._loads.pop(load.transfer_id, None)
+        self._consumed[load.transfer_id] = None
+        if len(self._consumed) > CONSUMED_IDS:
+            self._consumed.popitem(last=False)
+
+    def _load_of(self, request_id: str) -> DecodeHandover | None:
+        """The ADMITTED or LOADING hand-over of a live request."""
+        for load in self._loads.values():
+            if load.request_id == request_id and load.state in (DecodeState.ADMITTED, DecodeState.LOADING):
+                return load
+        return None
+
+    # ------------------------------------------------------------------ peers
+
+    def _peer(self, remote: RemotePrefill) -> str:
+        """The connector peer of ``remote``'s engine, added on first use (raises ValueError for
+        an incompatible one); keeps at most ``MAX_PEERS``."""
+        peer = self._peers.get(remote.engine_id)
+        if peer is None:
+            peer = self.connector.add_peer(remote.handshake)
+            self._peers[remote.engine_id] = peer
+            idle = [e for e in self._peers if e != remote.engine_id and not self._busy(e)]
+            for engine_id in idle[:max(len(self._peers) - MAX_PEERS, 0)]:
+                self._drop_peer(engine_id)
+        self._peers.move_to_end(remote.engine_id)
+        return peer
+
+    def _busy(self, engine_id: str) -> bool:
+        return any(h.engine_id == engine_id for h in self._loads.values())
+
+    def _stalled(self, engine_id: str) -> bool:
+        return any(h.engine_id == engine_id and h.state is DecodeState.QUARANTINED and h.reason == "deadline"
+                   for h in self._loads.values())
+
+    def _drop_peer(self, engine_id: str) -> None:
+        """Forget a prefill engine that died (or is idle and least recently used)."""
+        peer = self._peers.pop(engine_id, None)
+        if peer is not None and not any(p == peer for p in self._peers.values()):
+            self.connector.remove_peer(peer)

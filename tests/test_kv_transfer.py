@@ -11,7 +11,8 @@ import pytest
 
 from tandem.config import load_config
 from tandem.engine import LLMEngine
-from tandem.kv_transfer import RemotePrefill
+from tandem.kv_transfer import KVTransferReplayed, RemotePrefill
+from tandem.sched.scheduler import load_hold_id
 from tandem.sched.sampling_params import SamplingParams
 from tests.engine.test_greedy_vs_hf import _prompts, hf_greedy
 from tests.helpers.tiny_models import tiny_model_dir
@@ -127,23 +128,52 @@ def test_dead_prefill_fails_the_request_under_fail_policy():
     decode.close()
 
 
-def test_frozen_prefill_hits_the_deadline_then_recomputes():
+def test_a_read_past_its_deadline_recomputes_and_holds_its_blocks_until_it_lands():
     prefill = make_engine("prefill")
     decode = make_engine("decode", **{"disaggregation.kv_transfer_timeout_s": 0.2})
     prompt = _prompts(12, [2 * BLOCK_SIZE + 3])[0]
     remote = prefill_prompt(prefill, prompt)
     prefill.kv_transfer.connector.pause()
     start = time.monotonic()
-    got = decode_prompt(decode, prompt, remote)
+    assert decode_prompt(decode, prompt, remote) == hf_greedy(tiny_model_dir("llama"), [prompt], MAX_TOKENS)[0]
     assert time.monotonic() - start >= 0.2
-    assert got == hf_greedy(tiny_model_dir("llama"), [prompt], MAX_TOKENS)[0]
     assert dict(decode.kv_transfer.stats().failures) == {"deadline": 1}
-    assert used_blocks(decode) == 0
+    held = decode.scheduler.kv.get_block_ids(load_hold_id("d"))
+    assert len(held) == 3 and used_blocks(decode) == 3
+    assert decode.kv_transfer.stats().num_quarantined_blocks == 3
+    prefill.kv_transfer.connector.resume()
+    decode.poll_kv_transfers()  # the late read lands, then the blocks are free
+    assert used_blocks(decode) == 0 and not decode.has_unfinished_requests()
+    assert all(decode.scheduler.kv.block_pool.blocks[b].block_hash is None for b in held)
     prefill.close()
     decode.close()
 
 
-def test_abort_during_a_read_keeps_the_blocks_until_the_read_ends():
+def test_a_late_read_cannot_write_into_another_requests_blocks():
+    """Bug: a read cancelled at its deadline gave its blocks back at once, and a frozen prefill
+    instance that resumed (UCX over TCP delivers a sent read anyway) wrote into them while
+    another request used them."""
+    prefill = make_engine("prefill")
+    decode = make_engine("decode", **{"disaggregation.kv_transfer_timeout_s": 0.2,
+                                      "disaggregation.kv_load_failure_policy": "fail"})
+    prompt, other = _prompts(18, [3 * BLOCK_SIZE + 1, 3 * BLOCK_SIZE])
+    want = hf_greedy(tiny_model_dir("llama"), [other], MAX_TOKENS)[0]
+    remote = prefill_prompt(prefill, prompt)
+    prefill.kv_transfer.connector.pause()
+    decode.add_request(prompt, greedy(), request_id="d", remote_prefill=remote)
+    deadline = time.monotonic() + 5
+    while not decode.take_failed_requests() and time.monotonic() < deadline:
+        decode.step()  # the read passes its deadline: the request fails
+    decode.add_request(other, greedy(), request_id="other")  # the blocks handed out first
+    decode.step()
+    prefill.kv_transfer.connector.resume()  # ... the read lands in the middle of its decoding
+    assert run_until_finished(decode, "other").outputs[0].token_ids == want
+    assert used_blocks(decode) == 0 and not decode.has_unfinished_requests()
+    prefill.close()
+    decode.close()
+
+
+def test_abort_during_a_read_holds_the_blocks_until_the_read_is_over():
     prefill = make_engine("prefill")
     decode = make_engine("decode", **{"disaggregation.kv_transfer_timeout_s": 0.2})
     prompt = _prompts(13, [3 * BLOCK_SIZE + 1])[0]
@@ -154,7 +184,10 @@ def test_abort_during_a_read_keeps_the_blocks_until_the_read_ends():
     assert used_blocks(decode) == 3
     decode.abort_request("d")
     assert used_blocks(decode) == 3  # a one-sided read may still write into them
-    assert decode.has_unfinished_requests()
+    time.sleep(0.3)
+    decode.step()  # past the deadline: still held while the peer is frozen
+    assert used_blocks(decode) == 3 and decode.has_unfinished_requests()
+    prefill.kv_transfer.connector.resume()
     deadline = time.monotonic() + 5
     while decode.has_unfinished_requests() and time.monotonic() < deadline:
         decode.step()
@@ -214,5 +247,68 @@ def test_prompt_that_differs_from_the_prefilled_one_is_recomputed(pair):
     expected = hf_greedy(tiny_model_dir("llama"), [longer], MAX_TOKENS)[0]
     assert decode_prompt(decode, longer, remote) == expected
     assert dict(decode.kv_transfer.stats().failures) == {"mismatch": 1}
-    prefill.poll_kv_transfers()  # the decode side told the prefill side it will not read
-    assert used_blocks(prefill) == 0 and used_blocks(decode) == 0
+    assert decode.kv_transfer.stats().bytes_total == 0 and used_blocks(decode) == 0
+
+
+def test_the_model_reads_its_early_prompt_tokens():
+    """The tests below check that KV comes from the right prompt: they mean something only if
+    the model's output depends on the first tokens of the prompt (STYLE.md rule 12)."""
+    prompt = _prompts(20, [3 * BLOCK_SIZE + 2])[0]
+    changed = [prompt[1]] + prompt[1:]
+    got = hf_greedy(tiny_model_dir("llama"), [prompt, changed], MAX_TOKENS)
+    assert got[0] != got[1]
+
+
+def test_a_prompt_of_the_same_length_is_not_decoded_on_the_prefilled_kv(pair):
+    """Bug: only the length was compared, so another prompt of the same length was decoded on
+    the wrong KV, and those blocks entered the prefix cache under the other prompt's hashes."""
+    prefill, decode = pair
+    prompt = _prompts(21, [3 * BLOCK_SIZE + 2])[0]
+    other = [prompt[1]] + prompt[1:]  # same length, another first token
+    want = hf_greedy(tiny_model_dir("llama"), [other], MAX_TOKENS)[0]
+    remote = prefill_prompt(prefill, prompt)
+    assert decode_prompt(decode, other, remote) == want
+    assert dict(decode.kv_transfer.stats().failures) == {"mismatch": 1}
+    # nothing of the prefilled prompt entered this instance's prefix cache under other's hashes
+    decode.add_request(other, greedy(), request_id="again")
+    assert run_until_finished(decode, "again").outputs[0].token_ids == want
+    assert decode.kv_transfer.stats().bytes_total == 0
+
+
+def test_a_transfer_id_in_flight_or_used_is_refused_without_disturbing_the_first(pair):
+    """Bug: the same kv_transfer_params four times at once left three requests waiting forever
+    and their blocks in use."""
+    prefill, decode = pair
+    prompt = _prompts(22, [3 * BLOCK_SIZE + 1])[0]
+    want = hf_greedy(tiny_model_dir("llama"), [prompt], MAX_TOKENS)[0]
+    remote = prefill_prompt(prefill, prompt)
+    decode.add_request(prompt, greedy(), request_id="first", remote_prefill=remote)
+    for i in range(3):
+        with pytest.raises(KVTransferReplayed, match="already been used"):
+            decode.add_request(prompt, greedy(), request_id=f"replay{i}", remote_prefill=remote)
+    assert run_until_finished(decode, "first").outputs[0].token_ids == want
+    with pytest.raises(KVTransferReplayed):
+        decode.add_request(prompt, greedy(), request_id="late-replay", remote_prefill=remote)
+    assert not decode.has_unfinished_requests() and used_blocks(decode) == 0
+    prefill.poll_kv_transfers()
+    assert used_blocks(prefill) == 0
+
+
+def test_a_dead_prefill_engine_is_forgotten_and_its_restart_is_read_from(pair):
+    prefill, decode = pair
+    prompt = _prompts(23, [2 * BLOCK_SIZE + 2])[0]
+    want = hf_greedy(tiny_model_dir("llama"), [prompt], MAX_TOKENS)[0]
+    remote = prefill_prompt(prefill, prompt)
+    prefill.close()  # died: its read fails with error:peer
+    assert decode_prompt(decode, prompt, remote) == want
+    assert remote.engine_id not in decode.kv_transfer._peers
+    assert decode.kv_transfer.connector._peers == {}
+    restarted = make_engine("prefill")  # a new process: a new engine id and agent
+    try:
+        again = prefill_prompt(restarted, prompt, request_id="p2")
+        assert again.engine_id != remote.engine_id
+        assert decode_prompt(decode, prompt, again, request_id="d2") == want
+        assert dict(decode.kv_transfer.stats().failures) == {"peer": 1}
+        assert decode.kv_transfer.stats().bytes_total > 0
+    finally:
+        restarted.close()

@@ -4,7 +4,9 @@ engine tests without a second process or NIXL.
 Connectors of one process find each other's pools by agent name in a module-level registry; a
 read copies the blocks with torch index ops. What a real transport does to a read is reproduced
 in-process: ``close()`` is a dead peer (its readers get "error:peer") and ``pause()`` a frozen
-one (reads from it stay pending until ``resume()`` or their deadline, "error:deadline").
+one (reads from it stay pending until ``resume()`` or their deadline, "error:deadline"). As over
+UCX's TCP transport, a read past its deadline is not taken back: it lands when its owner resumes
+(then "closed"), or never if the owner closes ("closed" too).
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ class LoopbackConnector(KVConnector):
         self._handshake: dict[str, Any] = {}
         self._peers: dict[str, int] = {}
         self._reads: dict[str, _Read] = {}
+        self._late: dict[str, _Read] = {}  # past their deadline, not taken back
         self._finished: dict[str, str] = {}
         self._notifications: list[str] = []
         self._paused = False
@@ -76,7 +79,7 @@ class LoopbackConnector(KVConnector):
     ) -> None:
         self._require_pool()
         check_read(transfer_id, remote_block_ids, local_block_ids, self._peers.get(peer),
-                   self._blocks.shape[0], self._reads.keys() | self._finished.keys())
+                   self._blocks.shape[0], self._reads.keys() | self._late.keys() | self._finished.keys())
         read = _Read(peer, list(remote_block_ids), list(local_block_ids), time.monotonic() + deadline_s)
         self._reads[transfer_id] = read
         self._advance(transfer_id, read)
@@ -84,6 +87,13 @@ class LoopbackConnector(KVConnector):
     def poll(self) -> dict[str, str]:
         for transfer_id, read in list(self._reads.items()):
             self._advance(transfer_id, read)
+        for transfer_id, read in list(self._late.items()):
+            owner = _LIVE.get(read.peer)
+            if owner is None or not owner._paused:
+                if owner is not None:
+                    self._copy(owner, read)  # the late write a frozen peer makes when it resumes
+                del self._late[transfer_id]
+                self._finished[transfer_id] = "closed"
         changed, self._finished = self._finished, {}
         return changed
 
@@ -103,10 +113,14 @@ class LoopbackConnector(KVConnector):
     def resume(self) -> None:
         self._paused = False
 
+    def remove_peer(self, peer: str) -> None:
+        self._peers.pop(peer, None)
+
     def close(self) -> None:
         if _LIVE.get(self.agent_name) is self:
             del _LIVE[self.agent_name]
         self._reads.clear()
+        self._late.clear()
 
     def _require_pool(self) -> None:
         if self._blocks is None:
@@ -119,6 +133,7 @@ class LoopbackConnector(KVConnector):
         elif owner._paused:
             if time.monotonic() < read.deadline:
                 return
+            self._late[transfer_id] = read
             outcome = "error:deadline"
         else:
             self._copy(owner, read)

@@ -81,6 +81,12 @@ class Request:
     stop_reason: int | str | None = None
     reject_reason: str | None = None
     cache_salt: str | None = None
+    load_remote_kv: bool = False
+    """Its prompt's KV comes from a prefill instance: it is admitted to WAITING_FOR_REMOTE_KV."""
+    pin_kv: bool = False
+    """When it finishes normally its blocks stay pinned for a decode instance to read."""
+    sent_to_runner: bool = False
+    """The runner holds its state (it got the request in full); false again when preempted."""
     metrics: RequestMetrics = None  # type: ignore[assignment]
     _output_token_ids: list[int] = field(default_factory=list)
     _all_token_ids: list[int] = field(default_factory=list)

@@ -19,7 +19,8 @@ prompt: the children share its blocks (copy-on-write on their first own token).
 values from before). A request aborted between ``schedule()`` and ``update_from_output()`` has
 that step's tokens counted as never computed, so none of their KV enters the prefix cache.
 
-Disaggregated prefill/decode adds two mechanisms, both pure bookkeeping (the engine moves bytes):
+Disaggregated prefill/decode adds two mechanisms, both pure bookkeeping (the engine moves bytes;
+tandem.handover has the hand-over's states):
 
 - Remote KV (decode side). A request added with ``load_remote_kv`` is admitted like any other
   (prefix-cache hits count) but computes nothing: it gets blocks for prompt positions
@@ -31,12 +32,17 @@ Disaggregated prefill/decode adds two mechanisms, both pure bookkeeping (the eng
 
   ``finish_remote_load(ok=True)`` sets ``num_computed_tokens = P - 1`` and the request joins the
   running batch (sent to the runner in full on its first step); ``ok=False`` frees its blocks and
-  puts it back in the waiting queue as an ordinary request (recompute). A request finished while
-  its load is in flight keeps its blocks until ``finish_remote_load``: a one-sided read still
-  writes into them. Loading requests hold their sequence seats.
+  puts it back in the waiting queue as an ordinary request (recompute). Loading requests hold
+  their sequence seats.
+- Holds. Blocks that a read may still write into never return to the free pool while it can:
+  a loading request that finishes (aborted) leaves its blocks held under
+  ``load_hold_id(request_id)``, and ``finish_remote_load(ok=False, hold=True)`` (a read past its
+  deadline that may still land) does the same while the request recomputes in fresh blocks;
+  ``release_hold`` frees them once the transport says the read is over. Held blocks never enter
+  the prefix cache.
 - Pinned KV (prefill side). A request added with ``pin_kv_on_finish`` that finishes normally
-  (stop or length) while running keeps its blocks under a pin (an extra reference, ``take_new_pins``) until
-  ``release_pin``.
+  (stop or length) while running keeps its blocks held under ``pin_hold_id(request_id)``
+  (``take_new_pins``) until ``release_hold``.
 
 Speculative decoding (``num_speculative_tokens > 0``) gives a decoding sequence its last known
 token plus up to that many n-gram drafts (tandem.sched.ngram) in one step;
@@ -71,6 +77,7 @@ from tandem.sched.output import (
     NewRequestData,
     SchedulerOutput,
 )
+from tandem.sched.block_pool import token_digest
 from tandem.sched.ngram import propose_ngram
 from tandem.sched.request import Request, RequestStatus
 
@@ -113,12 +120,23 @@ class RemoteKVLoad:
 @dataclass(slots=True, frozen=True)
 class PinnedKV:
     """The blocks a finished request left pinned under ``pin_id``; they hold the KV of its first
-    ``num_tokens`` tokens."""
+    ``num_tokens`` tokens, whose ``token_digest`` is ``digest``."""
 
     request_id: str
     pin_id: str
     block_ids: list[int]
     num_tokens: int
+    digest: str
+
+
+def pin_hold_id(request_id: str) -> str:
+    """The holder of a finished prefill request's pinned blocks."""
+    return f"{request_id}#kv-pin"
+
+
+def load_hold_id(request_id: str) -> str:
+    """The holder of the blocks a load of ``request_id`` may still write into."""
+    return f"{request_id}#kv-load"
 
 
 @dataclass(slots=True)
@@ -182,16 +200,10 @@ class Scheduler:
         self._waiting: list[tuple[Any, int, Request]] = []
         self._running: list[Request] = []
         self._queue_seq = itertools.count()
-        self._finished_ids: set[str] = set()
-        self._in_flight: dict[str, int] = {}
-        self._remote_pending: set[str] = set()
-        self._loading: dict[str, Request] = {}
-        self._orphaned_loads: set[str] = set()
-        self._new_loads: list[RemoteKVLoad] = []
-        self._unsent: set[str] = set()
-        self._pin_on_finish: set[str] = set()
-        self._pins: set[str] = set()
-        self._new_pins: list[PinnedKV] = []
+        self._finished_ids: set[str] = set()  # for the runner, in the next step's output
+        self._in_flight: dict[str, int] = {}  # tokens of the step being scheduled or executed
+        self._new_loads: list[RemoteKVLoad] = []  # for the engine: take_new_loads
+        self._new_pins: list[PinnedKV] = []  # for the engine: take_new_pins
         self._isolation: dict[str, int] = {}  # request id → output count that ends its isolation
         self._dropped: set[str] = set()  # preempted between steps: the runner drops their state
         self._step: _Step | None = None  # the step being built or executed
@@ -219,14 +231,13 @@ class Scheduler:
     @property
     def num_loading(self) -> int:
         """Requests in WAITING_FOR_REMOTE_KV."""
-        return len(self._loading)
+        return len(self._loading())
+
+    def _loading(self) -> list[Request]:
+        return [r for r in self._requests.values() if r.status is RequestStatus.WAITING_FOR_REMOTE_KV]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
-
-    def holds_remote_loads(self) -> bool:
-        """Whether a remote load is in flight (for a live or an already finished request)."""
-        return bool(self._loading or self._orphaned_loads)
 
     # ------------------------------------------------------------------ admission and exits
 
@@ -243,12 +254,9 @@ class Scheduler:
             request.metrics.finished_time = time.monotonic()
             return request
         request.status = RequestStatus.WAITING
+        request.load_remote_kv, request.pin_kv = load_remote_kv, pin_kv_on_finish
         self._enqueue(request)  # first: a policy that raises leaves nothing behind
         self._requests[request.request_id] = request
-        if load_remote_kv:
-            self._remote_pending.add(request.request_id)
-        if pin_kv_on_finish:
-            self._pin_on_finish.add(request.request_id)
         return request
 
     def take_new_loads(self) -> list[RemoteKVLoad]:
@@ -256,21 +264,20 @@ class Scheduler:
         loads, self._new_loads = self._new_loads, []
         return loads
 
-    def finish_remote_load(self, request_id: str, ok: bool) -> None:
-        """The load of ``request_id`` ended: on success the request joins the running batch with
-        ``num_prompt_tokens - 1`` tokens computed; on failure its blocks are freed and it waits
-        again as an ordinary request. A request finished meanwhile only frees its blocks now."""
-        if request_id in self._orphaned_loads:
-            self._orphaned_loads.discard(request_id)
-            self.kv.free(request_id)
-            return
-        request = self._loading.pop(request_id)
+    def finish_remote_load(self, request_id: str, ok: bool, hold: bool = False) -> None:
+        """The load of the live request ``request_id`` (in WAITING_FOR_REMOTE_KV) ended: on
+        success it joins the running batch with ``num_prompt_tokens - 1`` tokens computed; on
+        failure its blocks are freed — or held under ``load_hold_id`` with ``hold``, when the
+        read may still write into them — and it waits again as an ordinary request."""
+        request = self._requests[request_id]
+        assert request.status is RequestStatus.WAITING_FOR_REMOTE_KV, request.status
         if ok:
             request.num_computed_tokens = request.num_prompt_tokens - 1
             request.status = RequestStatus.RUNNING
             self._running.append(request)
-            self._unsent.add(request_id)
             return
+        if hold:
+            self._hold(request_id, load_hold_id(request_id))
         self.kv.free(request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
@@ -281,13 +288,19 @@ class Scheduler:
         pins, self._new_pins = self._new_pins, []
         return pins
 
-    def release_pin(self, pin_id: str) -> bool:
-        """Drop a pin's blocks; False (and nothing done) when ``pin_id`` is not pinned."""
-        if pin_id not in self._pins:
+    def release_hold(self, holder_id: str) -> bool:
+        """Free the blocks held under ``holder_id`` (a pin or a load's hold); False, and nothing
+        done, when it holds none."""
+        if not self.kv.get_block_ids(holder_id):
             return False
-        self._pins.discard(pin_id)
-        self.kv.free(pin_id)
+        self.kv.free(holder_id)
         return True
+
+    def _hold(self, request_id: str, holder_id: str) -> list[int]:
+        """Hold ``request_id``'s blocks under ``holder_id`` too (one more reference each)."""
+        if self.kv.get_block_ids(request_id):
+            self.kv.fork(request_id, holder_id)
+        return self.kv.get_block_ids(holder_id)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
         """Abort the given requests and the sequences forked from them; unknown or finished ids
@@ -331,38 +344,27 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         rid = request.request_id
-        loading = request.status is RequestStatus.WAITING_FOR_REMOTE_KV
         was_running = request.status is RequestStatus.RUNNING
         if was_running:
             self._running.remove(request)
-        elif loading:
-            del self._loading[rid]
+        elif request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
+            self._hold(rid, load_hold_id(rid))  # its read still writes into the blocks
         else:
             self._waiting = [e for e in self._waiting if e[2] is not request]
             heapq.heapify(self._waiting)
         request.num_computed_tokens -= self._in_flight.pop(rid, 0)
         request.status = status
         request.metrics.finished_time = time.monotonic()
-        self._remote_pending.discard(rid)
-        self._unsent.discard(rid)
         self._isolation.pop(rid, None)
-        if rid in self._pin_on_finish:
-            self._pin_on_finish.discard(rid)
-            if was_running and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
-                self._pin(request)
-        if loading:
-            self._orphaned_loads.add(rid)
-        else:
-            self.kv.free(rid)
+        if request.pin_kv and was_running and status in (RequestStatus.FINISHED_STOPPED,
+                                                         RequestStatus.FINISHED_LENGTH):
+            pin_id = pin_hold_id(rid)
+            tokens = request.all_token_ids[:request.num_computed_tokens]
+            self._new_pins.append(PinnedKV(rid, pin_id, self._hold(rid, pin_id), len(tokens),
+                                           token_digest(tokens)))
+        self.kv.free(rid)
         del self._requests[rid]
         self._finished_ids.add(rid)
-
-    def _pin(self, request: Request) -> None:
-        pin_id = f"{request.request_id}#kv-pin"
-        self.kv.fork(request.request_id, pin_id)
-        self._pins.add(pin_id)
-        self._new_pins.append(PinnedKV(request.request_id, pin_id, self.kv.get_block_ids(pin_id),
-                                       request.num_computed_tokens))
 
     def _enqueue(self, request: Request) -> None:
         heapq.heappush(self._waiting, (self.policy.sort_key(request), next(self._queue_seq), request))
@@ -376,7 +378,7 @@ class Scheduler:
         step = self._step = _Step(
             token_budget=self.config.max_num_batched_tokens,
             num_free_seats=self.config.max_num_seqs - sum(
-                r.num_sequences for r in (*self._running, *self._loading.values())),
+                r.num_sequences for r in (*self._running, *self._loading())),
             prompt_cap=self.policy.max_prompt_tokens_per_step(),
             probe=self._probe(),
         )
@@ -447,7 +449,7 @@ class Scheduler:
                 if victim is request:
                     return
                 allocation = self.kv.allocate(request, num_new)
-            is_new = request.request_id in self._unsent
+            is_new = not request.sent_to_runner
             self._record(step, request, 0, num_new + len(drafts), allocation, is_new=is_new, drafts=drafts)
 
     def _victims(self, step: _Step) -> list[Request]:
@@ -502,7 +504,7 @@ class Scheduler:
     def _try_admit(self, step: _Step, request: Request) -> bool:
         """Prefix lookup, then allocation, preempting running requests while the policy allows."""
         num_cached = self.kv.get_num_cached_tokens(request)
-        if request.request_id in self._remote_pending:
+        if request.load_remote_kv:
             return self._admit_remote(step, request, num_cached)
         num_new = self._num_admitted_tokens(step, request, request.num_tokens - num_cached)
         if num_new == 0:
@@ -523,10 +525,9 @@ class Scheduler:
         if self._allocate_for_admission(step, request, num_to_load, num_cached) is None:
             return False
         rid = request.request_id
-        self._remote_pending.discard(rid)
+        request.load_remote_kv = False  # loaded once: a failed load recomputes
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         request.num_computed_tokens = num_cached
-        self._loading[rid] = request
         self._on_admitted(step, request, num_cached)
         first_block = num_cached // self.kv.block_size
         self._new_loads.append(RemoteKVLoad(rid, num_cached, first_block,
@@ -598,7 +599,7 @@ class Scheduler:
         """Back to the waiting queue with nothing computed (the caller took it off the running
         list and gave back its tokens in flight): its computed full blocks stay cached."""
         self.kv.free(request.request_id)
-        self._unsent.discard(request.request_id)
+        request.sent_to_runner = False
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         self._enqueue(request)
@@ -614,6 +615,7 @@ class Scheduler:
             parent.forked = True
             for index in range(1, parent.sampling_params.n):
                 child = parent.fork(f"{parent.request_id}#{index}", index)
+                child.sent_to_runner = True  # the runner copies the parent's state
                 self.kv.fork(parent.request_id, child.request_id)
                 self._requests[child.request_id] = child
                 self._in_flight[child.request_id] = record.num_new  # computed by the parent's step
@@ -631,8 +633,8 @@ class Scheduler:
         self._dropped = set()
         for request_id, record in step.scheduled.items():
             request, allocation = record.request, record.allocation
+            request.sent_to_runner = True
             if record.is_new:
-                self._unsent.discard(request_id)
                 out.new_requests.append(NewRequestData(
                     request_id=request_id,
                     token_ids=list(request.all_token_ids),

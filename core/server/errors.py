@@ -15,7 +15,7 @@ from tandem.async_engine import (
     RequestAbortedByShutdown,
     RequestFailed,
 )
-from tandem.kv_transfer import KVTransferFailed
+from tandem.kv_transfer import KVTransferFailed, KVTransferReplayed
 from tandem.sched.request_checks import InvalidRequest
 from tandem.server.protocol import ErrorInfo, ErrorResponse
 
@@ -24,6 +24,7 @@ _TYPES = {
     401: "authentication_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    409: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
     502: "bad_gateway_error",
@@ -67,6 +68,8 @@ def api_error_from(exc: BaseException) -> APIError:
         return APIError(503, str(exc), code="unavailable")
     if isinstance(exc, RequestAbortedByShutdown):
         return APIError(503, str(exc), code="shutdown")
+    if isinstance(exc, KVTransferReplayed):
+        return APIError(409, str(exc), param="kv_transfer_params", code="kv_transfer_replayed")
     if isinstance(exc, KVTransferFailed):
         return APIError(502, str(exc), code="kv_transfer_failed")
     if isinstance(exc, RequestFailed):

@@ -73,6 +73,9 @@ def _kv_transfer_metrics(stats: KVTransferStats) -> Iterator[Metric]:
     yield GaugeMetricFamily("tandem:kv_blocks_pending_release",
                             "KV blocks pinned for decode instances, not yet released.",
                             value=stats.pending_release_blocks)
+    yield GaugeMetricFamily("tandem:kv_blocks_quarantined",
+                            "KV blocks a read past its deadline may still write into, held out of "
+                            "the free pool until it is over.", value=stats.num_quarantined_blocks)
 
 
 class ServerMetrics:

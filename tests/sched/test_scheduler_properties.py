@@ -19,7 +19,9 @@ every other one still ends, with no block leaked and no stale KV read.
 Some requests take their prompt's KV from a simulated remote instance (WAITING_FOR_REMOTE_KV):
 a load ends after a few steps, done or failed, and on "done" writes the prompt's prefixes into
 the shadow pool exactly where a connector would (even for a request aborted meanwhile, whose
-blocks must therefore still be its own). Others pin their blocks when they finish; a pin must
+blocks the scheduler must therefore hold). Some failed loads are late: they pass their deadline,
+the request recomputes, and a few steps later the read still lands in the blocks it was given,
+which must have stayed held out of the free pool until the harness releases them. Others pin their blocks when they finish; a pin must
 hold the request's own prefix until it is released.
 """
 from __future__ import annotations
@@ -33,7 +35,7 @@ from tandem.plugins.policies import FCFSPolicy, PriorityPolicy
 from tandem.sched.kv_manager import PagedKVAllocator
 from tandem.sched.request import Request, RequestStatus
 from tandem.sched.sampling_params import SamplingParams
-from tandem.sched.scheduler import Scheduler, SchedulerConfig
+from tandem.sched.scheduler import Scheduler, SchedulerConfig, load_hold_id
 
 from tests.sched.sim_runner import EOS, SimulatedRunner
 
@@ -56,6 +58,7 @@ class Spec:
     kv_role: str = "none"
     kv_steps: int = 0
     load_ok: bool = True
+    late: bool = False
     poison: bool = False
 
 
@@ -93,6 +96,7 @@ def specs(draw, index, with_priorities):
         kv_role=draw(st.sampled_from(["none", "none", "remote", "pin"])),
         kv_steps=draw(st.integers(0, 4)),
         load_ok=draw(st.integers(0, 3)) > 0,
+        late=draw(st.booleans()),
         poison=draw(st.integers(0, 11)) == 0,
     )
 
@@ -156,7 +160,7 @@ class Harness:
             out = self.sched.schedule()
             self._check_step(out)
             for load in self.sched.take_new_loads():
-                self.loads[load.request_id] = [load, self.specs[load.request_id].kv_steps]
+                self.loads[load.request_id] = [load, self.specs[load.request_id].kv_steps, False]
             self._exit(step, ("abort_in_flight",))
             result = self.runner.execute(out)
             if self._fails(step, out):
@@ -167,7 +171,7 @@ class Harness:
             self._collect_pins()
             self._check_blocks(runner_synced=True)
             all_arrived = step >= max(s.arrival_step for s in self.w.specs)
-            idle = not (self.sched.has_unfinished_requests() or self.sched.holds_remote_loads())
+            idle = not (self.sched.has_unfinished_requests() or self.loads)
             if all_arrived and idle and not self.pins:
                 break
         else:
@@ -197,17 +201,27 @@ class Harness:
 
     def _advance_kv(self) -> None:
         for rid, entry in list(self.loads.items()):
-            load, steps = entry
+            load, steps, late = entry
             if steps:
                 entry[1] -= 1
                 continue
-            ok = self.specs[rid].load_ok
-            if ok:
-                self._write_loaded(self.requests[rid], load)
-                if not self.requests[rid].is_finished:
-                    self.loaded.add(rid)
-            del self.loads[rid]
-            self.sched.finish_remote_load(rid, ok)
+            spec, request = self.specs[rid], self.requests[rid]
+            if late or request.is_finished:  # the read ends into blocks held for it
+                if late or spec.load_ok or spec.late:
+                    self._write_loaded(request, load)
+                del self.loads[rid]
+                assert self.sched.release_hold(load_hold_id(rid)) or not load.block_ids
+            elif spec.load_ok:
+                self._write_loaded(request, load)
+                self.loaded.add(rid)
+                del self.loads[rid]
+                self.sched.finish_remote_load(rid, True)
+            elif spec.late:  # past its deadline: it recomputes, the read lands later
+                entry[1], entry[2] = spec.kv_steps, True
+                self.sched.finish_remote_load(rid, False, hold=True)
+            else:
+                del self.loads[rid]
+                self.sched.finish_remote_load(rid, False)
         for pin_id, entry in list(self.pins.items()):
             pin, steps = entry
             if steps:
@@ -215,8 +229,8 @@ class Harness:
                 continue
             self._check_pin(pin)
             del self.pins[pin_id]
-            assert self.sched.release_pin(pin_id)
-            assert not self.sched.release_pin(pin_id)
+            assert self.sched.release_hold(pin_id)
+            assert not self.sched.release_hold(pin_id)
 
     def _write_loaded(self, request: Request, load) -> None:
         """What a connector writes: the prompt's KV at positions [num_cached, P-1)."""
@@ -296,10 +310,10 @@ class Harness:
     def _check_blocks(self, runner_synced: bool) -> None:
         refs = [0] * self.w.num_blocks
         tables = [self.kv.get_block_ids(pin_id) for pin_id in self.pins]
+        tables += [self.kv.get_block_ids(load_hold_id(rid)) for rid in self.loads]
         for r in self.requests.values():
             table = self.kv.get_block_ids(r.request_id)
-            orphan = r.request_id in self.loads
-            assert not (r.is_finished and table and not orphan), f"finished {r.request_id} still holds blocks"
+            assert not (r.is_finished and table), f"finished {r.request_id} still holds blocks"
             held = self.runner.held.get(r.request_id)
             if runner_synced and held is not None and r.status is RequestStatus.RUNNING:
                 assert held.table == table, f"runner's table of {r.request_id} is out of sync"

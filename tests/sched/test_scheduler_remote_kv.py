@@ -1,7 +1,9 @@
 """The scheduler's disaggregation bookkeeping on hand-computed cases (block size 4): admission to
 WAITING_FOR_REMOTE_KV with local prefix hits, the end of a load (done, failed, after an abort),
-and pins of finished requests."""
+holds of blocks a read may still write into, and pins of finished requests."""
+from tandem.sched.block_pool import token_digest
 from tandem.sched.request import RequestStatus
+from tandem.sched.scheduler import load_hold_id, pin_hold_id
 from tests.sched.sched_helpers import make_request, make_scheduler, run_step
 
 PREFIX = [11, 12, 13, 14, 15, 16, 17, 18]
@@ -64,17 +66,33 @@ def test_failed_load_frees_the_blocks_and_recomputes_from_the_local_cache():
     assert s.take_new_loads() == []
 
 
-def test_abort_during_a_load_keeps_the_blocks_until_the_load_ends():
+def test_abort_during_a_load_holds_the_blocks_until_the_load_ends():
     s = make_scheduler(num_blocks=16)
     s.add_request(make_request("r", list(range(1, 10))), load_remote_kv=True)
     run_step(s)
-    s.take_new_loads()
+    (load,) = s.take_new_loads()
     assert s.kv.stats().num_used_blocks == 2
     (aborted,) = s.abort_requests(["r"])
     assert aborted.status is RequestStatus.FINISHED_ABORTED and s.get_request("r") is None
-    assert s.kv.stats().num_used_blocks == 2 and s.holds_remote_loads()
-    s.finish_remote_load("r", ok=True)
-    assert s.kv.stats().num_used_blocks == 0 and not s.holds_remote_loads()
+    assert s.kv.get_block_ids(load_hold_id("r")) == load.block_ids
+    assert s.kv.stats().num_used_blocks == 2
+    assert s.release_hold(load_hold_id("r")) and not s.release_hold(load_hold_id("r"))
+    assert s.kv.stats().num_used_blocks == 0
+
+
+def test_a_failed_load_that_may_still_land_holds_its_blocks_while_the_request_recomputes():
+    s = make_scheduler(num_blocks=16)
+    r = s.add_request(make_request("r", list(range(1, 10))), load_remote_kv=True)
+    run_step(s)
+    (load,) = s.take_new_loads()
+    s.finish_remote_load("r", ok=False, hold=True)
+    assert r.status is RequestStatus.WAITING and s.kv.get_block_ids(load_hold_id("r")) == load.block_ids
+    out, _ = run_step(s)  # recomputed in other blocks: the held ones are not free
+    (new,) = out.new_requests
+    assert not set(new.block_ids) & set(load.block_ids)
+    assert s.release_hold(load_hold_id("r"))
+    # the held blocks never entered the prefix cache: their KV is whatever the late read wrote
+    assert all(s.kv.block_pool.blocks[b].block_hash is None for b in load.block_ids)
 
 
 def test_finished_request_pins_its_blocks_until_released():
@@ -85,7 +103,8 @@ def test_finished_request_pins_its_blocks_until_released():
     (pin,) = s.take_new_pins()
     assert (pin.request_id, pin.num_tokens, len(pin.block_ids)) == ("p", 6, 2)
     assert s.kv.stats().num_used_blocks == 2
-    assert s.release_pin(pin.pin_id) and not s.release_pin(pin.pin_id)
+    assert pin.pin_id == pin_hold_id("p") and pin.digest == token_digest(list(range(1, 7)))
+    assert s.release_hold(pin.pin_id) and not s.release_hold(pin.pin_id)
     assert s.kv.stats().num_used_blocks == 0
 
 

@@ -1,0 +1,151 @@
+"""The two sides of a KV hand-over, each an explicit state machine (ARCHITECTURE.md §2, pull model).
+
+A hand-over is named by its ``transfer_id``, which the prefill instance makes when it pins a
+finished request's blocks and the decode instance echoes back. Each side keeps one object per
+live hand-over with an enum state, and changes it only through the functions below, one per
+transition; any other transition is a bug (``IllegalTransition``).
+
+Prefill side, one per pinned request::
+
+    PINNED ──release (the reader notified: read, or will not read)──► RELEASED
+       └─────expire (kv_expiry_s passed without a notification)─────► EXPIRED
+
+Decode side, one per request whose prompt KV comes from a prefill instance::
+
+    ADMITTED ──start (read posted into the request's blocks)──► LOADING ──loaded──► LOADED
+       │  └──refuse (no read: replayed, unverified, refused)──► FAILED     │
+       └──cancel (request gone before its read)──► CANCELLED               ├──fail──► FAILED
+                                                                          └──quarantine──► QUARANTINED
+                                                      QUARANTINED ──release (read over)──► RELEASED
+
+``FAILED``: nothing more lands in the request's blocks; it recomputes its prompt or fails, per
+``kv_load_failure_policy``. ``QUARANTINED``: the read may still write into the blocks it was
+given — it passed its deadline (UCX over TCP cannot cancel a read already sent: a frozen peer
+that resumes still delivers), or its request was aborted while it ran — so those blocks are held
+apart from the request, out of the free pool, until the transport reports the read over
+(``release``). Terminal states: RELEASED, EXPIRED, LOADED, FAILED, CANCELLED.
+
+Pure Python; driven by ``tandem.kv_transfer.KVTransferCoordinator`` on the engine thread.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class IllegalTransition(AssertionError):
+    """A transition the state machine does not have (a bug in the caller)."""
+
+
+class PrefillState(enum.Enum):
+    PINNED = "pinned"
+    RELEASED = "released"
+    EXPIRED = "expired"
+
+
+class DecodeState(enum.Enum):
+    ADMITTED = "admitted"
+    LOADING = "loading"
+    LOADED = "loaded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    QUARANTINED = "quarantined"
+    RELEASED = "released"
+
+
+_DECODE_FINAL = {DecodeState.LOADED, DecodeState.FAILED, DecodeState.CANCELLED, DecodeState.RELEASED}
+
+
+@dataclass(slots=True)
+class PrefillHandover:
+    """Blocks of a finished request, pinned under ``pin_id`` for the decode instance to read."""
+
+    transfer_id: str
+    pin_id: str
+    num_blocks: int
+    expires_at: float
+    state: PrefillState = PrefillState.PINNED
+
+
+@dataclass(slots=True)
+class DecodeHandover:
+    """One request's load of its prompt KV from ``peer``. ``quarantine_id`` holds the blocks a
+    quarantined read may still write into; ``reason`` says why it failed or was quarantined."""
+
+    transfer_id: str
+    request_id: str
+    peer: str
+    engine_id: str
+    remote_block_ids: tuple[int, ...]
+    state: DecodeState = DecodeState.ADMITTED
+    num_blocks: int = 0
+    started_at: float = 0.0
+    quarantine_id: str | None = None
+    reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.state in _DECODE_FINAL
+
+
+def _move(handover, expected, new) -> None:
+    if handover.state not in expected:
+        raise IllegalTransition(f"hand-over {handover.transfer_id}: {handover.state.value} → {new.value}")
+    handover.state = new
+
+
+# ------------------------------------------------------------------------------------ prefill
+
+
+def release(handover: PrefillHandover) -> None:
+    """PINNED → RELEASED: the reader is done with the blocks (the caller unpins them)."""
+    _move(handover, {PrefillState.PINNED}, PrefillState.RELEASED)
+
+
+def expire(handover: PrefillHandover) -> None:
+    """PINNED → EXPIRED: no notification came within ``kv_expiry_s`` (the caller unpins)."""
+    _move(handover, {PrefillState.PINNED}, PrefillState.EXPIRED)
+
+
+# ------------------------------------------------------------------------------------ decode
+
+
+def start(handover: DecodeHandover, num_blocks: int, now: float) -> None:
+    """ADMITTED → LOADING: a read of ``num_blocks`` blocks was posted."""
+    _move(handover, {DecodeState.ADMITTED}, DecodeState.LOADING)
+    handover.num_blocks, handover.started_at = num_blocks, now
+
+
+def refuse(handover: DecodeHandover, reason: str) -> None:
+    """ADMITTED → FAILED: no read will be made (the request's blocks are its own)."""
+    _move(handover, {DecodeState.ADMITTED}, DecodeState.FAILED)
+    handover.reason = reason
+
+
+def cancel(handover: DecodeHandover) -> None:
+    """ADMITTED → CANCELLED: the request ended before its read started."""
+    _move(handover, {DecodeState.ADMITTED}, DecodeState.CANCELLED)
+
+
+def loaded(handover: DecodeHandover) -> None:
+    """LOADING → LOADED: the blocks hold the prompt's KV; the request runs."""
+    _move(handover, {DecodeState.LOADING}, DecodeState.LOADED)
+
+
+def fail(handover: DecodeHandover, reason: str) -> None:
+    """LOADING → FAILED: the read ended and nothing more can land (the peer is gone, a transport
+    error): the request's blocks are its own again."""
+    _move(handover, {DecodeState.LOADING}, DecodeState.FAILED)
+    handover.reason = reason
+
+
+def quarantine(handover: DecodeHandover, quarantine_id: str, reason: str) -> None:
+    """LOADING → QUARANTINED: the read may still land; its blocks are held under
+    ``quarantine_id`` until ``release_quarantine``."""
+    _move(handover, {DecodeState.LOADING}, DecodeState.QUARANTINED)
+    handover.quarantine_id, handover.reason = quarantine_id, reason
+
+
+def release_quarantine(handover: DecodeHandover) -> None:
+    """QUARANTINED → RELEASED: the transport says the read is over (the caller frees the blocks)."""
+    _move(handover, {DecodeState.QUARANTINED}, DecodeState.RELEASED)
