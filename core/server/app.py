@@ -1,10 +1,10 @@
 """The FastAPI app of one tandem instance: the OpenAI routes, /health, /metrics, and the KV
-hand-over route of a prefill instance (/kv/handshake; see tandem.server.disagg).
+hand-over routes of a prefill instance (/kv/handshake, /kv/release; see tandem.server.disagg).
 
 ``create_app(config)`` builds everything an instance needs (the async engine, its metrics) and
 starts the engine in the app's lifespan: the model loads in the engine thread while the server
 already answers /health with 503. Every /v1 route needs ``Authorization: Bearer KEY`` when
-``server.api_key`` is set; requests with ``kv_transfer_params`` and /kv/handshake need the
+``server.api_key`` is set; requests with ``kv_transfer_params`` and the /kv routes need the
 cluster secret (``X-Tandem-KV-Secret``) when ``disaggregation.kv_transfer_secret`` is set. Errors
 use OpenAI's body; FastAPI's 422 becomes a 400.
 """
@@ -27,7 +27,7 @@ from tandem.config import TandemConfig
 from tandem.engine import LLMEngine
 from tandem.server.chat import create_chat_completion
 from tandem.server.completions import create_completion
-from tandem.server.disagg import HANDSHAKE_PATH, HandshakeCache, check_kv_secret
+from tandem.server.disagg import HANDSHAKE_PATH, RELEASE_PATH, HandshakeCache, check_kv_secret
 from tandem.server.errors import APIError
 from tandem.server.metrics import ServerMetrics
 from tandem.server.protocol import (
@@ -36,6 +36,8 @@ from tandem.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
+    KVReleaseRequest,
+    KVReleaseResponse,
     ModelCard,
     ModelList,
 )
@@ -149,6 +151,18 @@ def _add_kv_routes(app: FastAPI, ctx: ServingContext) -> None:
         ctx.check_ready()
         kv_transfer = coordinator()
         return JSONResponse({**kv_transfer.connector.handshake_info(), "engine_id": kv_transfer.engine_id})
+
+    @app.post(RELEASE_PATH, dependencies=[Depends(check)], responses=_KV_ERRORS,
+              response_model=KVReleaseResponse)
+    async def kv_release(body: KVReleaseRequest) -> KVReleaseResponse:
+        """Release the blocks pinned for ``transfer_id`` now, instead of at kv_expiry_s: the
+        router sends it when no decode instance took the hand-over. ``released`` is false when
+        no such pin is held (read, released or expired already). 404 when colocated."""
+        if ctx.engine.engine is None:
+            ctx.check_ready()
+        coordinator()
+        released = await ctx.engine.release_kv_transfer(body.transfer_id)
+        return KVReleaseResponse(transfer_id=body.transfer_id, released=released)
 
 
 def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:

@@ -122,6 +122,20 @@ class KVTransferParams(_Request):
         return self.model_dump(include=set(self.REMOTE_PREFILL_FIELDS) - {"handshake_url"})
 
 
+class KVReleaseRequest(_Request):
+    """POST /kv/release: the router gives up a hand-over that no decode instance took."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    transfer_id: str = Field(min_length=1, max_length=512)
+
+
+class KVReleaseResponse(_Response):
+    transfer_id: str
+    released: bool
+    """False when no such pin was held (already read, released or expired)."""
+
+
 class SamplingFields(_Request):
     """The fields that become ``SamplingParams``; None means the default."""
 

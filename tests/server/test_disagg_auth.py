@@ -171,6 +171,24 @@ def test_with_the_secret_the_hand_over_works_and_equals_colocated(server, prefil
 
 
 @pytest.mark.timeout(60)
+def test_kv_release_needs_the_secret_and_frees_the_pin_once(prefill):
+    params = hand_over(prefill.url, _prompts(62, [2 * 16 + 1])[0])
+    assert scrape(prefill.url)["tandem:kv_blocks_pending_release"] == 3
+    release = {"transfer_id": params["transfer_id"]}
+    assert_401(httpx.post(f"{prefill.url}/kv/release", json=release, timeout=10))
+    assert scrape(prefill.url)["tandem:kv_blocks_pending_release"] == 3
+    first = httpx.post(f"{prefill.url}/kv/release", json=release, headers={HEADER: SECRET}, timeout=10)
+    assert first.status_code == 200 and first.json() == {**release, "released": True}
+    assert scrape(prefill.url)["tandem:kv_blocks_pending_release"] == 0
+    assert scrape(prefill.url)["tandem:kv_blocks_used"] == 0
+    again = httpx.post(f"{prefill.url}/kv/release", json=release, headers={HEADER: SECRET}, timeout=10)
+    assert again.status_code == 200 and again.json()["released"] is False
+    bad = httpx.post(f"{prefill.url}/kv/release", json={**release, "extra": 1}, headers={HEADER: SECRET},
+                     timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "extra"
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("role, secret, warned", [
     ("prefill", None, True), ("decode", None, True), ("decode", SECRET, False), ("both", None, False)])
 def test_a_disaggregated_instance_without_secret_warns_at_start_up(model_dir, caplog, role, secret, warned):
