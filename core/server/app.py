@@ -22,13 +22,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem import __version__
-from tandem.async_engine import AsyncEngine, EngineState, QueueLimits
+from tandem.async_engine import AsyncEngine, EngineError, EngineState, EngineUnavailable, QueueLimits
 from tandem.config import TandemConfig
 from tandem.engine import LLMEngine
 from tandem.server.chat import create_chat_completion
 from tandem.server.completions import create_completion
 from tandem.server.disagg import HANDSHAKE_PATH, RELEASE_PATH, HandshakeCache, check_kv_secret
-from tandem.server.errors import APIError
+from tandem.server.errors import APIError, api_error_from
 from tandem.server.metrics import ServerMetrics
 from tandem.server.protocol import (
     ChatCompletionRequest,
@@ -132,7 +132,6 @@ def _add_operator_routes(app: FastAPI, ctx: ServingContext) -> None:
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-
 def _add_kv_routes(app: FastAPI, ctx: ServingContext) -> None:
     def check(request: Request) -> None:
         check_kv_secret(ctx.kv_secret, request)
@@ -161,7 +160,10 @@ def _add_kv_routes(app: FastAPI, ctx: ServingContext) -> None:
         if ctx.engine.engine is None:
             ctx.check_ready()
         coordinator()
-        released = await ctx.engine.release_kv_transfer(body.transfer_id)
+        try:
+            released = await ctx.engine.release_kv_transfer(body.transfer_id)
+        except (EngineUnavailable, EngineError) as exc:
+            raise api_error_from(exc) from exc
         return KVReleaseResponse(transfer_id=body.transfer_id, released=released)
 
 

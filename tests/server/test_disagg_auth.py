@@ -189,6 +189,12 @@ def test_kv_release_needs_the_secret_and_frees_the_pin_once(prefill):
 
 
 @pytest.mark.timeout(60)
+def test_a_colocated_instance_has_nothing_to_release(server):
+    answer = httpx.post(f"{server.url}/kv/release", json={"transfer_id": "x/y"}, timeout=10)
+    assert answer.status_code == 404 and answer.json()["error"]["code"] == "not_found"
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("role, secret, warned", [
     ("prefill", None, True), ("decode", None, True), ("decode", SECRET, False), ("both", None, False)])
 def test_a_disaggregated_instance_without_secret_warns_at_start_up(model_dir, caplog, role, secret, warned):
