@@ -130,6 +130,12 @@ class _Abort:
 
 
 @dataclass(slots=True)
+class _ReleasePin:
+    transfer_id: str
+    future: asyncio.Future
+
+
+@dataclass(slots=True)
 class _Drain:
     deadline: float
 
@@ -227,6 +233,7 @@ class AsyncEngine:
         """Set on the loop when the engine thread ends with an error after loading."""
         self._streams: dict[str, RequestStream] = {}
         self._adds: dict[str, asyncio.Future] = {}
+        self._releases: set[asyncio.Future] = set()  # release_kv_transfer calls not yet answered
         self._queued_requests = 0
         self._queued_tokens = 0
         self._live: set[str] = set()  # engine thread only: ids the engine holds
@@ -342,6 +349,18 @@ class AsyncEngine:
         finally:
             stream.close()
 
+    async def release_kv_transfer(self, transfer_id: str) -> bool:
+        """Release the KV blocks pinned for ``transfer_id`` on the engine thread (see
+        ``KVTransferCoordinator.release``); False when no such pin is held. Works while draining;
+        raises ``EngineUnavailable`` when the engine is not running."""
+        if self.state not in (EngineState.READY, EngineState.DRAINING):
+            self.check_admitting()
+        future = self._loop.create_future()
+        self._releases.add(future)
+        future.add_done_callback(self._releases.discard)
+        self._inbox.put(_ReleasePin(transfer_id, future))
+        return await future
+
     def check_admitting(self) -> None:
         """Raise ``EngineUnavailable`` (with the reason) unless requests are admitted now."""
         if self.state != EngineState.READY:
@@ -400,7 +419,7 @@ class AsyncEngine:
                 self._forget(stream)
                 stream._push(error)
         if request_ids is None:
-            for fut in self._adds.values():
+            for fut in [*self._adds.values(), *self._releases]:
                 if not fut.done():
                     fut.set_exception(error)
 
@@ -417,6 +436,11 @@ class AsyncEngine:
         self.state = EngineState.FAILED
         self._fail(None, EngineError(f"the engine failed: {error}"))
         self.died.set()
+
+    def _on_thread_ended(self) -> None:
+        for fut in list(self._releases):
+            if not fut.done():
+                fut.set_exception(EngineUnavailable("the engine has stopped"))
 
     @staticmethod
     def _settle(future: asyncio.Future, error: BaseException | None) -> None:
@@ -452,6 +476,7 @@ class AsyncEngine:
             self._post(self._on_engine_died, exc)
         finally:
             self.engine.close()
+            self._post(self._on_thread_ended)
 
     def _loop_forever(self, engine: LLMEngine) -> None:
         deadline: float | None = None
@@ -533,7 +558,11 @@ class AsyncEngine:
             except queue.Empty:
                 return cmds
 
-    def _handle(self, engine: LLMEngine, cmd: _Add | _Abort) -> None:
+    def _handle(self, engine: LLMEngine, cmd: _Add | _Abort | _ReleasePin) -> None:
+        if isinstance(cmd, _ReleasePin):
+            released = engine.kv_transfer is not None and engine.kv_transfer.release(cmd.transfer_id)
+            self._post(_set_result, cmd.future, released)
+            return
         if isinstance(cmd, _Abort):
             if cmd.request_id in self._live:
                 self._live.discard(cmd.request_id)
@@ -561,3 +590,8 @@ class AsyncEngine:
         if ids:
             engine.abort_request(ids)
             self._post(self._fail, ids, error)
+
+
+def _set_result(future: asyncio.Future, value: object) -> None:
+    if not future.done():
+        future.set_result(value)

@@ -26,6 +26,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SecretStr,
     ValidationError,
     field_serializer,
     field_validator,
@@ -41,6 +42,9 @@ from pydantic_settings.sources import (
 from pydantic_settings.sources.utils import parse_env_vars
 
 from tandem.plugin_manager import Registry, get_registry
+
+
+MIN_SECRET_LENGTH = 16
 
 
 class ConfigError(ValueError):
@@ -260,6 +264,21 @@ class DisaggregationConfig(_Section):
     """Shorter prompts skip the prefill instance and go straight to a decode instance."""
     router_admin_key: str | None = None
     """When set, the router's admin endpoints need this bearer key."""
+    kv_transfer_secret: SecretStr | None = None
+    """The cluster's secret: the router sends it to the instances in the header
+    X-Tandem-KV-Secret with every request carrying kv_transfer_params; an instance that has one
+    refuses kv_transfer_params, /kv/handshake and /kv/release without it (401). At least 16
+    printable ASCII characters; never printed (``tandem config`` shows it as a comment)."""
+
+    @field_validator("kv_transfer_secret")
+    @classmethod
+    def _check_secret(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            secret = value.get_secret_value()
+            if len(secret) < MIN_SECRET_LENGTH or not all(33 <= ord(c) <= 126 for c in secret):
+                raise ValueError(f"must be at least {MIN_SECRET_LENGTH} printable ASCII characters "
+                                 "without spaces (it travels in an HTTP header)")
+        return value
 
 
 class TandemConfig(BaseSettings):
@@ -290,14 +309,19 @@ class TandemConfig(BaseSettings):
         return init_settings, env_settings
 
     def to_toml(self) -> str:
-        """The configuration as a TOML file that ``load_config`` reads back to an equal config.
-        Unset (None) fields appear as comments."""
+        """The configuration as a TOML file that ``load_config`` reads back to an equal config,
+        except secrets: unset (None) fields appear as comments, and so do secrets (their value is
+        never written; pass it by the environment)."""
         lines: list[str] = []
         for section, values in self.model_dump(mode="json").items():
             lines.append(f"[{section}]")
             for key, value in values.items():
-                unset = value is None
-                lines.append(f"# {key} is unset" if unset else f"{key} = {_toml_value(value)}")
+                if value is None:
+                    lines.append(f"# {key} is unset")
+                elif isinstance(getattr(getattr(self, section), key), SecretStr):
+                    lines.append(f"# {key} is set (secret, not shown)")
+                else:
+                    lines.append(f"{key} = {_toml_value(value)}")
             lines.append("")
         return "\n".join(lines)
 
@@ -427,12 +451,18 @@ def _describe_validation_error(exc: ValidationError) -> str:
         else:
             path, _ = _known_prefix(error["loc"])
             message = error["msg"].removeprefix("Value error, ")
-            if repr(error["input"]) not in message:
+            if repr(error["input"]) not in message and not _is_secret(path):
                 message += f" (got {error['input']!r})"
         if message not in problems.setdefault(path, []):
             problems[path].append(message)
     lines = [f"  {path}: {' | '.join(messages)}" for path, messages in problems.items()]
     return "invalid configuration:\n" + "\n".join(lines)
+
+
+def _is_secret(path: str) -> bool:
+    section, _, name = path.partition(".")
+    field = SECTIONS[section].model_fields.get(name) if section in SECTIONS else None
+    return field is not None and SecretStr in get_args(field.annotation)
 
 
 def _known_prefix(loc: tuple[str | int, ...]) -> tuple[str, Any]:

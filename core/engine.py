@@ -245,13 +245,24 @@ class LLMEngine:
         return graphs
 
     def kv_compat_hash(self) -> str:
-        """What two instances must share to exchange KV blocks (ARCHITECTURE.md §2)."""
+        """What two instances must share to exchange KV blocks (ARCHITECTURE.md §2): the model
+        name, dtype, KV shapes and block size, and fingerprints of the weights and the tokenizer
+        (``tandem.models.fingerprint``), so that two checkpoints of one architecture, or two
+        tokenizers, never exchange KV."""
+        from tandem.models.fingerprint import tokenizer_fingerprint, weights_fingerprint
+        from tandem.models.loader import checkpoint_files
+
         a = self.arch
         path = self.config.model.path.rstrip("/")
         model = self.config.model.served_model_name or path.rsplit("/", 1)[-1]
+        t0 = time.perf_counter()
+        weights = weights_fingerprint(checkpoint_files(path))
+        tokenizer = tokenizer_fingerprint(self.tokenizer)
+        logger.info("fingerprinted the weights and tokenizer in %.3f s", time.perf_counter() - t0)
         return compat_hash(model=model, dtype=str(self.dtype).removeprefix("torch."),
                            num_layers=a.num_hidden_layers, num_kv_heads=a.num_key_value_heads,
-                           head_dim=a.head_dim, block_size=self.config.engine.block_size)
+                           head_dim=a.head_dim, block_size=self.config.engine.block_size,
+                           weights=weights, tokenizer=tokenizer)
 
     def _build_kv_transfer(self) -> KVTransferCoordinator | None:
         """A prefill or decode instance registers its KV pool with the configured connector."""

@@ -176,6 +176,17 @@ class KVTransferCoordinator:
             }
         return params
 
+    def release(self, transfer_id: str) -> bool:
+        """Release the pin of ``transfer_id`` now: no decode instance will read it (the router
+        gave the hand-over up). False when no such pin is held; a pin is released once, so a
+        later notification or expiry of it finds nothing."""
+        pin = self._pins.pop(transfer_id, None)
+        if pin is None:
+            return False
+        logger.info("KV blocks of %s released unread: the hand-over was given up", transfer_id)
+        self.scheduler.release_pin(pin.pin_id)
+        return True
+
     def _release_pins(self) -> None:
         for transfer_id in self.connector.get_notifications():
             pin = self._pins.pop(transfer_id, None)

@@ -156,6 +156,19 @@ def test_config_output_reads_back_to_the_same_configuration(cli_env, tmp_path):
     assert second.stdout == first.stdout
 
 
+def test_config_never_prints_the_kv_transfer_secret(cli_env):
+    secret = "s3cret-kv-transfer-value-9f8e7d"
+    result = tandem("config", env={**cli_env, "TANDEM_DISAGGREGATION__KV_TRANSFER_SECRET": secret})
+    assert result.returncode == 0, result.stderr
+    assert secret not in result.stdout + result.stderr
+    assert "# kv_transfer_secret is set (secret, not shown)" in result.stdout.splitlines()
+    assert "kv_transfer_secret" not in tomllib.loads(result.stdout)["disaggregation"]
+    short = tandem("config", env={**cli_env, "TANDEM_DISAGGREGATION__KV_TRANSFER_SECRET": "hush hush"})
+    assert short.returncode == 2
+    assert "disaggregation.kv_transfer_secret: must be at least 16" in short.stderr
+    assert "hush" not in short.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["--max-num-seqs", "0"], "engine.max_num_seqs"),
     (["--scheduler", "nope"], "engine.scheduler: no scheduler named 'nope'; allowed: 'fcfs', 'spf'"),

@@ -45,6 +45,7 @@ DEFAULTS = {
         "decode_routing_policy": "least_loaded", "kv_transfer_timeout_s": 30.0,
         "kv_expiry_s": 120.0, "kv_load_failure_policy": "recompute",
         "min_disaggregated_prompt_tokens": 0, "router_admin_key": None,
+        "kv_transfer_secret": None,
     },
 }
 
@@ -330,6 +331,20 @@ def test_to_toml_round_trips_a_non_default_config(tmp_path):
     assert parsed["disaggregation"]["instances"] == [{"url": "http://a:1", "role": "prefill"}]
     assert "router_admin_key" not in parsed["disaggregation"]
     assert load(write_toml(tmp_path, text)) == config
+
+
+def test_the_kv_transfer_secret_is_read_from_the_environment_and_never_shown(tmp_path):
+    secret = "0123456789abcdef-secret"
+    config = load(env={"TANDEM_DISAGGREGATION__KV_TRANSFER_SECRET": secret})
+    assert config.disaggregation.kv_transfer_secret.get_secret_value() == secret
+    assert secret not in repr(config) + str(config) + config.to_toml()
+    reread = load(write_toml(tmp_path, config.to_toml()))
+    assert reread.disaggregation.kv_transfer_secret is None  # a secret never goes into a file
+    with pytest.raises(ConfigError, match="kv_transfer_secret: must be at least 16") as info:
+        load(overrides={"kv_transfer_secret": "too short"})
+    assert "too short" not in str(info.value)
+    with pytest.raises(ConfigError, match="kv_transfer_secret"):
+        load(overrides={"kv_transfer_secret": "sixteen chars é ok"})
 
 
 def test_example_config_holds_the_defaults():

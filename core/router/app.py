@@ -63,9 +63,11 @@ def create_router_app(config: TandemConfig, health_interval_s: float = 1.0) -> F
     client = httpx.AsyncClient(timeout=UPSTREAM_TIMEOUT, trust_env=False,
                                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
     health_client = httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S, trust_env=False)
+    secret = disagg.kv_transfer_secret
     dispatcher = Dispatcher(registry, plugins.get("routing_policy", disagg.routing_policy)(),
                             plugins.get("routing_policy", disagg.decode_routing_policy)(),
-                            metrics, client, disagg.min_disaggregated_prompt_tokens)
+                            metrics, client, disagg.min_disaggregated_prompt_tokens,
+                            secret.get_secret_value() if secret is not None else None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

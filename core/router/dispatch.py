@@ -23,6 +23,13 @@
                                at its own expiry)
                 other status → relayed (a 500 is that request's failure: the instance stays)
               none left → 503 "no_instance"
+    release   when the decode step ends without a decode instance holding the hand-over (any
+              answer but 200 or 409, and no connection broke under it), the prefill instance is
+              told to release its pinned blocks now (POST /kv/release), not at its kv_expiry_s
+
+Every request that carries kv_transfer_params (prefill and decode steps) and the release carry
+the cluster secret in the header X-Tandem-KV-Secret when ``disaggregation.kv_transfer_secret``
+is set; the client's own requests never reach an instance with it.
 
 A request whose connection broke after it reached an instance may be what broke it (a poison
 request): once MAX_BROKEN_CONNECTIONS instances, prefill and decode together, broke that way under
@@ -61,6 +68,10 @@ from tandem.router.registry import InstanceRegistry
 logger = logging.getLogger("tandem.router")
 
 MAX_BROKEN_CONNECTIONS = 2
+KV_SECRET_HEADER = b"x-tandem-kv-secret"
+KV_RELEASE_PATH = "/kv/release"
+RELEASE_TIMEOUT_S = 5.0
+"""A release that gets no answer in time is given up: the blocks go at the prefill's expiry."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -80,12 +91,28 @@ class RouterRequest:
         return self.body.get("stream") is True
 
 
+@dataclass(slots=True)
+class _HandOver:
+    """The blocks a prefill instance pinned for the decode step. ``may_be_claimed``: a
+    connection broke after a decode request carrying them reached its instance, which may be
+    reading them, so they are neither sent again nor released (they go at the prefill's expiry)."""
+
+    params: dict
+    prefill_url: str
+    may_be_claimed: bool = False
+
+    def given_up(self, status: int) -> bool:
+        """Whether no decode instance holds the blocks after the decode step answered ``status``
+        (409: the transfer id is someone else's hand-over, in flight)."""
+        return not self.may_be_claimed and status not in (200, 409)
+
+
 @dataclass(slots=True, frozen=True)
 class _Prefilled:
     """The prefill step's result: the hand-over (None: the decode instance computes the
     prompt), and whether a prefill instance did the work."""
 
-    kv_transfer_params: dict | None
+    hand_over: _HandOver | None
     by_instance: bool
 
 
@@ -110,16 +137,17 @@ class Dispatcher:
 
     def __init__(self, registry: InstanceRegistry, prefill_policy: RoutingPolicy,
                  decode_policy: RoutingPolicy, metrics: RouterMetrics, client: httpx.AsyncClient,
-                 min_disaggregated_prompt_tokens: int) -> None:
+                 min_disaggregated_prompt_tokens: int, kv_secret: str | None = None) -> None:
         self.registry = registry
         self.policies = {"prefill": prefill_policy, "decode": decode_policy}
         self.metrics = metrics
         self.client = client
         self.min_disaggregated_prompt_tokens = min_disaggregated_prompt_tokens
+        self._secret_header = [] if kv_secret is None else [(KV_SECRET_HEADER, kv_secret.encode())]
 
     async def handle(self, request: RouterRequest) -> Response:
         path = self._plan(request)
-        kv_transfer_params = None
+        hand_over = None
         broken = _Broken()
         if path == "disaggregated":
             prefilled = await self._prefill(request, broken)
@@ -127,10 +155,13 @@ class Dispatcher:
                 self.metrics.dispatched(path)
                 self._done(request)
                 return prefilled
-            kv_transfer_params = prefilled.kv_transfer_params
+            hand_over = prefilled.hand_over
             path = "disaggregated" if prefilled.by_instance else "local_prefill"
         self.metrics.dispatched(path)
-        return await self._decode(request, kv_transfer_params, broken)
+        response = await self._decode(request, hand_over, broken)
+        if hand_over is not None and hand_over.given_up(response.status_code):
+            await self._release(hand_over)
+        return response
 
     def _plan(self, request: RouterRequest) -> str:
         estimate = request.prompt.estimated_tokens
@@ -162,12 +193,13 @@ class Dispatcher:
 
     async def _prefill(self, request: RouterRequest, broken: _Broken) -> _Prefilled | Response:
         body = prefill_body(request.body)
+        headers = request.headers + self._secret_header
         tried: set[str] = set()
         while (url := self._pick("prefill", request, tried)) is not None:
             tried.add(url)
             try:
                 with self.registry.in_flight(url):
-                    answer = await post(self.client, url + request.path, body, request.headers)
+                    answer = await post(self.client, url + request.path, body, headers)
             except Unreachable as exc:
                 self._lost(url, "prefill", "unreachable", f"prefill request failed: {exc}")
                 if exc.connected and broken.add():
@@ -182,13 +214,14 @@ class Dispatcher:
             self.metrics.attempt(url, "prefill", "ok" if answer.status == 200 else "error")
             if answer.status != 200:
                 return answer.response()
-            return _Prefilled(_hand_over(answer), by_instance=True)
+            params = _hand_over(answer)
+            return _Prefilled(None if params is None else _HandOver(params, url), by_instance=True)
         logger.info("no prefill instance took the request: the decode instance computes it")
         return _Prefilled(None, by_instance=False)
 
     # ----------------------------------------------------------------------- decode
 
-    async def _decode(self, request: RouterRequest, kv_transfer_params: dict | None,
+    async def _decode(self, request: RouterRequest, hand_over: _HandOver | None,
                       broken: _Broken) -> Response:
         tried: set[str] = set()
         busy: Answer | None = None
@@ -196,13 +229,16 @@ class Dispatcher:
             tried.add(url)
             flight = ExitStack()
             flight.enter_context(self.registry.in_flight(url))
+            offered = hand_over is not None and not hand_over.may_be_claimed
+            body = decode_body(request.body, hand_over.params if offered else None)
             try:
-                result = await self._send(request, url, decode_body(request.body, kv_transfer_params))
+                result = await self._send(request, url, body, offered)
             except Unreachable as exc:
                 flight.close()
                 self._lost(url, "decode", "unreachable", f"decode request failed: {exc}")
                 if exc.connected:
-                    kv_transfer_params = None
+                    if offered:
+                        hand_over.may_be_claimed = True
                     if broken.add():
                         self._done(request)
                         return broken.response()
@@ -229,10 +265,32 @@ class Dispatcher:
         return RouterError(503, "no healthy decode instance could take the request",
                            code="no_instance").response()
 
-    async def _send(self, request: RouterRequest, url: str, body: dict) -> Answer | OpenedStream:
+    async def _send(self, request: RouterRequest, url: str, body: dict,
+                    with_hand_over: bool) -> Answer | OpenedStream:
+        headers = request.headers + self._secret_header if with_hand_over else request.headers
         if request.stream:
-            return await open_stream(self.client, url + request.path, body, request.headers)
-        return await post(self.client, url + request.path, body, request.headers)
+            return await open_stream(self.client, url + request.path, body, headers)
+        return await post(self.client, url + request.path, body, headers)
+
+    async def _release(self, hand_over: _HandOver) -> None:
+        """Tell the prefill instance to release the blocks no decode instance took; a failure
+        leaves them to its kv_expiry_s."""
+        url = hand_over.prefill_url
+        transfer_id = hand_over.params.get("transfer_id")
+        if not isinstance(transfer_id, str):
+            return
+        try:
+            answer = await self.client.post(url + KV_RELEASE_PATH, json={"transfer_id": transfer_id},
+                                            headers=self._secret_header, timeout=RELEASE_TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            self.metrics.attempt(url, "release", "unreachable")
+            logger.warning("releasing %s on %s failed (%s: %s): its blocks stay pinned until its "
+                           "kv_expiry_s", transfer_id, url, type(exc).__name__, exc)
+            return
+        self.metrics.attempt(url, "release", "ok" if answer.status_code == 200 else "error")
+        if answer.status_code != 200:
+            logger.warning("releasing %s on %s: answered %d; its blocks stay pinned until its "
+                           "kv_expiry_s", transfer_id, url, answer.status_code)
 
     def _relay(self, request: RouterRequest, url: str, opened: OpenedStream,
                flight: ExitStack) -> RelayedStream:

@@ -59,6 +59,9 @@ def run_router(args: argparse.Namespace) -> int:
     if disagg.router_admin_key is None:
         logger.warning("disaggregation.router_admin_key is unset: anyone who reaches the router "
                        "can add and remove instances")
+    if disagg.kv_transfer_secret is None and any(i.role == "prefill" for i in disagg.instances):
+        logger.warning("disaggregation.kv_transfer_secret is unset: the router sends no secret, so its "
+                       "instances cannot have one, and anyone who reaches them can drive hand-overs")
     if not disagg.instances:
         logger.warning("no instances configured: add them with POST /admin/instances")
     print(f"tandem: routing {len(disagg.instances)} instance(s) at http://{srv.host}:{srv.port} "

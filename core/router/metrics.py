@@ -2,7 +2,7 @@
 
 | metric | type | labels |
 |---|---|---|
-| ``tandem:router_upstream_requests_total`` | counter | instance, step (prefill/decode), outcome |
+| ``tandem:router_upstream_requests_total`` | counter | instance, step (prefill/decode/release), outcome |
 | ``tandem:router_requests_total`` | counter | path (how the request was dispatched) |
 | ``tandem:router_time_to_first_token_seconds`` | histogram | (streamed requests) |
 | ``tandem:router_e2e_request_latency_seconds`` | histogram | |
@@ -12,7 +12,8 @@
 Outcomes of one attempt on an instance: ``ok`` (200), ``error`` (another status, relayed to the
 client), ``busy`` (429: the next instance is tried), ``unavailable`` (503: out of rotation),
 ``unreachable`` (no answer: out of rotation), ``broken`` (a stream whose connection broke after
-its first token). Paths: ``disaggregated`` (prefill instance, then decode instance),
+its first token). The "release" step is the router telling a prefill instance to free the
+blocks of a hand-over that no decode instance took (ok, error, unreachable). Paths: ``disaggregated`` (prefill instance, then decode instance),
 ``local_prefill`` (no prefill instance could take it: the decode instance computed the prompt),
 ``short_prompt`` (under ``min_disaggregated_prompt_tokens``), ``direct`` (no prefill instance
 registered, several prompts in one request, or a body the router cannot read).

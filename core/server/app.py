@@ -1,9 +1,12 @@
-"""The FastAPI app of one tandem instance: the OpenAI routes, /health, /metrics.
+"""The FastAPI app of one tandem instance: the OpenAI routes, /health, /metrics, and the KV
+hand-over routes of a prefill instance (/kv/handshake, /kv/release; see tandem.server.disagg).
 
 ``create_app(config)`` builds everything an instance needs (the async engine, its metrics) and
 starts the engine in the app's lifespan: the model loads in the engine thread while the server
 already answers /health with 503. Every /v1 route needs ``Authorization: Bearer KEY`` when
-``server.api_key`` is set. Errors use OpenAI's body; FastAPI's 422 becomes a 400.
+``server.api_key`` is set; requests with ``kv_transfer_params`` and the /kv routes need the
+cluster secret (``X-Tandem-KV-Secret``) when ``disaggregation.kv_transfer_secret`` is set. Errors
+use OpenAI's body; FastAPI's 422 becomes a 400.
 """
 from __future__ import annotations
 
@@ -19,13 +22,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem import __version__
-from tandem.async_engine import AsyncEngine, EngineState, QueueLimits
+from tandem.async_engine import AsyncEngine, EngineError, EngineState, EngineUnavailable, QueueLimits
 from tandem.config import TandemConfig
 from tandem.engine import LLMEngine
 from tandem.server.chat import create_chat_completion
 from tandem.server.completions import create_completion
-from tandem.server.disagg import HANDSHAKE_PATH
-from tandem.server.errors import APIError
+from tandem.server.disagg import HANDSHAKE_PATH, RELEASE_PATH, HandshakeCache, check_kv_secret
+from tandem.server.errors import APIError, api_error_from
 from tandem.server.metrics import ServerMetrics
 from tandem.server.protocol import (
     ChatCompletionRequest,
@@ -33,6 +36,8 @@ from tandem.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
+    KVReleaseRequest,
+    KVReleaseResponse,
     ModelCard,
     ModelList,
 )
@@ -41,6 +46,7 @@ from tandem.server.serving import ClientDisconnected, ServingContext
 logger = logging.getLogger("tandem.server")
 
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 429, 500, 503)}
+_KV_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 503)}
 
 
 def create_app(config: TandemConfig, engine_factory: Callable[[], LLMEngine] | None = None) -> FastAPI:
@@ -54,9 +60,18 @@ def create_app(config: TandemConfig, engine_factory: Callable[[], LLMEngine] | N
         step_listener=metrics.observe_step,
     )
     metrics.track(lambda: engine.snapshot)
+    secret = config.disaggregation.kv_transfer_secret
+    kv_secret = secret.get_secret_value() if secret is not None else None
     ctx = ServingContext(engine, config.model.served_model_name or config.model.path,
                          config.model.path, metrics, config.server.log_requests,
-                         config.server.stream_stall_timeout_s)
+                         config.server.stream_stall_timeout_s, kv_secret,
+                         HandshakeCache(secret=kv_secret))
+    role = config.disaggregation.role
+    if role != "both" and kv_secret is None:
+        logger.warning("disaggregation.role is %s and disaggregation.kv_transfer_secret is unset: anyone "
+                       "who can reach this instance can drive its KV hand-overs (pin its blocks, read "
+                       "them, make it fetch a URL); give the router and every instance the same secret",
+                       role)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -70,6 +85,7 @@ def create_app(config: TandemConfig, engine_factory: Callable[[], LLMEngine] | N
     _add_error_handlers(app, metrics)
     app.include_router(_v1_router(ctx, config.server.api_key))
     _add_operator_routes(app, ctx)
+    _add_kv_routes(app, ctx)
     return app
 
 
@@ -115,16 +131,40 @@ def _add_operator_routes(app: FastAPI, ctx: ServingContext) -> None:
         """Prometheus text format."""
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get(HANDSHAKE_PATH)
-    async def kv_handshake() -> JSONResponse:
-        """What a decode instance needs to read this prefill instance's KV blocks: the KV
-        connector's handshake plus this engine's id. 503 until ready; 404 when colocated."""
-        ctx.check_ready()
+
+def _add_kv_routes(app: FastAPI, ctx: ServingContext) -> None:
+    def check(request: Request) -> None:
+        check_kv_secret(ctx.kv_secret, request)
+
+    def coordinator():
         kv_transfer = ctx.engine.engine.kv_transfer
         if kv_transfer is None:
             raise APIError(404, "this instance is colocated (disaggregation.role = both): it has no "
                                 "KV connector", code="not_found")
+        return kv_transfer
+
+    @app.get(HANDSHAKE_PATH, dependencies=[Depends(check)], responses=_KV_ERRORS)
+    async def kv_handshake() -> JSONResponse:
+        """What a decode instance needs to read this prefill instance's KV blocks: the KV
+        connector's handshake plus this engine's id. 503 until ready; 404 when colocated."""
+        ctx.check_ready()
+        kv_transfer = coordinator()
         return JSONResponse({**kv_transfer.connector.handshake_info(), "engine_id": kv_transfer.engine_id})
+
+    @app.post(RELEASE_PATH, dependencies=[Depends(check)], responses=_KV_ERRORS,
+              response_model=KVReleaseResponse)
+    async def kv_release(body: KVReleaseRequest) -> KVReleaseResponse:
+        """Release the blocks pinned for ``transfer_id`` now, instead of at kv_expiry_s: the
+        router sends it when no decode instance took the hand-over. ``released`` is false when
+        no such pin is held (read, released or expired already). 404 when colocated."""
+        if ctx.engine.engine is None:
+            ctx.check_ready()
+        coordinator()
+        try:
+            released = await ctx.engine.release_kv_transfer(body.transfer_id)
+        except (EngineUnavailable, EngineError) as exc:
+            raise api_error_from(exc) from exc
+        return KVReleaseResponse(transfer_id=body.transfer_id, released=released)
 
 
 def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:

@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from tandem.outputs import CompletionOutput, Logprob, RequestOutput
-from tandem.server.disagg import dump, hand_over, kv_transfer_args
+from tandem.server.disagg import check_kv_secret, dump, hand_over, kv_transfer_args
 from tandem.server.errors import APIError, bad_request
 from tandem.server.protocol import (
     CompletionChoice,
@@ -38,6 +38,8 @@ ROUTE = "/v1/completions"
 
 
 async def create_completion(ctx: ServingContext, body: CompletionRequest, request: Request) -> Response:
+    if body.kv_transfer_params is not None:
+        check_kv_secret(ctx.kv_secret, request)
     log_unknown_fields(body, ROUTE)
     check_body(body, ROUTE)
     ctx.check_model(body.model)

@@ -1,25 +1,38 @@
-"""The server half of disaggregated prefill/decode: a request's ``kv_transfer_params``, the
-prefill instance's handshake, and the hand-over in a prefill answer.
+"""The server half of disaggregated prefill/decode: a request's ``kv_transfer_params`` (parsed
+into ``KVTransferParams`` at the API boundary), the cluster secret, the prefill instance's
+handshake, and the hand-over in a prefill answer.
 
 ::
 
     router → prefill instance   kv_transfer_params = {"do_remote_decode": true}, max_tokens 1,
                                 not streamed, n 1  → the answer carries kv_transfer_params =
                                 {engine_id, handshake_url, transfer_id, block_ids, num_tokens,
-                                 compat_hash}
+                                 prompt_digest, compat_hash}
     router → decode instance    kv_transfer_params = that + {"do_remote_prefill": true}
                                 → GET handshake_url (once per prefill engine, on the event loop;
                                   cached by engine_id) → the engine loads the blocks
+    router → prefill instance   POST /kv/release {transfer_id} when no decode instance took
+                                the hand-over (it refused the request): the pin goes at once
+
+Every one of these requests carries the header ``X-Tandem-KV-Secret`` when the cluster has a
+secret (``disaggregation.kv_transfer_secret``): an instance that has one answers 401 to
+``kv_transfer_params``, ``/kv/handshake`` and ``/kv/release`` without it, before it does anything
+else (it pins nothing, fetches nothing). The decode instance sends the secret with its handshake
+fetches, which are http(s) only, time-limited and size-limited.
 
 An instance ignores the half of the hand-over that is not its role's (a colocated instance
 ignores both): it serves the request as an ordinary one, so a router that mistakes its role still
-gets correct answers. A compat-hash mismatch is a 400 naming both hashes. A prefill instance whose handshake cannot be
-fetched is a load failure: under ``kv_load_failure_policy = "recompute"`` the decode instance
-computes the prompt itself, under "fail" the answer is a 502.
+gets correct answers. A compat-hash mismatch is a 400 naming both hashes. A prefill instance whose
+handshake cannot be fetched is a load failure: under ``kv_load_failure_policy = "recompute"`` the
+decode instance computes the prompt itself, under "fail" the answer is a 502.
 """
 from __future__ import annotations
 
+import asyncio
+import hmac
+import json
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +48,14 @@ from tandem.server.protocol import SamplingFields
 logger = logging.getLogger("tandem.server")
 
 HANDSHAKE_PATH = "/kv/handshake"
+RELEASE_PATH = "/kv/release"
+KV_SECRET_HEADER = "X-Tandem-KV-Secret"
 HANDSHAKE_TIMEOUT_S = 10.0
+"""The whole fetch of one handshake, connection to last byte."""
+HANDSHAKE_MAX_BYTES = 1 << 20
+"""A handshake is a few KiB of NIXL metadata; a larger answer is refused while it streams in."""
+HANDSHAKE_CACHE_SIZE = 256
+"""Prefill engines whose handshake a decode instance keeps (least recently used goes first)."""
 _PARAM = "kv_transfer_params"
 
 
@@ -51,41 +71,97 @@ class KVTransferArgs:
         return self.remote_decode or self.remote_prefill is not None
 
 
-class HandshakeCache:
-    """Prefill instances' handshakes by engine id (a restarted instance has a new engine id)."""
+def check_kv_secret(secret: str | None, request: Request) -> None:
+    """401 unless ``request`` carries the cluster ``secret`` (nothing to check without one);
+    compared in constant time."""
+    if secret is None:
+        return
+    given = request.headers.get(KV_SECRET_HEADER, "").encode("latin-1")
+    if not hmac.compare_digest(given, secret.encode()):
+        raise APIError(401, f"kv_transfer_params, {HANDSHAKE_PATH} and {RELEASE_PATH} need the cluster's "
+                            f"secret in the header {KV_SECRET_HEADER} (disaggregation.kv_transfer_secret)",
+                       code="invalid_kv_secret")
 
-    def __init__(self, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
+
+class HandshakeError(Exception):
+    """A handshake that could not be had: unreachable, an error status, too large, not JSON,
+    another engine's."""
+
+
+class HandshakeCache:
+    """Prefill instances' handshakes by engine id, the ``max_entries`` most recently used. A
+    restarted prefill instance has a new engine id, so it is fetched again (its old entry ages
+    out); a fetch that fails leaves no entry. Fetches send the cluster ``secret``, follow no
+    redirect, read no proxy settings, and give up after ``timeout_s`` or ``max_bytes``."""
+
+    def __init__(self, timeout_s: float = HANDSHAKE_TIMEOUT_S, max_bytes: int = HANDSHAKE_MAX_BYTES,
+                 max_entries: int = HANDSHAKE_CACHE_SIZE, secret: str | None = None) -> None:
         self.timeout_s = timeout_s
-        self._handshakes: dict[str, dict[str, Any]] = {}
+        self.max_bytes = max_bytes
+        self.max_entries = max_entries
+        self._secret = secret
+        self._handshakes: OrderedDict[str, dict[str, Any]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._handshakes)
+
+    def __contains__(self, engine_id: str) -> bool:
+        return engine_id in self._handshakes
 
     async def get(self, engine_id: str, url: str) -> dict[str, Any]:
-        """Raises ``httpx.HTTPError`` or ``ValueError`` when the handshake cannot be had."""
+        """The handshake of ``engine_id``, fetched from ``url`` unless cached. Raises
+        ``HandshakeError``."""
         cached = self._handshakes.get(engine_id)
         if cached is not None:
+            self._handshakes.move_to_end(engine_id)
             return cached
-        async with httpx.AsyncClient(timeout=self.timeout_s) as client:
-            response = await client.get(url)
-            response.raise_for_status()
-            handshake = response.json()
-        if not isinstance(handshake, dict) or handshake.get("engine_id") != engine_id:
-            raise ValueError(f"{url} answered the handshake of another engine "
-                             f"({handshake.get('engine_id') if isinstance(handshake, dict) else None!r})")
+        try:
+            handshake = await asyncio.wait_for(self._fetch(url), self.timeout_s)
+        except TimeoutError:
+            raise HandshakeError(f"no handshake from {url} within {self.timeout_s:g} s") from None
+        if handshake.get("engine_id") != engine_id:
+            raise HandshakeError(f"{url} answered the handshake of another engine "
+                                 f"({handshake.get('engine_id')!r})")
         self._handshakes[engine_id] = handshake
+        while len(self._handshakes) > self.max_entries:
+            self._handshakes.popitem(last=False)
+        return handshake
+
+    async def _fetch(self, url: str) -> dict[str, Any]:
+        if not url.startswith(("http://", "https://")):
+            raise HandshakeError(f"{url!r} is not an http(s) URL")
+        headers = {KV_SECRET_HEADER: self._secret} if self._secret is not None else {}
+        try:
+            async with httpx.AsyncClient(trust_env=False, follow_redirects=False) as client:
+                async with client.stream("GET", url, headers=headers) as response:
+                    if response.status_code != 200:
+                        raise HandshakeError(f"{url} answered {response.status_code}")
+                    body = bytearray()
+                    async for chunk in response.aiter_bytes():
+                        body += chunk
+                        if len(body) > self.max_bytes:
+                            raise HandshakeError(f"{url} answered more than {self.max_bytes} bytes")
+        except httpx.HTTPError as exc:
+            raise HandshakeError(f"{url}: {type(exc).__name__}: {exc}") from exc
+        try:
+            handshake = json.loads(body)
+        except ValueError:
+            raise HandshakeError(f"{url} answered something that is not JSON") from None
+        if not isinstance(handshake, dict):
+            raise HandshakeError(f"{url} answered JSON that is not an object")
         return handshake
 
 
 async def kv_transfer_args(engine, handshakes: HandshakeCache, body: SamplingFields,
                            num_prompts: int) -> KVTransferArgs:
     """Check ``body.kv_transfer_params`` against this instance's role (``engine`` is the
-    ``LLMEngine``) and, on a decode instance, fetch the prefill instance's handshake."""
+    ``LLMEngine``) and, on a decode instance, fetch the prefill instance's handshake. The
+    request's secret has been checked (``check_kv_secret``)."""
     params = body.kv_transfer_params
     if params is None:
         return KVTransferArgs()
     role = engine.config.disaggregation.role
-    remote_decode, remote_prefill = params.get("do_remote_decode"), params.get("do_remote_prefill")
-    if remote_decode is not True and remote_prefill is not True:
-        raise bad_request("kv_transfer_params must set do_remote_decode or do_remote_prefill", _PARAM)
-    if remote_decode is True:
+    if params.do_remote_decode:
         if role != "prefill":
             logger.info("role %s: ignoring do_remote_decode, serving the request in full", role)
             return KVTransferArgs()
@@ -96,24 +172,24 @@ async def kv_transfer_args(engine, handshakes: HandshakeCache, body: SamplingFie
         logger.info("role %s: ignoring do_remote_prefill, computing the prompt here", role)
         return KVTransferArgs()
     _require(num_prompts == 1, "do_remote_prefill needs one prompt")
+    missing = params.missing_for_remote_prefill()
+    _require(not missing, f"do_remote_prefill needs {', '.join(f'{_PARAM}.{m}' for m in missing)}")
     local = engine.kv_transfer.compat_hash
-    if params.get("compat_hash") != local:
-        raise bad_request(f"KV compat hash mismatch: the prefill instance has {params.get('compat_hash')!r}, "
-                          f"this decode instance {local!r}; both must serve the same model with the same "
-                          "dtype, layer count, KV heads, head size and block size", _PARAM)
-    url = params.get("handshake_url")
-    _require(isinstance(url, str) and url.startswith(("http://", "https://")),
-             "kv_transfer_params.handshake_url must be an http(s) URL")
+    if params.compat_hash != local:
+        raise bad_request(f"KV compat hash mismatch: the prefill instance has {params.compat_hash!r}, "
+                          f"this decode instance {local!r}; both must serve the same checkpoint "
+                          "(weights) and tokenizer with the same dtype, layer count, KV heads, head "
+                          "size and block size", _PARAM)
     try:
-        handshake = await handshakes.get(str(params.get("engine_id")), url)
-    except (httpx.HTTPError, ValueError) as exc:
-        message = f"cannot fetch the KV handshake of the prefill instance at {url}: {exc}"
+        handshake = await handshakes.get(params.engine_id, params.handshake_url)
+    except HandshakeError as exc:
+        message = f"cannot fetch the KV handshake of the prefill instance: {exc}"
         if engine.config.disaggregation.kv_load_failure_policy == "fail":
             raise APIError(502, message, code="kv_transfer_failed") from exc
         logger.warning("%s; computing the prompt here", message)
         return KVTransferArgs()
     try:
-        return KVTransferArgs(remote_prefill=RemotePrefill.from_params(params, handshake))
+        return KVTransferArgs(remote_prefill=RemotePrefill.from_params(params.remote_prefill_params(), handshake))
     except ValueError as exc:
         raise bad_request(str(exc), _PARAM) from exc
 
@@ -128,8 +204,19 @@ def hand_over(out: RequestOutput, request: Request) -> dict[str, Any] | None:
     (this server, at the address the caller reached it by). None when nothing was pinned."""
     if out.kv_transfer_params is None:
         return None
-    return {**out.kv_transfer_params,
-            "handshake_url": str(request.base_url).rstrip("/") + HANDSHAKE_PATH}
+    params = {**out.kv_transfer_params,
+              "handshake_url": str(request.base_url).rstrip("/") + HANDSHAKE_PATH}
+    params.setdefault("prompt_digest", _prompt_digest(out.prompt_token_ids))
+    return params
+
+
+def _prompt_digest(token_ids: list[int]) -> str:
+    """TEMPORARY, until the engine's kv_transfer_params carry ``prompt_digest`` (issue 12, the
+    lead's change to tandem.kv_transfer): revert this commit at that merge."""
+    import hashlib
+    from array import array
+
+    return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=16).hexdigest()
 
 
 def dump(response: BaseModel) -> dict[str, Any]:

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import time
 import types
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from tandem.sched.sampling_params import SEED_MAX, SEED_MIN
 
@@ -57,6 +59,83 @@ class ResponseFormat(_Request):
     type: str
 
 
+BlockId = Annotated[int, Field(ge=0, lt=2**31)]
+
+
+class KVTransferParams(_Request):
+    """A request's ``kv_transfer_params``, which only the router sets (``tandem.server.disagg``)::
+
+        prefill form   {"do_remote_decode": true}
+        decode form    {"do_remote_prefill": true, "engine_id", "transfer_id", "block_ids",
+                        "num_tokens", "prompt_digest", "compat_hash", "handshake_url"}
+                       (a prefill answer's kv_transfer_params plus the flag)
+
+    Exactly one flag is true; the prefill form has no other field. An unknown field or a
+    malformed value is a 400 naming it, on every instance. The decode form's other fields are
+    required where they are used, on a decode instance (``missing_for_remote_prefill``): an
+    instance of another role ignores the hand-over and serves the request in full."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    engine_id: str | None = Field(None, min_length=1, max_length=256)
+    transfer_id: str | None = Field(None, min_length=1, max_length=512)
+    block_ids: list[BlockId] | None = None
+    num_tokens: int | None = Field(None, ge=1)
+    prompt_digest: str | None = Field(None, pattern=r"^[0-9a-f]{32}$")
+    """blake2b-128 (hex) of the prompt's token ids as int64, as the prefill instance computed it."""
+    compat_hash: str | None = Field(None, min_length=1, max_length=128)
+    handshake_url: str | None = Field(None, max_length=2048)
+    """Where the decode instance fetches the prefill instance's KV handshake: http(s) only."""
+
+    REMOTE_PREFILL_FIELDS: ClassVar[tuple[str, ...]] = (
+        "engine_id", "transfer_id", "block_ids", "num_tokens", "prompt_digest", "compat_hash",
+        "handshake_url")
+
+    @field_validator("handshake_url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            parts = urlsplit(value)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise PydanticCustomError("url", "must be an http:// or https:// URL with a host")
+        return value
+
+    @model_validator(mode="after")
+    def _one_form(self) -> KVTransferParams:
+        if self.do_remote_decode == self.do_remote_prefill:
+            raise PydanticCustomError("kv_transfer_params", "set exactly one of do_remote_decode and "
+                                      "do_remote_prefill to true")
+        given = [name for name in self.REMOTE_PREFILL_FIELDS if getattr(self, name) is not None]
+        if self.do_remote_decode and given:
+            raise PydanticCustomError("kv_transfer_params", "do_remote_decode takes no other field "
+                                      "(got {given})", {"given": ", ".join(given)})
+        return self
+
+    def missing_for_remote_prefill(self) -> list[str]:
+        """The decode form's fields that are not set."""
+        return [name for name in self.REMOTE_PREFILL_FIELDS if getattr(self, name) is None]
+
+    def remote_prefill_params(self) -> dict[str, Any]:
+        """The prefill answer's fields (for ``RemotePrefill.from_params``), of a complete decode form."""
+        return self.model_dump(include=set(self.REMOTE_PREFILL_FIELDS) - {"handshake_url"})
+
+
+class KVReleaseRequest(_Request):
+    """POST /kv/release: the router gives up a hand-over that no decode instance took."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    transfer_id: str = Field(min_length=1, max_length=512)
+
+
+class KVReleaseResponse(_Response):
+    transfer_id: str
+    released: bool
+    """False when no such pin was held (already read, released or expired)."""
+
+
 class SamplingFields(_Request):
     """The fields that become ``SamplingParams``; None means the default."""
 
@@ -82,10 +161,10 @@ class SamplingFields(_Request):
     user: str | None = None
     response_format: ResponseFormat | None = None
     """Chat and (as in vLLM) completions: JSON mode or plain text."""
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
     """Disaggregated prefill/decode, set by the router: ``{"do_remote_decode": true}`` on a
     prefill instance; the prefill answer's params plus ``"do_remote_prefill": true`` on a decode
-    instance (see ``tandem.server.disagg``)."""
+    instance (see ``KVTransferParams`` and ``tandem.server.disagg``)."""
 
 
 class CompletionRequest(SamplingFields):

@@ -37,6 +37,8 @@ class ServingContext:
     metrics: ServerMetrics
     log_requests: bool = False
     stream_stall_timeout_s: float = 60.0
+    kv_secret: str | None = None
+    """The cluster secret (``disaggregation.kv_transfer_secret``), None when there is none."""
     handshakes: HandshakeCache = field(default_factory=HandshakeCache)
 
     @property

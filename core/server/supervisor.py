@@ -9,6 +9,8 @@
 
 Each child gets the effective configuration (file < environment < flags) written to a temporary
 TOML file, so every knob given to this command reaches it; the router's lists the two instances.
+The cluster secret (``disaggregation.kv_transfer_secret``: the one configured, else a random one
+made here, ``secrets.token_urlsafe``) goes to all three in their environment, never into a file.
 The instances listen on 127.0.0.1 only; the router on ``server.host:server.port``. The parent
 supervises: a child that exits (an instance whose engine failed for good exits 1, see
 tandem.async_engine) is restarted with the same command and port, and the router's health checks
@@ -19,6 +21,8 @@ exits 0.
 """
 from __future__ import annotations
 
+import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -30,6 +34,7 @@ from pathlib import Path
 
 from tandem.config import InstanceConfig, TandemConfig
 
+SECRET_ENV = "TANDEM_DISAGGREGATION__KV_TRANSFER_SECRET"
 POLL_S = 0.2
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -47,11 +52,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 class Child:
     name: str
     argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    """Added to this process's environment."""
     proc: subprocess.Popen | None = None
     restarts: list[float] = field(default_factory=list)  # time.monotonic() of each restart
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.argv)
+        self.proc = subprocess.Popen(self.argv, env={**os.environ, **self.env})
 
     def may_restart(self, now: float) -> bool:
         """Whether a restart now stays within ``MAX_RESTARTS`` per ``RESTART_WINDOW_S``."""
@@ -66,22 +73,25 @@ def _write_config(config: TandemConfig, folder: Path, name: str) -> str:
 
 
 def plan_children(config: TandemConfig, folder: Path, uvicorn_log_level: str) -> list[Child]:
-    """The three commands, with their config files written into ``folder``."""
+    """The three commands, with their config files written into ``folder`` and the cluster
+    secret in their environment."""
     tandem = [sys.executable, "-m", "tandem.cli"]
     ports = {"prefill": free_port(), "decode": free_port()}
+    secret = config.disaggregation.kv_transfer_secret
+    env = {SECRET_ENV: secret.get_secret_value() if secret is not None else secrets.token_urlsafe(32)}
     children = []
     for role, port in ports.items():
         conf = _write_config(config, folder, role)
         children.append(Child(role, [*tandem, "serve", "--config", conf, "--role", role,
                                      "--host", "127.0.0.1", "--port", str(port),
-                                     "--uvicorn-log-level", uvicorn_log_level]))
+                                     "--uvicorn-log-level", uvicorn_log_level], env))
     router_config = config.model_copy(deep=True)
     router_config.disaggregation.instances = [
         InstanceConfig(url=f"http://127.0.0.1:{port}", role=role) for role, port in ports.items()]
     conf = _write_config(router_config, folder, "router")
     children.append(Child("router", [*tandem, "router", "--config", conf,
                                      "--host", config.server.host, "--port", str(config.server.port),
-                                     "--uvicorn-log-level", uvicorn_log_level]))
+                                     "--uvicorn-log-level", uvicorn_log_level], env))
     return children
 
 

@@ -2,7 +2,8 @@
 each step, and how it relays what it gets back (including connections that break mid-stream),
 which a real colocated instance cannot show yet (it ignores kv_transfer_params). Each answers
 /health with 200 and /metrics with idle gauges, records the JSON body of every POST to the /v1
-routes (and its raw headers), and answers it with ``reply(body)``."""
+routes (and its raw headers), and answers it with ``reply(body)``; a POST to /kv/release is
+recorded in ``releases`` (body and raw headers) and answered ``{"released": true}``."""
 from __future__ import annotations
 
 import json
@@ -23,6 +24,7 @@ class FakeInstance:
     def __init__(self, reply: Reply) -> None:
         self.bodies: list[dict] = []
         self.headers: list[list[tuple[bytes, bytes]]] = []
+        self.releases: list[tuple[dict, list[tuple[bytes, bytes]]]] = []
         app = FastAPI()
 
         @app.get("/health")
@@ -40,6 +42,12 @@ class FakeInstance:
             self.bodies.append(body)
             self.headers.append(list(request.headers.raw))
             return reply(body)
+
+        @app.post("/kv/release")
+        async def release(request: Request) -> dict:
+            body = await request.json()
+            self.releases.append((body, list(request.headers.raw)))
+            return {**body, "released": True}
 
         self.server = ServerThread(app)
         self.url = self.server.url

@@ -83,6 +83,10 @@ def test_one_command_serves_disaggregated_and_stops_on_sigterm(model_dir):
         assert wait_for(lambda: all_instances_healthy(url), 180)
         assert answered(url)
         assert scrape(url)["tandem:router_requests_total{path=disaggregated}"] >= 1
+        # the children share a secret this test does not know: hand-overs need it
+        instances = httpx.get(f"{url}/health", timeout=5).json()["instances"]
+        prefill = next(i["url"] for i in instances if i["role"] == "prefill")
+        assert httpx.get(f"{prefill}/kv/handshake", timeout=5).status_code == 401
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         assert not any(alive(pid) for pid in pids.values())
@@ -125,3 +129,21 @@ def test_a_crash_looping_child_stops_the_command_with_status_1(model_dir):
         assert wait_for(lambda: not alive(pids["prefill"]) and not alive(pids["router"]), 30)
     finally:
         proc.kill()
+
+
+def test_the_children_share_a_generated_secret_that_no_file_holds(tmp_path):
+    from tandem.config import load_config
+    from tandem.server.supervisor import SECRET_ENV, plan_children
+
+    config = load_config(overrides={"model.path": "/m"}, env={}, check_plugins=False)
+    children = plan_children(config, tmp_path, "warning")
+    secret = children[0].env[SECRET_ENV]
+    assert [c.name for c in children] == ["prefill", "decode", "router"]
+    assert all(c.env == {SECRET_ENV: secret} for c in children) and len(secret) >= 32
+    assert not any(secret in f.read_text() for f in tmp_path.iterdir())
+    assert plan_children(config, tmp_path, "warning")[0].env[SECRET_ENV] != secret  # random each time
+    mine = "the-operator-chose-this-secret"
+    configured = load_config(overrides={"model.path": "/m", "kv_transfer_secret": mine}, env={},
+                             check_plugins=False)
+    assert {c.env[SECRET_ENV] for c in plan_children(configured, tmp_path, "warning")} == {mine}
+    assert not any(mine in f.read_text() for f in tmp_path.iterdir())

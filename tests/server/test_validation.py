@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+from pydantic import ValidationError
 
 from tandem.server.errors import APIError
 from tandem.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -104,11 +105,14 @@ def test_the_path_of_a_lone_surrogate_is_named():
     assert "U+DC01 at index 1" in info.value.message
 
 
-def test_a_lone_surrogate_in_a_dict_key_is_found():
-    body = CompletionRequest.model_validate({"prompt": "x", "kv_transfer_params": {"\ud800": 1}})
-    with pytest.raises(APIError) as info:
-        check_body(body, "/v1/completions")
-    assert info.value.param == "kv_transfer_params"
+@pytest.mark.parametrize("params, loc", [
+    ({"\ud800": 1}, ("kv_transfer_params",)),
+    ({"do_remote_prefill": True, "engine_id": "e\ud800"}, ("kv_transfer_params", "engine_id")),
+])
+def test_a_lone_surrogate_in_kv_transfer_params_is_refused_where_it_is_parsed(params, loc):
+    with pytest.raises(ValidationError) as refused:
+        CompletionRequest.model_validate({"prompt": "x", "kv_transfer_params": params})
+    assert refused.value.errors()[0]["loc"] == loc
 
 
 def test_tool_calls_in_history_are_refused():
