@@ -204,19 +204,8 @@ def hand_over(out: RequestOutput, request: Request) -> dict[str, Any] | None:
     (this server, at the address the caller reached it by). None when nothing was pinned."""
     if out.kv_transfer_params is None:
         return None
-    params = {**out.kv_transfer_params,
-              "handshake_url": str(request.base_url).rstrip("/") + HANDSHAKE_PATH}
-    params.setdefault("prompt_digest", _prompt_digest(out.prompt_token_ids))
-    return params
-
-
-def _prompt_digest(token_ids: list[int]) -> str:
-    """TEMPORARY, until the engine's kv_transfer_params carry ``prompt_digest`` (issue 12, the
-    lead's change to tandem.kv_transfer): revert this commit at that merge."""
-    import hashlib
-    from array import array
-
-    return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=16).hexdigest()
+    return {**out.kv_transfer_params,
+            "handshake_url": str(request.base_url).rstrip("/") + HANDSHAKE_PATH}
 
 
 def dump(response: BaseModel) -> dict[str, Any]:
