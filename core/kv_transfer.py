@@ -13,6 +13,8 @@ hand-over state machines of ``tandem.handover`` over one ``KVConnector`` and the
                                                         [first_block, blocks_for(P-1)) → LOADING
     poll: notification for transfer_id  <──────────── (the connector notifies when the read ends,
       → RELEASED, unpin                                or notify_release when nothing is read)
+    release(transfer_id): the router gave the
+      hand-over up (POST /kv/release) → RELEASED
     poll: pin older than kv_expiry_s → EXPIRED        poll: "done" → LOADED, the request runs
                                                             "error:*" → FAILED: recompute or fail
                                                             deadline → QUARANTINED: recompute or fail
@@ -184,7 +186,8 @@ class KVTransferCoordinator:
         if pin is None:
             return False
         logger.info("KV blocks of %s released unread: the hand-over was given up", transfer_id)
-        self.scheduler.release_pin(pin.pin_id)
+        handover.release(pin)
+        self.scheduler.release_hold(pin.pin_id)
         return True
 
     def _release_pins(self) -> None:

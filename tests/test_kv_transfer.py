@@ -312,3 +312,18 @@ def test_a_dead_prefill_engine_is_forgotten_and_its_restart_is_read_from(pair):
         assert decode.kv_transfer.stats().bytes_total > 0
     finally:
         restarted.close()
+
+
+def test_a_pin_released_unread_is_released_once(pair):
+    """The router gives a hand-over up (POST /kv/release): the pin goes at once, and neither a
+    later notification nor the expiry releases it a second time."""
+    prefill, _ = pair
+    prompt = _prompts(24, [2 * BLOCK_SIZE + 1])[0]
+    remote = prefill_prompt(prefill, prompt)
+    assert used_blocks(prefill) == 3
+    assert prefill.kv_transfer.release(remote.transfer_id)
+    assert used_blocks(prefill) == 0 and not prefill.has_kv_pins()
+    assert not prefill.kv_transfer.release(remote.transfer_id)
+    prefill.kv_transfer.connector._notifications.append(remote.transfer_id)  # a late notification
+    prefill.poll_kv_transfers()
+    assert used_blocks(prefill) == 0 and dict(prefill.kv_transfer.stats().failures) == {}
