@@ -21,9 +21,9 @@ from contextlib import contextmanager
 
 import pytest
 
-from tandem.bench.netns import Host, HostsUnavailable, TestHosts
+from tandem.bench.netns import HOST_DEVICE, Host, HostsUnavailable, TestHosts
 
-__all__ = ["Host", "TestHosts", "skip_reason", "test_hosts", "two_hosts"]
+__all__ = ["HOST_DEVICE", "Host", "HostsUnavailable", "TestHosts", "skip_reason", "test_hosts", "two_hosts"]
 
 
 def skip_reason(exc: HostsUnavailable) -> str:
