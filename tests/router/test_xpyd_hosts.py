@@ -10,13 +10,16 @@ Without root, or where namespaces cannot be made, every test here skips and says
 """
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tandem.router.prompts import decode_body, prefill_body
 from tests.engine.test_greedy_vs_hf import _prompts
 from tests.helpers.netns import test_hosts
 from tests.router.instances import MODEL_NAME, free_port, scrape, wait_for
@@ -27,6 +30,7 @@ from tests.router.xpyd import (
     blocks_held,
     instance_config,
     is_busy,
+    kv_headers,
     kv_load_failures,
     metric,
     router_config,
@@ -223,3 +227,49 @@ def test_restarted_instances_rejoin_rotation(xpyd, oracle):
     assert {d.url: kv_load_failures(d.url) for d in xpyd.decode} == failures, xpyd.logs()
     held = all_free(xpyd.instances, 10)
     assert set(held.values()) == {(0, 0)}, held
+
+
+def hand_over(prefill: HostedInstance, request: dict) -> dict:
+    """The prefill step of ``request`` on ``prefill``, as the router sends it; the answer's
+    ``kv_transfer_params``."""
+    answer = httpx.post(f"{prefill.url}/v1/completions", json=prefill_body(request), headers=kv_headers(),
+                        timeout=60)
+    assert answer.status_code == 200, answer.text
+    return answer.json()["kv_transfer_params"]
+
+
+def decode_step(decode: HostedInstance, request: dict, kv_transfer_params: dict) -> httpx.Response:
+    return httpx.post(f"{decode.url}/v1/completions", json=decode_body(request, kv_transfer_params),
+                      headers=kv_headers(), timeout=120)
+
+
+@pytest.mark.timeout(300)
+def test_prefill_killed_while_a_decode_instance_reads_from_it_across_hosts(xpyd, oracle):
+    """The kill the load test cannot time: the decode instance's read is in flight (its prefill
+    instance frozen, then killed -9). The read fails as the peer's (the TCP connection across the
+    bridge resets), well before the transfer deadline; the prompt is recomputed."""
+    prefill, decode = xpyd.prefill[1], xpyd.decode[0]
+    assert prefill.alive and decode.alive
+    warm, prompt = long_prompts(400, 2)
+    answer = decode_step(decode, body(warm), hand_over(prefill, body(warm)))  # the handshake, cached
+    assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == oracle([warm])[0]
+    params = hand_over(prefill, body(prompt))
+    failures = scrape(decode.url).get("tandem:kv_transfer_failures_total{reason=peer}", 0.0)
+    prefill.proc.send_signal(signal.SIGSTOP)
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(decode_step, decode, body(prompt), params)
+        assert wait_for(lambda: blocks_held(decode.url)[0] > 0, 10)  # blocks allocated, the read waits
+        time.sleep(0.5)
+        assert not pending.done()
+        killed = time.monotonic()
+        prefill.kill()
+        answer = pending.result(timeout=60)
+        seconds = time.monotonic() - killed
+    print(f"\nprefill killed during a read: the decode instance answered {seconds:.2f} s later")
+    assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == oracle([prompt])[0]
+    assert scrape(decode.url).get("tandem:kv_transfer_failures_total{reason=peer}", 0.0) == failures + 1
+    assert seconds < KV_TRANSFER_TIMEOUT_S
+    held = all_free([decode], 10)
+    assert set(held.values()) == {(0, 0)}, held
+    prefill.start().wait_ready()  # the cluster whole again
+    assert wait_for(lambda: xpyd.healthy() == {i.url for i in xpyd.instances}, 10)

@@ -41,6 +41,11 @@ def secret_settings() -> dict[str, str]:
     return {}
 
 
+def kv_headers() -> dict[str, str]:
+    """The headers the router adds to a hand-over: the cluster secret, where there is one."""
+    return {"X-Tandem-KV-Secret": SECRET} if secret_settings() else {}
+
+
 def toml(sections: dict[str, dict]) -> str:
     """TOML of ``{section: {key: value}}``: strings, numbers, lists and inline tables."""
     def value(v) -> str:
