@@ -41,7 +41,7 @@ import sys
 import time
 from collections.abc import Iterator
 
-from tandem.bench.netns import HOST_DEVICE
+from tandem.bench.netns import HOST_DEVICE, HostsUnavailable, TestHosts
 
 TARGET_RATIO = 0.5
 _START_TIMEOUT_S = 180.0
@@ -137,13 +137,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _test_hosts(mode: str, stack: contextlib.ExitStack):
+def _test_hosts(mode: str, stack: contextlib.ExitStack) -> TestHosts | None:
     """Two test hosts (a ``TestHosts``) entered on ``stack``; None when ``mode`` is "none" or,
     for "auto", when they cannot be made (said on stdout)."""
     if mode == "none":
         return None
-    from tandem.bench.netns import HostsUnavailable, TestHosts
-
     try:
         return stack.enter_context(TestHosts(2))
     except HostsUnavailable as exc:
@@ -154,7 +152,7 @@ def _test_hosts(mode: str, stack: contextlib.ExitStack):
 
 
 def _measure(args: argparse.Namespace, layout: Layout, requests: list[Request], routes: list[Route],
-             hosts, stack: contextlib.ExitStack) -> dict[str, float]:
+             hosts: TestHosts | None, stack: contextlib.ExitStack) -> dict[str, float]:
     """The median seconds of the copy (key "copy") and of each route's read (its label)."""
     copy = TorchCopy(layout, args.copy_threads)
     readers = {r.label: stack.enter_context(PeerRead(args.connector, layout, args.seed, r, hosts))
@@ -212,7 +210,8 @@ class PeerRead:
     with connector ``name``, placed as ``route`` says (``hosts``: the two test hosts, for a route
     across hosts); ``time`` has the reader read a request's blocks and check them."""
 
-    def __init__(self, name: str, layout: Layout, seed: int, route: Route, hosts=None) -> None:
+    def __init__(self, name: str, layout: Layout, seed: int, route: Route,
+                 hosts: TestHosts | None = None) -> None:
         assert hosts is not None or not route.across_hosts
         self.name, self.layout, self.seed, self.route, self.hosts = name, layout, seed, route, hosts
         self.procs: list[subprocess.Popen] = []
