@@ -13,8 +13,9 @@ BENCHMARKS = {
                 "(sequential, static batching, continuous batching)"),
     "serve": ("tandem.bench.serve", "serving benchmark over HTTP: request and token throughput, "
               "TTFT, TPOT, ITL and latency percentiles, goodput under SLOs"),
-    "kv-transfer": ("tandem.bench.kv_transfer", "KV block hand-over bandwidth over NIXL vs an "
-                    "in-process torch copy of the same blocks"),
+    "kv-transfer": ("tandem.bench.kv_transfer", "KV block hand-over bandwidth over NIXL, on one host "
+                    "(shared memory, TCP) and between two test hosts (network namespaces, TCP; as root), "
+                    "vs an in-process torch copy of the same blocks"),
     "disagg": ("tandem.bench.disagg", "colocated vs disaggregated serving on the same cores: TTFT and "
                "TPOT of steady decoding streams under bursts of long prompts"),
 }
