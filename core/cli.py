@@ -37,6 +37,7 @@ class ConfigFlag:
     key: str
     type: Callable[[str], Any] | None = str
     metavar: str | None = None
+    short: str | None = None
 
 
 CONFIG_FLAGS = [
@@ -61,6 +62,14 @@ CONFIG_FLAGS = [
     ConfigFlag("--attention-backend", "engine.attention_backend", metavar="NAME"),
     ConfigFlag("--enforce-eager", "engine.enforce_eager", None),
     ConfigFlag("--num-speculative-tokens", "engine.num_speculative_tokens", int, "N"),
+    ConfigFlag("--distributed-executor-backend", "engine.distributed_executor_backend", metavar="NAME"),
+    ConfigFlag("--worker-timeout-s", "engine.worker_timeout_s", float, "SECONDS"),
+    ConfigFlag("--tensor-parallel-size", "parallel.tensor_parallel_size", int, "N", "-tp"),
+    ConfigFlag("--pipeline-parallel-size", "parallel.pipeline_parallel_size", int, "N", "-pp"),
+    ConfigFlag("--nnodes", "parallel.nnodes", int, "N"),
+    ConfigFlag("--node-rank", "parallel.node_rank", int, "N"),
+    ConfigFlag("--master-addr", "parallel.master_addr", metavar="HOST"),
+    ConfigFlag("--master-port", "parallel.master_port", int, "PORT"),
     ConfigFlag("--max-logprobs", "engine.max_logprobs", int, "N"),
     ConfigFlag("--host", "server.host", metavar="HOST"),
     ConfigFlag("--port", "server.port", int, "N"),
@@ -87,7 +96,8 @@ def add_config_flags(parser: argparse.ArgumentParser, positional_model: bool = T
         parser.add_argument(_POSITIONAL_MODEL, nargs="?", metavar="MODEL",
                             help="model folder, the same as --model")
     for flag in CONFIG_FLAGS:
-        group.add_argument(flag.flag, dest=flag.key, help=_flag_help(flag), **_flag_options(flag))
+        names = (flag.flag, flag.short) if flag.short else (flag.flag,)
+        group.add_argument(*names, dest=flag.key, help=_flag_help(flag), **_flag_options(flag))
 
 
 def _field(key: str) -> Any:

@@ -178,6 +178,12 @@ class EngineConfig(_Section):
     max_logprobs: int = Field(20, ge=0)
     """Most logprobs a request may ask per token (completions' logprobs, chat's top_logprobs,
     SamplingParams.logprobs and prompt_logprobs); more is refused (400), as in vLLM."""
+    distributed_executor_backend: str = "auto"
+    """Executor plugin name: uniproc (the model in the engine's process) or mp (one worker
+    process per rank); auto = uniproc unless tensor or pipeline parallelism is asked for."""
+    worker_timeout_s: float = Field(300.0, gt=0.0)
+    """Under the mp executor: a step (or a collective) that takes longer, or other hosts that do
+    not join within it at start-up, make the instance fail (not ready, exit 1)."""
 
     @model_validator(mode="after")
     def _check_ngram(self) -> EngineConfig:
@@ -201,6 +207,44 @@ class EngineConfig(_Section):
     @field_serializer("kv_cache_memory", "cpu_kv_cache_memory", when_used="json")
     def _format_bytes(self, value: int | None) -> str | int | None:
         return None if value is None else format_bytes(value)
+
+
+class ParallelConfig(_Section):
+    """``[parallel]``: one model over several devices, processes and hosts (the mp executor).
+
+    World size = tensor_parallel_size × pipeline_parallel_size ranks, spread evenly over nnodes
+    hosts; the head (node_rank 0) runs the engine and the API, the others run ``tandem serve
+    --headless`` with the same settings and their own node_rank.
+    """
+
+    tensor_parallel_size: int = Field(1, ge=1)
+    """Ranks that share every layer (heads, MLP columns and the vocabulary split between them)."""
+    pipeline_parallel_size: int = Field(1, ge=1)
+    """Pipeline stages: contiguous groups of layers, one after the other."""
+    nnodes: int = Field(1, ge=1)
+    """Hosts the ranks run on."""
+    node_rank: int = Field(0, ge=0)
+    """This host's number: 0 is the head."""
+    master_addr: str = "127.0.0.1"
+    """The head's address that every host reaches (torch.distributed's TCP rendezvous)."""
+    master_port: int = Field(0, ge=0, le=65535)
+    """The rendezvous port on the head; 0 = a free port, on one host only."""
+
+    @model_validator(mode="after")
+    def _check_nodes(self) -> ParallelConfig:
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank ({self.node_rank}) must be below nnodes ({self.nnodes})")
+        if world % self.nnodes:
+            raise ValueError(f"nnodes ({self.nnodes}) must divide tensor_parallel_size × "
+                             f"pipeline_parallel_size ({world})")
+        if self.nnodes > 1 and self.master_port == 0:
+            raise ValueError("with nnodes > 1, set master_port (every host must name the same one)")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 class ServerConfig(_Section):
@@ -294,6 +338,7 @@ class TandemConfig(BaseSettings):
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig)
 
@@ -329,6 +374,7 @@ class TandemConfig(BaseSettings):
 SECTIONS: dict[str, type[BaseModel]] = {
     "model": ModelConfig,
     "engine": EngineConfig,
+    "parallel": ParallelConfig,
     "server": ServerConfig,
     "disaggregation": DisaggregationConfig,
 }
@@ -496,6 +542,7 @@ _PLUGIN_FIELDS = [
     ("engine", "kv_allocator", "kv_allocator", ()),
     ("engine", "attention_backend", "attention_backend", ("auto",)),
     ("model", "quantization", "quant_method", ("auto", "none")),
+    ("engine", "distributed_executor_backend", "executor", ("auto",)),
 ]
 _DISAGGREGATION_PLUGIN_FIELDS = [
     ("disaggregation", "kv_connector", "kv_connector", ()),

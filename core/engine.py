@@ -1,4 +1,5 @@
-"""The engine: one object that owns the scheduler, the model runner and the output processor.
+"""The engine: one object that owns the scheduler, the executor (which runs the model) and the
+output processor.
 
 ``step()`` is the whole loop — schedule, execute, update — and is what the offline ``LLM`` and the
 server's async engine drive. Not thread-safe: one thread calls it (and ``add_request`` /
@@ -24,11 +25,11 @@ from typing import Any
 
 import torch
 
-from tandem.config import TandemConfig, parse_bytes
-from tandem.device import check_weights_fit, resolve_device, resolve_dtype
-from tandem.interfaces import KVPoolDescriptor, compat_hash
+from tandem.config import ConfigError, TandemConfig
+from tandem.device import resolve_device, resolve_dtype
+from tandem.interfaces import compat_hash
 from tandem.kv_transfer import KVTransferCoordinator, RemotePrefill
-from tandem.models.config import ModelArchConfig, kv_bytes_per_block, kv_cache_shape
+from tandem.models.config import ModelArchConfig, kv_bytes_per_block
 from tandem.output_processor import OutputProcessor
 from tandem.outputs import RequestOutput
 from tandem.plugin_manager import call_observers, get_registry
@@ -71,51 +72,19 @@ class LLMEngine:
     """Loads the model named by ``config`` and serves requests step by step."""
 
     def __init__(self, config: TandemConfig) -> None:
-        from tandem.models.loader import (
-            estimate_weight_bytes,
-            load_generation_config,
-            load_model,
-            load_tokenizer,
-        )
+        from tandem.models.loader import load_generation_config, load_tokenizer
 
         self.config = config
         self.registry = get_registry()
-        eng = config.engine
-        if eng.num_threads:
-            torch.set_num_threads(eng.num_threads)
-        torch.manual_seed(config.model.seed)
         path = config.model.path
-        checkpoint = ModelArchConfig.from_pretrained_dir(path)
-        self.device = resolve_device(eng.device)
-        self.dtype = resolve_dtype(config.model.dtype, self.device, checkpoint.torch_dtype)
-        backend_name = eng.attention_backend
-        if backend_name == "auto":
-            backend_name = "triton" if self.device.type == "cuda" else "torch"
-        self.attn_backend_cls = self.registry.get("attention_backend", backend_name)
-        self.quant_method = self._quant_method(checkpoint)
-        check_weights_fit(estimate_weight_bytes(path, self.dtype), self.device, self.dtype)
-        t0 = time.perf_counter()
-        self.model, self.arch = load_model(
-            path,
-            dtype=self.dtype,
-            device=self.device,
-            registry=self.registry,
-            attn_backend_cls=self.attn_backend_cls,
-            quant_method=self.quant_method,
-        )
-        logger.info("loaded %s (%s) on %s in %s in %.1f s", path, self.arch.architectures[0], self.device,
-                    str(self.dtype).removeprefix("torch."), time.perf_counter() - t0)
+        self.arch = ModelArchConfig.from_pretrained_dir(path)
+        self.device = resolve_device(config.engine.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device, self.arch.torch_dtype)
         self.tokenizer = load_tokenizer(config.model.tokenizer or path)
         self.eos_token_ids = frozenset(load_generation_config(path)["eos_token_ids"])
-        self.kv_cache = self._allocate_kv_pool()
-        self.max_model_len = self._resolve_max_model_len()
+        self.executor = self._build_executor()
+        self.max_model_len = self.executor.max_model_len
         self.scheduler = self._build_scheduler()
-        from tandem.worker.model_runner import ModelRunner
-
-        self.runner = ModelRunner(self.model, self.kv_cache, eng.block_size, self.eos_token_ids,
-                                  self.attn_backend_cls)
-        self.runner.graphs = self._capture_cuda_graphs()
-        self.runner.make_json_masker = self._make_json_masker
         self.outputs = OutputProcessor(self.tokenizer)
         self.delta_outputs = False
         """Outputs of ``step()`` carry only what changed (the async engine sets it)."""
@@ -128,68 +97,21 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------------- start-up
 
-    def _quant_method(self, checkpoint: ModelArchConfig):
-        qcfg = checkpoint.quantization_config or {}
-        ckpt_method = qcfg.get("quant_method")
-        chosen = self.config.model.quantization
-        if chosen == "auto":
-            chosen = ckpt_method or "unquantized"
-        elif chosen == "none":
-            chosen = "unquantized"
-        if ckpt_method and chosen != ckpt_method:
-            raise ValueError(
-                f"model.quantization = {chosen!r} contradicts the checkpoint's quantization_config "
-                f"(quant_method = {ckpt_method!r})"
-            )
-        return self.registry.get("quant_method", chosen).from_config(qcfg)
-
-    def _num_kv_blocks(self) -> int:
-        eng = self.config.engine
-        if eng.num_kv_blocks is not None:
-            return eng.num_kv_blocks
-        block_bytes = kv_bytes_per_block(self.arch, eng.block_size, self.dtype)
-        if eng.kv_cache_memory is not None:
-            return parse_bytes(eng.kv_cache_memory) // block_bytes
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - (1 - eng.gpu_memory_utilization) * total
-            return int(max(budget, 0) // block_bytes)
-        return parse_bytes(eng.cpu_kv_cache_memory) // block_bytes
-
-    def _allocate_kv_pool(self) -> torch.Tensor:
-        bs = self.config.engine.block_size
-        num_blocks = self._num_kv_blocks()
-        if num_blocks < 2:
-            raise ValueError(f"the KV pool holds {num_blocks} blocks; it needs at least 2 "
-                             "(raise engine.num_kv_blocks or engine.kv_cache_memory)")
-        pool = torch.zeros(kv_cache_shape(self.arch, num_blocks, bs), dtype=self.dtype, device=self.device)
-        logger.info("KV pool: %d blocks of %d tokens (%.1f MiB)", num_blocks, bs,
-                    pool.numel() * pool.element_size() / 2**20)
-        return pool
-
-    def _resolve_max_model_len(self) -> int:
-        wanted = self.config.model.max_model_len
-        limit = self.arch.max_position_embeddings
-        capacity = (self.kv_cache.shape[0] - 1) * self.config.engine.block_size
-        if wanted == "auto":
-            if capacity < limit:
-                logger.warning("max_model_len lowered from %d to %d tokens to fit the KV pool",
-                               limit, capacity)
-            return min(limit, capacity)
-        if wanted > limit:
-            raise ValueError(f"model.max_model_len = {wanted} exceeds the model's "
-                             f"max_position_embeddings ({limit})")
-        if wanted > capacity:
-            raise ValueError(f"model.max_model_len = {wanted} tokens does not fit the KV pool "
-                             f"({capacity} tokens); raise engine.num_kv_blocks/kv_cache_memory or "
-                             "lower max_model_len")
-        return wanted
+    def _build_executor(self):
+        name = self.config.engine.distributed_executor_backend
+        par = self.config.parallel
+        if name == "auto":
+            name = "mp" if par.world_size > 1 else "uniproc"
+        if name == "uniproc" and par.world_size > 1:
+            raise ConfigError(f"engine.distributed_executor_backend = 'uniproc' runs one rank; "
+                              f"tensor_parallel_size × pipeline_parallel_size = {par.world_size} needs 'mp'")
+        return self.registry.get("executor", name)(self.config, self.eos_token_ids)
 
     def _build_scheduler(self) -> Scheduler:
         eng = self.config.engine
         allocator_cls = self.registry.get("kv_allocator", eng.kv_allocator)
         policy_cls = self.registry.get("scheduler", eng.scheduler)
-        kv = allocator_cls(self.kv_cache.shape[0], eng.block_size, eng.enable_prefix_caching)
+        kv = allocator_cls(self.executor.num_kv_blocks, eng.block_size, eng.enable_prefix_caching)
         cfg = SchedulerConfig(
             max_num_seqs=eng.max_num_seqs,
             max_num_batched_tokens=eng.max_num_batched_tokens,
@@ -210,40 +132,6 @@ class LLMEngine:
             return None
         return "longrope-long" if num_prompt_tokens > scaling.original_max_position_embeddings else "longrope-short"
 
-    def _make_json_masker(self):
-        from tandem.worker.structured import JsonMasker, token_bytes
-
-        t0 = time.perf_counter()
-        pieces = token_bytes(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
-        masker = JsonMasker(pieces, self.eos_token_ids, self.device)
-        logger.info("JSON mode: indexed %d tokens in %.1f s", self.arch.vocab_size, time.perf_counter() - t0)
-        return masker
-
-    def _capture_cuda_graphs(self):
-        """On CUDA, unless enforce_eager or the backend cannot replay graphs: decode graphs at
-        batch sizes up to min(max_num_seqs, cuda_graph_max_batch_size). A failed capture logs a
-        warning and leaves the engine eager."""
-        eng = self.config.engine
-        if self.device.type != "cuda" or eng.enforce_eager:
-            return None
-        if not self.attn_backend_cls.supports_cuda_graphs:
-            logger.info("the %r attention backend does not support CUDA graphs: every step runs eagerly",
-                        self.attn_backend_cls.name)
-            return None
-        from tandem.worker.cuda_graphs import DecodeGraphs, batch_size_buckets
-
-        graphs = DecodeGraphs(self.model, self.kv_cache, eng.block_size, self.max_model_len,
-                              batch_size_buckets(min(eng.max_num_seqs, eng.cuda_graph_max_batch_size)),
-                              self.attn_backend_cls)
-        try:
-            graphs.capture()
-        except Exception as exc:  # noqa: BLE001 - an eager engine beats no engine
-            logger.warning("CUDA graph capture failed, every step runs eagerly (set "
-                           "engine.enforce_eager = true to skip the attempt): %s: %s",
-                           type(exc).__name__, exc)
-            return None
-        return graphs
-
     def kv_compat_hash(self) -> str:
         """What two instances must share to exchange KV blocks (ARCHITECTURE.md §2): the model
         name, dtype, KV shapes and block size, and fingerprints of the weights and the tokenizer
@@ -262,25 +150,26 @@ class LLMEngine:
         return compat_hash(model=model, dtype=str(self.dtype).removeprefix("torch."),
                            num_layers=a.num_hidden_layers, num_kv_heads=a.num_key_value_heads,
                            head_dim=a.head_dim, block_size=self.config.engine.block_size,
-                           weights=weights, tokenizer=tokenizer)
+                           weights=weights, tokenizer=tokenizer,
+                           tensor_parallel_size=self.config.parallel.tensor_parallel_size,
+                           pipeline_parallel_size=self.config.parallel.pipeline_parallel_size)
 
     def _build_kv_transfer(self) -> KVTransferCoordinator | None:
         """A prefill or decode instance registers its KV pool with the configured connector."""
         disagg = self.config.disaggregation
         if disagg.role == "both":
             return None
-        connector = self.registry.get("kv_connector", disagg.kv_connector)()
-        descriptor = KVPoolDescriptor.for_pool(self.kv_cache, self.kv_compat_hash())
-        connector.register_pool(self.kv_cache, descriptor)
+        compat = self.kv_compat_hash()
+        connector = self.executor.connect_kv(disagg.kv_connector, compat)
         return KVTransferCoordinator(
-            connector, self.scheduler, engine_id=uuid.uuid4().hex, compat_hash=descriptor.compat_hash,
-            block_bytes=descriptor.block_bytes, transfer_timeout_s=disagg.kv_transfer_timeout_s,
-            expiry_s=disagg.kv_expiry_s, failure_policy=disagg.kv_load_failure_policy)
+            connector, self.scheduler, engine_id=uuid.uuid4().hex, compat_hash=compat,
+            block_bytes=kv_bytes_per_block(self.arch, self.config.engine.block_size, self.dtype),
+            transfer_timeout_s=disagg.kv_transfer_timeout_s, expiry_s=disagg.kv_expiry_s,
+            failure_policy=disagg.kv_load_failure_policy)
 
     def close(self) -> None:
-        """Release the KV connector (idempotent)."""
-        if self.kv_transfer is not None:
-            self.kv_transfer.connector.close()
+        """Stop the executor and release the KV connector (idempotent)."""
+        self.executor.close()
 
     # ----------------------------------------------------------------------------- requests
 
@@ -409,7 +298,7 @@ class LLMEngine:
             sched_out = self.scheduler.schedule()
             if self.kv_transfer is not None:
                 self.kv_transfer.start_loads(self.scheduler.take_new_loads())
-            runner_out = self.runner.execute(sched_out)
+            runner_out = self.executor.execute(sched_out)
             updates = self.scheduler.update_from_output(sched_out, runner_out)
         except Exception as exc:  # noqa: BLE001 - isolated below; only EngineDeadError escapes
             return self._on_step_failed(exc)
@@ -451,6 +340,8 @@ class LLMEngine:
 
     def _on_step_failed(self, exc: Exception) -> list[RequestOutput]:
         """Isolate the failed step's requests; fail the one that failed alone."""
+        if isinstance(exc, EngineDeadError):
+            raise exc
         if _is_accelerator_error(exc):
             raise EngineDeadError(f"the device failed: {type(exc).__name__}: {exc}") from exc
         self._num_failed_steps_in_row += 1

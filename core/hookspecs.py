@@ -72,6 +72,15 @@ def tandem_register_models(register: Register) -> None:
 
 
 @hookspec
+def tandem_register_executors(register: Register) -> None:
+    """Register executors, selected by ``engine.distributed_executor_backend``:
+    ``register("uniproc", UniprocExecutor)``.
+
+    Each class subclasses ``tandem.interfaces.Executor`` and is built by the engine with
+    ``(config, eos_token_ids)``."""
+
+
+@hookspec
 def tandem_engine_started(config: Any) -> None:
     """Observer: called once in each engine process after the model is loaded and the KV pool is
     allocated, with the effective ``TandemConfig``. The return value is ignored; an

@@ -296,6 +296,41 @@ class QuantMethod(ABC):
     def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x [..., input_size]`` → ``[..., sum(output_sizes)]``."""
 
+    def split_axis(self, name: str, dim: str) -> tuple[int, int] | None:
+        """Tensor parallelism: along which axis of checkpoint tensor ``name`` its ``dim``
+        ("output" or "input") runs, and how many outputs or inputs one element along it covers
+        (8 for a packed int4 word, the group size for per-group scales); None when the tensor
+        does not vary along ``dim`` and every rank keeps it whole (a per-tensor scale). The
+        default refuses: a method that does not say cannot run at tensor_parallel_size > 1."""
+        raise ValueError(f"the {self.name or type(self).__name__} quantization method does not "
+                         "support tensor parallelism")
+
+    def split_tensor(self, name: str, tensor: Any, split: TensorSplit, logical_size: int) -> Any:
+        """This rank's part of checkpoint tensor ``name`` of a shard with ``logical_size``
+        outputs (``split.dim`` "output") or of a layer with ``logical_size`` inputs ("input"),
+        cut as ``split_axis`` says. Raises ValueError naming the tensor and its shape when the
+        parts would not hold whole elements (a group, a packed word, a scale block)."""
+        axis_unit = self.split_axis(name, split.dim)
+        if axis_unit is None or tensor.dim() == 0 or tensor.numel() == 1:
+            return tensor
+        axis, unit = axis_unit
+        if logical_size % (split.parts * unit):
+            raise ValueError(f"{name} of shape {tuple(tensor.shape)}: {logical_size} {split.dim}s do not "
+                             f"split into {split.parts} parts of whole {unit}-{split.dim} elements")
+        size = logical_size // split.parts // unit
+        return tensor.narrow(axis, split.index * size, size)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSplit:
+    """The part of a linear layer's checkpoint tensors one tensor-parallel rank keeps: its
+    outputs ("output": column-parallel, each fused shard cut on its own) or inputs ("input":
+    row-parallel) cut into ``parts`` equal ranges, of which it keeps range ``index``."""
+
+    dim: str
+    parts: int
+    index: int
+
 
 # --------------------------------------------------------------------------- KV connectors
 
@@ -420,6 +455,51 @@ class KVConnector(ABC):
 
     def close(self) -> None:
         """Release the transport's resources (optional; idempotent)."""
+
+
+# --------------------------------------------------------------------------- executors
+
+
+class Executor(ABC):
+    """Runs the model for one engine: it owns the workers — each rank's share of the model, its
+    KV pool, model runner, CUDA graphs and KV connector — wherever they run (the engine's own
+    process, one process per rank, other hosts).
+
+    Built once by the engine, from the configuration and the generation config's EOS ids; every
+    method is called from the engine thread. Each step the engine calls ``execute`` with the
+    scheduler's diff (``tandem.sched.output.SchedulerOutput``: new requests in full, running ones
+    as ids, new blocks and new tokens) and gets the sampled tokens and logprobs back
+    (``ModelRunnerOutput``). An exception from ``execute`` is a failed step, which the engine
+    isolates; a worker that died or hangs is an ``EngineDeadError`` (tandem.engine).
+    """
+
+    name: ClassVar[str] = ""
+
+    @abstractmethod
+    def __init__(self, config: Any, eos_token_ids: frozenset[int]) -> None:
+        """Start the workers and wait until each has loaded its share of the model."""
+
+    @property
+    @abstractmethod
+    def num_kv_blocks(self) -> int:
+        """Blocks of every rank's KV pool (the same on all ranks: block tables are shared)."""
+
+    @property
+    @abstractmethod
+    def max_model_len(self) -> int:
+        """The context length the workers serve (``model.max_model_len`` against the KV pool)."""
+
+    @abstractmethod
+    def execute(self, scheduler_output: Any) -> Any:
+        """Run one step; returns the ``ModelRunnerOutput`` of the rank that samples."""
+
+    @abstractmethod
+    def connect_kv(self, connector_name: str, compat_hash: str) -> KVConnector:
+        """Register the KV pools with a connector of ``connector_name`` (a prefill or decode
+        instance, once at start-up); returns what the engine's hand-overs drive."""
+
+    def close(self) -> None:
+        """Stop the workers and release what they hold (optional; idempotent)."""
 
 
 # --------------------------------------------------------------------------- routing policies

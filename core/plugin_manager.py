@@ -64,6 +64,7 @@ KINDS: dict[str, PluginKind] = {
         PluginKind("kv_connector", "tandem_register_kv_connectors", interfaces.KVConnector),
         PluginKind("routing_policy", "tandem_register_routing_policies", interfaces.RoutingPolicy),
         PluginKind("model", "tandem_register_models", None),
+        PluginKind("executor", "tandem_register_executors", interfaces.Executor),
     ]
 }
 

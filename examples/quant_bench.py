@@ -77,7 +77,7 @@ def variant_path(src: Path, work_dir: Path, name: str) -> tuple[Path, float]:
 def weight_bytes(llm: LLM) -> tuple[int, int]:
     """(bytes of the linear layers' parameters, bytes of every parameter)."""
     linear = total = 0
-    for name, p in llm.engine.model.named_parameters():
+    for name, p in llm.engine.executor.worker.model.named_parameters():
         nbytes = p.numel() * p.element_size()
         total += nbytes
         if "_proj." in name:

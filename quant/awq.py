@@ -86,6 +86,12 @@ class AWQLinearMethod(QuantMethod):
         else:
             raise unknown_tensor("AWQ", name, TENSORS)
 
+    def split_axis(self, name: str, dim: str) -> tuple[int, int] | None:
+        # qweight [in, out/8], qzeros [in/group, out/8], scales [in/group, out]
+        if dim == "output":
+            return (1, 1) if name == "scales" else (1, PACK)
+        return (0, 1) if name == "qweight" else (0, self.config.group_size)
+
     def process_weights_after_loading(self, layer: Any) -> None:
         check_loaded(layer, "AWQ", TENSORS)
         if layer.params_dtype == torch.bfloat16 and layer.qweight.device.type == "cpu":

@@ -125,6 +125,17 @@ class FP8LinearMethod(QuantMethod):
         copy_shard(layer, "weight_scale", tensor.repeat_interleave(block_n, dim=0)[:rows], shard, dim=0)
         layer.loaded_tensors.add((name, shard))
 
+    def split_axis(self, name: str, dim: str) -> tuple[int, int] | None:
+        # weight [N, K]; weight_scale [N, 1] or one value; weight_scale_inv [N/bn, K/bk]
+        if name == "weight":
+            return (0, 1) if dim == "output" else (1, 1)
+        if name == self.config.block_scale_name and self.config.weight_block_size:
+            block_n, block_k = self.config.weight_block_size
+            return (0, block_n) if dim == "output" else (1, block_k)
+        if name == "weight_scale":
+            return (0, 1) if dim == "output" else None
+        return None  # input_scale: one value per shard
+
     def process_weights_after_loading(self, layer: Any) -> None:
         check_loaded(layer, "FP8", self.required_tensors)
 

@@ -112,6 +112,31 @@ class GPTQLinearMethod(QuantMethod):
         else:
             raise unknown_tensor("GPTQ", name, TENSORS)
 
+    def split_axis(self, name: str, dim: str) -> tuple[int, int] | None:
+        # qweight [in/8, out], qzeros [groups, out/8], scales [groups, out], g_idx [in]
+        per_word = values_per_word(self.config.bits)
+        if dim == "output":
+            return {"qweight": (1, 1), "qzeros": (1, per_word), "scales": (1, 1)}.get(name)
+        if name == "qweight":
+            return 0, per_word
+        if name == "g_idx":
+            return 0, 1
+        return None if self.config.group_size == -1 else (0, self.config.group_size)
+
+    def split_tensor(self, name: str, tensor: Any, split: Any, logical_size: int) -> Any:
+        part = super().split_tensor(name, tensor, split, logical_size)
+        if name != "g_idx" or split.dim != "input" or self.config.group_size == -1:
+            return part
+        # A rank keeps groups [index * G/parts, (index + 1) * G/parts): its rows must use only
+        # those (always true without act order; act order may mix groups across ranks).
+        groups = logical_size // self.config.group_size // split.parts
+        local = part.to(torch.int64) - split.index * groups
+        if local.numel() and (local.min() < 0 or local.max() >= groups):
+            raise ValueError(f"g_idx: the act-order (desc_act) groups of inputs {split.index * part.numel()}.."
+                             f"{(split.index + 1) * part.numel() - 1} are not all in this rank's {groups} "
+                             f"groups; this layer cannot be split {split.parts} ways")
+        return local.to(tensor.dtype)
+
     @staticmethod
     def _load_g_idx(layer: Any, tensor: torch.Tensor, shard: int) -> None:
         earlier = [s for n, s in layer.loaded_tensors if n == "g_idx"]

@@ -41,3 +41,6 @@ class UnquantizedLinearMethod(QuantMethod):
 
     def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)
+
+    def split_axis(self, name: str, dim: str) -> tuple[int, int] | None:
+        return (0, 1) if dim == "output" else (1, 1)  # weight [out, in]

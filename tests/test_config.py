@@ -33,7 +33,12 @@ DEFAULTS = {
         "enable_chunked_prefill": True, "scheduler": "fcfs", "kv_allocator": "paged",
         "attention_backend": "auto", "num_threads": None, "num_speculative_tokens": 0,
         "speculative_ngram_min": 2, "speculative_ngram_max": 4, "enforce_eager": False,
-        "cuda_graph_max_batch_size": 256, "max_logprobs": 20,
+        "cuda_graph_max_batch_size": 256, "max_logprobs": 20, "distributed_executor_backend": "auto",
+        "worker_timeout_s": 300.0,
+    },
+    "parallel": {
+        "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "nnodes": 1, "node_rank": 0,
+        "master_addr": "127.0.0.1", "master_port": 0,
     },
     "server": {
         "host": "127.0.0.1", "port": 8000, "api_key": None, "max_queued_requests": 256,
@@ -154,7 +159,7 @@ def test_unknown_keys_in_the_file_name_the_field_and_the_allowed_keys(tmp_path):
         load(path)
     message = str(info.value)
     assert re.search(r"engine\.max_num_seq: unknown key; allowed keys here: device, block_size", message)
-    assert "servers: unknown key; allowed keys here: model, engine, server, disaggregation" in message
+    assert "servers: unknown key; allowed keys here: model, engine, parallel, server, disaggregation" in message
 
 
 def test_unknown_key_in_a_list_item_is_located(tmp_path):

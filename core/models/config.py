@@ -241,13 +241,20 @@ def _as_ids(value: int | list[int] | None) -> tuple[int, ...]:
     return tuple(value)
 
 
-def kv_cache_shape(config: ModelArchConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+def kv_cache_shape(config: ModelArchConfig, num_blocks: int, block_size: int,
+                   parallel: Any = None) -> tuple[int, ...]:
     """``(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)``: block-major, so one
-    block's K and V of every layer are one contiguous region."""
-    return (num_blocks, config.num_hidden_layers, 2, block_size, config.num_key_value_heads, config.head_dim)
+    block's K and V of every layer are one contiguous region. With ``parallel`` (a
+    ``tandem.executor.parallel.ParallelContext``): one rank's pool, the layers of its pipeline
+    stage and the KV heads it holds."""
+    layers, heads = config.num_hidden_layers, config.num_key_value_heads
+    if parallel is not None:
+        layers, heads = len(parallel.stage_layers(layers)), parallel.num_local_kv_heads(heads)
+    return (num_blocks, layers, 2, block_size, heads, config.head_dim)
 
 
-def kv_bytes_per_block(config: ModelArchConfig, block_size: int, dtype: Any) -> int:
-    """Bytes of one block of the pool for element type ``dtype`` (a torch.dtype)."""
-    per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim
-    return per_token * block_size * dtype.itemsize
+def kv_bytes_per_block(config: ModelArchConfig, block_size: int, dtype: Any, parallel: Any = None) -> int:
+    """Bytes of one block of the pool (of one rank's, with ``parallel``) for element type
+    ``dtype`` (a torch.dtype)."""
+    _, layers, two, _, heads, head_dim = kv_cache_shape(config, 1, block_size, parallel)
+    return layers * two * heads * head_dim * block_size * dtype.itemsize

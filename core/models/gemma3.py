@@ -26,8 +26,8 @@ from torch import nn
 
 from tandem.interfaces import AttentionBackend, AttentionMetadata, QuantMethod
 from tandem.models.config import SLIDING_ATTENTION, ModelArchConfig
-from tandem.models.layers import AttentionOptions, Embedding, GemmaRMSNorm
-from tandem.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from tandem.models.layers import AttentionOptions, GemmaRMSNorm
+from tandem.models.llama import LlamaDecoderLayer, LlamaForCausalLM, PipelineStage
 from tandem.models.rotary import RotaryEmbedding
 
 
@@ -48,11 +48,13 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
         return x + self.post_feedforward_layernorm(h)[0]
 
 
-class Gemma3Model(nn.Module):
+class Gemma3Model(PipelineStage):
+    intermediate_count = 1  # the residual stream only: Gemma's layers add their own
+
     def __init__(self, config: ModelArchConfig, quant_method: QuantMethod,
                  attn_backend_cls: type[AttentionBackend], options: AttentionOptions) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.build_stage(config, lambda i: Gemma3DecoderLayer(config, i, quant_method, attn_backend_cls, options))
         # HF keeps sqrt(hidden) as a float32 buffer and casts it to the weights' dtype.
         scale = torch.tensor(config.hidden_size**0.5, dtype=torch.float32).to(torch.get_default_dtype())
         self.register_buffer("embed_scale", scale, persistent=False)
@@ -62,19 +64,18 @@ class Gemma3Model(nn.Module):
         if config.sliding_rope is not None:
             self.rotary_emb_local = RotaryEmbedding(config.rotary_dim or config.head_dim, *config.sliding_rope)
         self.layer_is_sliding = [t == SLIDING_ATTENTION for t in config.layer_types]
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, i, quant_method, attn_backend_cls, options)
-            for i in range(config.num_hidden_layers)
-        )
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
-        h = self.embed_tokens(input_ids) * self.embed_scale
+                metadata: AttentionMetadata, intermediate: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed_tokens(input_ids) * self.embed_scale if intermediate is None else intermediate[0]
         rope = self.rotary_emb(positions, h.dtype, metadata)
         local = rope if self.rotary_emb_local is None else self.rotary_emb_local(positions, h.dtype, metadata)
-        for layer, sliding in zip(self.layers, self.layer_is_sliding):
-            h = layer(h, *(local if sliding else rope), kv_cache, metadata)
+        sliding = self.layer_is_sliding[self.stage.start : self.stage.stop]
+        for layer, is_sliding in zip(self.stage_layers(), sliding):
+            h = layer(h, *(local if is_sliding else rope), kv_cache, metadata)
+        if not self.is_last_stage:
+            return h.unsqueeze(0)
         return self.norm(h)[0]
 
 

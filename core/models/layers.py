@@ -4,6 +4,17 @@ Parameters are created empty (``torch.empty``) in the current default dtype and 
 loader sets both — and filled by ``load_weights``; nothing here initialises weights randomly.
 Linear layers get their parameters from a ``tandem.interfaces.QuantMethod`` so that quantized
 formats plug in without touching the models; the embedding and the LM head stay unquantized.
+
+Under tensor parallelism (``tandem.executor.parallel``, read when a layer is built) each rank
+builds its share and cuts each checkpoint tensor as it loads (Megatron's layout):
+
+    qkv_proj, gate_up_proj   column-parallel: each fused shard's outputs cut tp ways (K and V
+                             heads replicated when there are fewer of them than ranks)
+    o_proj, down_proj        row-parallel: inputs cut tp ways, outputs all-reduced, bias added
+                             once after the sum
+    embed_tokens, lm_head    vocabulary-parallel: rows cut tp ways (the vocabulary padded to a
+                             multiple of tp); lookups all-reduced, logits gathered on tp rank 0
+    norms, q/k norms         replicated
 """
 from __future__ import annotations
 
@@ -15,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.interfaces import AttentionBackend, AttentionMetadata, QuantMethod
+from tandem.executor.parallel import ParallelContext, check_tensor_parallel, current
+from tandem.interfaces import AttentionBackend, AttentionMetadata, QuantMethod, TensorSplit
 from tandem.models.rotary import rotate
 
 if TYPE_CHECKING:
@@ -68,10 +80,26 @@ class LinearLayer(nn.Module):
     ``sum(output_sizes[:i]) .. sum(output_sizes[:i+1])-1`` and is loaded from its own checkpoint
     tensors with ``load(name, tensor, shard=i)``. The weight's layout belongs to ``quant_method``;
     the bias (when present) is a plain vector in the default dtype, loaded here.
+
+    Sizes are the whole layer's. Tensor parallelism: ``splits`` (one ``TensorSplit`` per shard,
+    dim "output") makes it column-parallel — this rank keeps part ``index`` of ``parts`` of each
+    shard's outputs; ``splits`` of one split with dim "input" makes it row-parallel — this rank
+    keeps its part of the inputs and all-reduces its partial outputs over ``parallel``.
+    Checkpoint tensors are whole; ``load`` cuts them.
     """
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, quant_method: QuantMethod):
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, quant_method: QuantMethod,
+                 splits: list[TensorSplit] | None = None, parallel: ParallelContext | None = None):
         super().__init__()
+        self.splits = splits or []
+        self.row_parallel = bool(self.splits) and self.splits[0].dim == "input"
+        self.parallel = parallel
+        self.full_output_sizes = list(output_sizes)
+        self.full_input_size = input_size
+        if self.row_parallel:
+            input_size //= self.splits[0].parts
+        elif self.splits:
+            output_sizes = [size // split.parts for size, split in zip(output_sizes, self.splits)]
         self.input_size = input_size
         self.output_sizes = list(output_sizes)
         self.quant_method = quant_method
@@ -79,7 +107,15 @@ class LinearLayer(nn.Module):
         self.bias = _empty_param(sum(output_sizes)) if bias else None
 
     def load(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
-        """Load checkpoint tensor ``name`` ("weight", "bias", "qweight"…) of output ``shard``."""
+        """Load checkpoint tensor ``name`` ("weight", "bias", "qweight"…) of output ``shard``
+        (whole, as the checkpoint stores it: a tensor-parallel layer keeps its part)."""
+        if self.splits and not (self.row_parallel and name == "bias"):
+            split = self.splits[0] if self.row_parallel else self.splits[shard]
+            logical = self.full_input_size if self.row_parallel else self.full_output_sizes[shard]
+            if name == "bias":
+                tensor = tensor.narrow(0, split.index * (logical // split.parts), logical // split.parts)
+            else:
+                tensor = self.quant_method.split_tensor(name, tensor, split, logical)
         if name != "bias":
             self.quant_method.load_weight(self, name, tensor, shard)
             return
@@ -92,30 +128,76 @@ class LinearLayer(nn.Module):
         target.copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+        if not self.row_parallel:
+            return self.quant_method.apply(self, x, self.bias)
+        out = self.parallel.all_reduce(self.quant_method.apply(self, x, None))
+        return out if self.bias is None else out + self.bias
+
+
+def column_splits(parallel: ParallelContext, num_shards: int) -> list[TensorSplit] | None:
+    """Every shard cut ``tp`` ways (None at tp = 1)."""
+    if parallel.tp_size == 1:
+        return None
+    return [TensorSplit("output", parallel.tp_size, parallel.tp_rank)] * num_shards
+
+
+def row_split(parallel: ParallelContext) -> list[TensorSplit] | None:
+    return None if parallel.tp_size == 1 else [TensorSplit("input", parallel.tp_size, parallel.tp_rank)]
 
 
 class Embedding(nn.Module):
-    """Token embedding table ``[vocab_size, hidden_size]`` (unquantized)."""
+    """Token embedding table ``[vocab_size, hidden_size]`` (unquantized). Vocabulary-parallel at
+    tp > 1: this rank holds rows ``vocab_start .. vocab_start + rows - 1`` of the table padded
+    to a multiple of tp; ids outside them embed to zeros, and the all-reduce sums the ranks."""
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
-        self.weight = _empty_param(vocab_size, hidden_size)
+        self.parallel = current()
+        tp = self.parallel.tp_size
+        self.vocab_size = vocab_size
+        self.rows = -(-vocab_size // tp)
+        self.vocab_start = self.parallel.tp_rank * self.rows
+        self.weight = _empty_param(self.rows, hidden_size)
+
+    def load(self, tensor: torch.Tensor) -> None:
+        """Copy this rank's rows of the whole checkpoint table (the padding rows stay zero)."""
+        if tuple(tensor.shape) != (self.vocab_size, self.weight.shape[1]):
+            raise ValueError(f"has shape {tuple(tensor.shape)}, expected {(self.vocab_size, self.weight.shape[1])}")
+        part = tensor[self.vocab_start : self.vocab_start + self.rows]
+        self.weight.data.zero_()
+        self.weight.data[: part.shape[0]].copy_(part)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if self.parallel.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.rows)
+        h = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.parallel.all_reduce(h.masked_fill(outside.unsqueeze(-1), 0))
 
 
 class LMHead(nn.Module):
-    """Hidden states → float32 logits. Unquantized; shares the embedding's weight when tied."""
+    """Hidden states → float32 logits. Unquantized; shares the embedding's weight when tied.
+    Vocabulary-parallel at tp > 1 (the same rows as ``Embedding``): the logits of every rank are
+    gathered on tensor rank 0, and the other ranks get None."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tied_to: Embedding | None = None) -> None:
         super().__init__()
+        self.parallel = current()
         self.tied = tied_to is not None
-        self.weight = tied_to.weight if tied_to is not None else _empty_param(vocab_size, hidden_size)
+        self.vocab_size = vocab_size
+        self.rows = -(-vocab_size // self.parallel.tp_size)
+        self.vocab_start = self.parallel.tp_rank * self.rows
+        self.weight = tied_to.weight if tied_to is not None else _empty_param(self.rows, hidden_size)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight).float()
+    load = Embedding.load
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = F.linear(hidden, self.weight).float()
+        if self.parallel.tp_size == 1:
+            return logits
+        logits = self.parallel.gather_last_dim(logits)
+        return None if logits is None else logits[..., : self.vocab_size]
 
 
 ACTIVATIONS = {
@@ -136,9 +218,15 @@ class GatedMLP(nn.Module):
         if hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {hidden_act!r}; supported: {', '.join(ACTIVATIONS)}")
         self.act = ACTIVATIONS[hidden_act]
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = LinearLayer(hidden_size, [intermediate_size] * 2, bias, quant_method)
-        self.down_proj = LinearLayer(intermediate_size, [hidden_size], bias, quant_method)
+        parallel = current()
+        if intermediate_size % parallel.tp_size:
+            raise ValueError(f"tensor_parallel_size = {parallel.tp_size} does not divide the MLP's "
+                             f"intermediate_size {intermediate_size}")
+        self.intermediate_size = intermediate_size // parallel.tp_size
+        self.gate_up_proj = LinearLayer(hidden_size, [intermediate_size] * 2, bias, quant_method,
+                                        column_splits(parallel, 2), parallel)
+        self.down_proj = LinearLayer(intermediate_size, [hidden_size], bias, quant_method,
+                                     row_split(parallel), parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -162,23 +250,39 @@ class AttentionOptions:
 class Attention(nn.Module):
     """Self-attention of layer ``layer_idx``: fused QKV projection (shards q, k, v), optional
     per-head q/k norms, rotary embedding (unless the config exempts the layer), one attention
-    backend instance over ``kv_cache[:, layer_idx]``, output projection. Query head ``h`` uses
-    KV head ``h // (num_heads // num_kv_heads)`` (GQA as HF's repeat_kv)."""
+    backend instance over ``kv_cache[:, kv_index]`` (the layer's place in this rank's pool:
+    ``layer_idx`` less the first layer of its pipeline stage), output projection. Query head
+    ``h`` uses KV head ``h // (num_heads // num_kv_heads)`` (GQA as HF's repeat_kv). At tp > 1
+    ``num_heads`` and ``num_kv_heads`` are this rank's: a contiguous range of query heads and
+    the KV heads they use."""
 
     def __init__(self, config: ModelArchConfig, layer_idx: int, quant_method: QuantMethod,
                  attn_backend_cls: type[AttentionBackend], options: AttentionOptions) -> None:
         super().__init__()
+        parallel = current()
         self.layer_idx = layer_idx
+        self.kv_index = layer_idx - parallel.stage_layers(config.num_hidden_layers).start
         self.use_rope = config.uses_rope(layer_idx)
         self.rotary_dim = config.rotary_dim or config.head_dim
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        check_tensor_parallel(heads, kv_heads, config.vocab_size, parallel.tp_size)
+        kv_parts, kv_index = parallel.kv_head_split(kv_heads)
+        self.num_heads = heads // parallel.tp_size
+        self.num_kv_heads = kv_heads // kv_parts
+        splits = None
+        if parallel.tp_size > 1:
+            q_split = TensorSplit("output", parallel.tp_size, parallel.tp_rank)
+            kv_split = TensorSplit("output", kv_parts, kv_index)
+            splits = [q_split, kv_split, kv_split]
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = LinearLayer(config.hidden_size, self.split_sizes, options.qkv_bias, quant_method)
-        self.o_proj = LinearLayer(q_size, [config.hidden_size], options.o_bias, quant_method)
+        self.qkv_proj = LinearLayer(config.hidden_size, [heads * self.head_dim, kv_heads * self.head_dim,
+                                                         kv_heads * self.head_dim],
+                                    options.qkv_bias, quant_method, splits, parallel)
+        self.o_proj = LinearLayer(heads * self.head_dim, [config.hidden_size], options.o_bias, quant_method,
+                                  row_split(parallel), parallel)
         norm = options.qk_norm
         self.q_norm = norm(self.head_dim, config.rms_norm_eps) if norm is not None else None
         self.k_norm = norm(self.head_dim, config.rms_norm_eps) if norm is not None else None
@@ -206,5 +310,5 @@ class Attention(nn.Module):
             qk = torch.cat((rotate(qk[..., : self.rotary_dim], cos, sin), qk[..., self.rotary_dim :]), dim=-1)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = self.attn.forward(q, k, v, kv_cache[:, self.layer_idx], metadata)
+        out = self.attn.forward(q, k, v, kv_cache[:, self.kv_index], metadata)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))

@@ -7,9 +7,18 @@ Contract shared by every tandem model class::
     logits = model.compute_logits(hidden [N, hidden_size])               # float32 [N, vocab]
     model.load_weights(iterable of (HF checkpoint name, tensor))         # once, all tensors
 
-``kv_cache`` is the whole pool ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``;
-layer ``l`` hands ``kv_cache[:, l]`` to its attention backend. Module names follow HF's, except
-the fused projections: ``self_attn.qkv_proj`` (q, k, v) and ``mlp.gate_up_proj`` (gate, up).
+``kv_cache`` is this rank's pool ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``;
+layer ``l`` hands ``kv_cache[:, l - first layer of the stage]`` to its attention backend. Module
+names follow HF's, except the fused projections: ``self_attn.qkv_proj`` (q, k, v) and
+``mlp.gate_up_proj`` (gate, up).
+
+Pipeline parallelism (``tandem.executor.parallel``): a rank builds only its stage's layers (the
+others are ``MissingLayer`` placeholders, so module names keep their global layer numbers),
+the embedding on the first stage, the final norm and LM head on the last (and the embedding
+there too when the head is tied to it). A stage after the first is called with
+``intermediate``, the stacked hidden state and residual ``[2, T, hidden]`` the previous stage
+returned; every stage but the last returns that instead of the final hidden state, and
+``load_weights`` skips the tensors of layers other stages hold.
 """
 from __future__ import annotations
 
@@ -18,6 +27,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from tandem.executor.parallel import current
 from tandem.interfaces import AttentionBackend, AttentionMetadata, QuantMethod
 from tandem.models.config import ModelArchConfig
 from tandem.models.layers import (
@@ -71,29 +81,63 @@ class LlamaDecoderLayer(nn.Module):
         return h if self.residual_multiplier == 1.0 else h * self.residual_multiplier
 
 
-class LlamaModel(nn.Module):
+class MissingLayer(nn.Module):
+    """Stands for a layer another pipeline stage holds (no parameters, never called)."""
+
+
+class PipelineStage(nn.Module):
+    """What every decoder stack shares under pipeline parallelism: which layers, embedding and
+    final norm this rank builds (``build_stage``), and the names of the checkpoint tensors it
+    leaves to other stages (``held_elsewhere``)."""
+
+    intermediate_count = 2
+    """Tensors a stage hands the next, each ``[T, hidden_size]`` (hidden state and residual)."""
+
+    def build_stage(self, config: ModelArchConfig, make_layer) -> None:
+        parallel = current()
+        self.stage = parallel.stage_layers(config.num_hidden_layers)
+        self.is_first_stage, self.is_last_stage = parallel.is_first_stage, parallel.is_last_stage
+        needs_embedding = self.is_first_stage or (self.is_last_stage and config.tie_word_embeddings)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size) if needs_embedding else None
+        self.layers = nn.ModuleList(make_layer(i) if i in self.stage else MissingLayer()
+                                    for i in range(config.num_hidden_layers))
+
+    def held_elsewhere(self, prefix: str) -> tuple[str, ...]:
+        """Name prefixes (under ``prefix``) of the checkpoint tensors other stages load."""
+        names = [f"{prefix}layers.{i}." for i, layer in enumerate(self.layers) if isinstance(layer, MissingLayer)]
+        if self.embed_tokens is None:
+            names.append(f"{prefix}embed_tokens.")
+        if self.norm is None:
+            names.append(f"{prefix}norm.")
+        return tuple(names)
+
+    def stage_layers(self):
+        return self.layers[self.stage.start : self.stage.stop]
+
+
+class LlamaModel(PipelineStage):
     def __init__(self, config: ModelArchConfig, quant_method: QuantMethod,
                  attn_backend_cls: type[AttentionBackend], options: AttentionOptions) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.build_stage(config, lambda i: LlamaDecoderLayer(config, i, quant_method, attn_backend_cls, options))
         self.rotary_emb = RotaryEmbedding(config.rotary_dim or config.head_dim, config.rope_theta,
                                           config.rope_scaling)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, quant_method, attn_backend_cls, options)
-            for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else None
         self.embedding_multiplier = config.embedding_multiplier
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
-        if self.embedding_multiplier != 1.0:
-            h = h * self.embedding_multiplier
+                metadata: AttentionMetadata, intermediate: torch.Tensor | None = None) -> torch.Tensor:
+        if intermediate is None:
+            h, residual = self.embed_tokens(input_ids), None
+            if self.embedding_multiplier != 1.0:
+                h = h * self.embedding_multiplier
+        else:
+            h, residual = intermediate[0], intermediate[1]
         cos, sin = self.rotary_emb(positions, h.dtype, metadata)
-        residual = None
-        for layer in self.layers:
+        for layer in self.stage_layers():
             h, residual = layer(h, residual, cos, sin, kv_cache, metadata)
+        if not self.is_last_stage:
+            return torch.stack((h, residual))
         h, _ = self.norm(h, residual)
         return h
 
@@ -112,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = self.build_model(config, quant_method, attn_backend_cls)
         tied_to = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to) if self.model.is_last_stage else None
 
     def build_model(self, config: ModelArchConfig, quant_method: QuantMethod,
                     attn_backend_cls: type[AttentionBackend]) -> nn.Module:
@@ -125,13 +169,14 @@ class LlamaForCausalLM(nn.Module):
                                 scale=config.attention_multiplier)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_cache, metadata)
+                metadata: AttentionMetadata, intermediate: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_cache, metadata, intermediate)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits; None on tensor ranks other than 0 (they hold a vocabulary shard)."""
         logits = self.lm_head(hidden)
         scaling = self.config.logits_scaling
-        return logits if scaling == 1.0 else logits / scaling
+        return logits if scaling == 1.0 or logits is None else logits / scaling
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load every tensor of an HF checkpoint (names as HF writes them), then let the quant
@@ -141,9 +186,11 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded_params: set[str] = set()
         loaded_shards: set[tuple[str, int, bool]] = set()
+        elsewhere = self.model.held_elsewhere("model.") + (("lm_head.",) if self.lm_head is None else ())
         with torch.no_grad():
             for name, tensor in weights:
-                if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.lm_head.tied):
+                if (name.endswith(IGNORED_SUFFIXES) or name.startswith(elsewhere)
+                        or (name == "lm_head.weight" and self.lm_head.tied)):
                     continue
                 module_name, _, suffix = name.rpartition(".")
                 parent, _, leaf = module_name.rpartition(".")
@@ -156,8 +203,17 @@ class LlamaForCausalLM(nn.Module):
                         module.load(suffix, part, shard)
                         loaded_shards.add((target, shard, suffix == "bias"))
                 elif isinstance(module, LinearLayer):
-                    module.load(suffix, tensor, shard)
+                    try:
+                        module.load(suffix, tensor, shard)
+                    except ValueError as exc:
+                        raise ValueError(f"{target} ({name}): {exc}") from exc
                     loaded_shards.add((target, shard, suffix == "bias"))
+                elif isinstance(module, (Embedding, LMHead)) and suffix == "weight":
+                    try:
+                        module.load(tensor)
+                    except ValueError as exc:
+                        raise ValueError(f"checkpoint tensor {name!r} {exc}") from exc
+                    loaded_params.add(name)
                 elif name in params:
                     _copy_param(name, params[name], tensor)
                     loaded_params.add(name)
@@ -187,10 +243,11 @@ class LlamaForCausalLM(nn.Module):
 def _split_fused(name: str, suffix: str, tensor: torch.Tensor, module: LinearLayer) -> list[torch.Tensor]:
     if suffix not in ("weight", "bias") or module.quant_method.name != "unquantized":
         raise ValueError(f"checkpoint tensor {name!r}: fused projections are only read unquantized")
-    if tensor.shape[0] != sum(module.output_sizes):
+    sizes = module.full_output_sizes  # the checkpoint's: tensor-parallel ranks cut each shard later
+    if tensor.shape[0] != sum(sizes):
         raise ValueError(f"checkpoint tensor {name!r} has {tensor.shape[0]} rows, expected "
-                         f"{' + '.join(map(str, module.output_sizes))}")
-    return list(tensor.split(module.output_sizes, dim=0))
+                         f"{' + '.join(map(str, sizes))}")
+    return list(tensor.split(sizes, dim=0))
 
 
 def _copy_param(name: str, param: nn.Parameter, tensor: torch.Tensor) -> None:

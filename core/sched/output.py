@@ -2,8 +2,9 @@
 
 Pure Python. The scheduler sends diffs: a request appears in full (``NewRequestData``) the first time
 it is scheduled and again after a preemption; while it keeps running it appears only as its id, its
-new blocks and its progress (``CachedRequestData``). The runner keeps its own per-request state and
-appends the tokens it samples itself.
+new blocks, the tokens it gained since it was last sent (those sampled, the accepted drafts) and
+its progress (``CachedRequestData``). A runner's per-request state is a function of these messages
+alone: every rank of a parallel executor keeps the same state, whichever of them samples.
 """
 from __future__ import annotations
 
@@ -32,12 +33,14 @@ class NewRequestData:
 @dataclass(slots=True)
 class CachedRequestData:
     """A request the runner already holds: the blocks appended to its table since the last step
-    (``replaced_block`` = (logical index, new physical id) after a copy-on-write) and its progress."""
+    (``replaced_block`` = (logical index, new physical id) after a copy-on-write), the tokens
+    appended since it was last sent (``new_token_ids``) and its progress."""
 
     request_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
     replaced_blocks: list[tuple[int, int]] = field(default_factory=list)
+    new_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

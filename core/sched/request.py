@@ -85,8 +85,9 @@ class Request:
     """Its prompt's KV comes from a prefill instance: it is admitted to WAITING_FOR_REMOTE_KV."""
     pin_kv: bool = False
     """When it finishes normally its blocks stay pinned for a decode instance to read."""
-    sent_to_runner: bool = False
-    """The runner holds its state (it got the request in full); false again when preempted."""
+    num_tokens_sent: int = 0
+    """How many of its tokens the runner has (0: it holds no state of the request — new, or
+    preempted since)."""
     metrics: RequestMetrics = None  # type: ignore[assignment]
     _output_token_ids: list[int] = field(default_factory=list)
     _all_token_ids: list[int] = field(default_factory=list)

@@ -449,7 +449,7 @@ class Scheduler:
                 if victim is request:
                     return
                 allocation = self.kv.allocate(request, num_new)
-            is_new = not request.sent_to_runner
+            is_new = request.num_tokens_sent == 0
             self._record(step, request, 0, num_new + len(drafts), allocation, is_new=is_new, drafts=drafts)
 
     def _victims(self, step: _Step) -> list[Request]:
@@ -599,7 +599,7 @@ class Scheduler:
         """Back to the waiting queue with nothing computed (the caller took it off the running
         list and gave back its tokens in flight): its computed full blocks stay cached."""
         self.kv.free(request.request_id)
-        request.sent_to_runner = False
+        request.num_tokens_sent = 0
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         self._enqueue(request)
@@ -615,7 +615,7 @@ class Scheduler:
             parent.forked = True
             for index in range(1, parent.sampling_params.n):
                 child = parent.fork(f"{parent.request_id}#{index}", index)
-                child.sent_to_runner = True  # the runner copies the parent's state
+                child.num_tokens_sent = child.num_tokens  # the runner copies the parent's
                 self.kv.fork(parent.request_id, child.request_id)
                 self._requests[child.request_id] = child
                 self._in_flight[child.request_id] = record.num_new  # computed by the parent's step
@@ -633,7 +633,7 @@ class Scheduler:
         self._dropped = set()
         for request_id, record in step.scheduled.items():
             request, allocation = record.request, record.allocation
-            request.sent_to_runner = True
+            sent, request.num_tokens_sent = request.num_tokens_sent, request.num_tokens
             if record.is_new:
                 out.new_requests.append(NewRequestData(
                     request_id=request_id,
@@ -650,6 +650,7 @@ class Scheduler:
                     new_block_ids=allocation.new_block_ids,
                     num_computed_tokens=record.start,
                     replaced_blocks=allocation.replaced_blocks,
+                    new_token_ids=request.all_token_ids[sent:],
                 ))
             out.num_scheduled_tokens[request_id] = record.num_new
             if record.drafts:

@@ -140,3 +140,27 @@ def build_step_inputs(
         prompt_rows=prompt_rows,
         spec_rows=spec_rows,
     )
+
+
+def split_microbatches(out: SchedulerOutput, count: int) -> list[SchedulerOutput]:
+    """Cut the scheduled requests of ``out`` into at most ``count`` contiguous groups of about
+    equal tokens, in schedule order (pipeline parallelism's micro-batches). Each part carries
+    its requests' scheduled tokens, drafts and the children forked from them; the state
+    updates (new, cached, finished requests, block copies) stay with ``out``."""
+    items = list(out.num_scheduled_tokens.items())
+    count = max(1, min(count, len(items)))
+    bounds, acc, parts = [], 0, []
+    for i, (_, n) in enumerate(items):
+        acc += n
+        if len(bounds) < count - 1 and acc * count >= out.total_num_scheduled_tokens * (len(bounds) + 1) \
+                and len(items) - i - 1 >= count - 1 - len(bounds):
+            bounds.append(i + 1)
+    for lo, hi in zip([0] + bounds, bounds + [len(items)]):
+        chosen = dict(items[lo:hi])
+        parts.append(SchedulerOutput(
+            num_scheduled_tokens=chosen,
+            total_num_scheduled_tokens=sum(chosen.values()),
+            spec_token_ids={rid: d for rid, d in out.spec_token_ids.items() if rid in chosen},
+            forked_requests=[f for f in out.forked_requests if f.parent_id in chosen],
+        ))
+    return [p for p in parts if p.num_scheduled_tokens]

@@ -2,8 +2,17 @@
 
 It keeps per-request state from the scheduler's diffs, executes copy-on-write block copies, builds
 one flattened batch per step (tandem.worker.input_batch), runs the model over the paged KV pool and
-samples. ``execute`` is called once per step by the engine thread. Pure decode steps run through
-``graphs`` (tandem.worker.cuda_graphs) when the engine captured CUDA graphs.
+samples. ``execute`` is called once per step by the engine thread (or a worker process's loop).
+Pure decode steps run through ``graphs`` (tandem.worker.cuda_graphs) when the worker captured
+CUDA graphs.
+
+Under tensor and pipeline parallelism (``parallel``) every rank runs the same ``execute`` on the
+same message and keeps the same per-request state; only the driver (tensor rank 0 of the last
+stage) samples and returns a non-empty output. With pp stages the step's requests are cut into
+pp micro-batches (``split_microbatches``, by tokens) that flow through the stages one after
+the other: stage 0 starts micro-batch 2 while stage 1 runs micro-batch 1, so every stage is busy
+but for the fill and drain of each step. Stage s receives ``[k, T, hidden]`` (hidden state and
+residual) from stage s-1 and sends its own on.
 """
 from __future__ import annotations
 
@@ -11,10 +20,11 @@ from collections.abc import Callable
 
 import torch
 
+from tandem.executor.parallel import ParallelContext
 from tandem.sched.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from tandem.worker.cuda_graphs import DecodeGraphs
 from tandem.worker.structured import JsonMasker
-from tandem.worker.input_batch import RunnerRequest, StepInputs, build_step_inputs
+from tandem.worker.input_batch import RunnerRequest, StepInputs, build_step_inputs, split_microbatches
 from tandem.worker.sampler import Sampler, SamplingRow, compute_logprobs, make_generator
 
 
@@ -29,7 +39,10 @@ class ModelRunner:
         block_size: int,
         eos_token_ids: frozenset[int],
         attn_backend_cls: type,
+        parallel: ParallelContext | None = None,
     ) -> None:
+        self.parallel = parallel or ParallelContext()
+        self.samples = self.parallel.is_driver
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
@@ -53,6 +66,9 @@ class ModelRunner:
         result = ModelRunnerOutput()
         if out.total_num_scheduled_tokens == 0:
             return result
+        if self.parallel.pp_size > 1:
+            self._run_pipelined(out, starts, result)
+            return result
         inputs = build_step_inputs(self.requests, out, starts, self.block_size, self.device)
         if self.graphs is not None and self.graphs.can_run(inputs):
             hidden = self.graphs.run(inputs)
@@ -62,6 +78,30 @@ class ModelRunner:
         self._prompt_logprobs(hidden, inputs, result)
         self._sample(hidden, inputs, out, result)
         return result
+
+    def _run_pipelined(self, out: SchedulerOutput, starts: dict[str, int], result: ModelRunnerOutput) -> None:
+        """This stage's part of the step: each micro-batch received (after the first stage),
+        run through the stage's layers, and sent on (before the last stage) or sampled."""
+        parallel, sends = self.parallel, []
+        hidden_size = self.model.config.hidden_size
+        try:
+            for part in split_microbatches(out, parallel.pp_size):
+                inputs = build_step_inputs(self.requests, part, starts, self.block_size, self.device)
+                self.attn_backend_cls.prepare_metadata(inputs.metadata)
+                intermediate = None
+                if not parallel.is_first_stage:
+                    shape = (self.model.model.intermediate_count, inputs.metadata.num_tokens, hidden_size)
+                    intermediate = parallel.recv_prev(shape, self.kv_cache.dtype, self.device)
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata,
+                                    intermediate)
+                if not parallel.is_last_stage:
+                    sends.append(parallel.send_next(hidden))
+                    continue
+                self._prompt_logprobs(hidden, inputs, result)
+                self._sample(hidden, inputs, part, result)
+        finally:
+            for work in sends:
+                work.wait()
 
     def _update_states(self, out: SchedulerOutput) -> dict[str, int]:
         for rid in out.finished_req_ids:
@@ -73,7 +113,7 @@ class ModelRunner:
         for data in out.new_requests:
             req = RunnerRequest.from_new(data)
             req.generator = self._generator(data.request_id, data.sampling_params.seed, data.sample_index)
-            if data.sampling_params.structured_output is not None:
+            if data.sampling_params.structured_output is not None and self.samples:
                 req.json_state = self.json_masker.initial_state(req.output_token_ids)
             self.requests[data.request_id] = req
             starts[data.request_id] = data.num_computed_tokens
@@ -82,6 +122,7 @@ class ModelRunner:
             for index, block_id in data.replaced_blocks:
                 req.block_ids[index] = block_id
             req.block_ids.extend(data.new_block_ids)
+            req.token_ids.extend(data.new_token_ids)
             starts[data.request_id] = data.num_computed_tokens
         return starts
 
@@ -123,6 +164,8 @@ class ModelRunner:
         if not sampling_rows:
             return
         logits = self.model.compute_logits(hidden[hidden_rows])
+        if logits is None:  # a tensor rank other than 0: it lent its vocabulary shard
+            return
         sampled = self.sampler(logits, sampling_rows)
         for i, rid in enumerate(rids):
             self._emit(rid, sampled.token_ids[i:i + 1], sampled.logprobs[i:i + 1], result)
@@ -142,7 +185,6 @@ class ModelRunner:
     def _emit(self, rid: str, tokens: list[int], logprobs: list[TokenLogprobs | None],
               result: ModelRunnerOutput) -> None:
         req = self.requests[rid]
-        req.token_ids.extend(tokens)
         if req.json_state is not None:
             for token in tokens:
                 req.json_state = self.json_masker.advance(req.json_state, token)
@@ -173,6 +215,8 @@ class ModelRunner:
             entries: list[TokenLogprobs | None] = [None] if start == 0 else []
             if last > start:
                 logits = self.model.compute_logits(hidden[row0 : row0 + last - start])
+                if logits is None:
+                    continue
                 targets = req.token_ids[start + 1 : last + 1]
                 entries.extend(compute_logprobs(logits, targets, req.params.prompt_logprobs))
             result.prompt_logprobs[rid] = entries

@@ -27,7 +27,7 @@ def test_auto_dtype_follows_the_checkpoint_and_the_cpu(bf16_checkpoint, native, 
     monkeypatch.setattr(tdevice, "cpu_has_native_bf16", lambda: native)
     llm = LLM(model=str(bf16_checkpoint), num_kv_blocks=64)
     assert llm.engine.dtype == (torch.bfloat16 if native else torch.float32)
-    assert llm.engine.kv_cache.dtype == llm.engine.dtype
+    assert llm.engine.executor.worker.kv_cache.dtype == llm.engine.dtype
 
 
 def test_bf16_greedy_matches_hf_bf16(bf16_checkpoint):

@@ -62,7 +62,8 @@ def _assert_nothing_held(engine: LLMEngine) -> None:
     assert engine.scheduler.kv.stats().num_used_blocks == 0
     engine.scheduler.kv.check_consistency()
     assert engine.step() == []  # the runner learns of the last finished requests in a step
-    assert not engine.runner.requests and not engine.runner.generators and not engine.outputs.states
+    runner = engine.executor.worker.runner
+    assert not runner.requests and not runner.generators and not engine.outputs.states
     assert engine.scheduler.num_isolated == 0 and not engine.scheduler.has_unfinished_requests()
 
 

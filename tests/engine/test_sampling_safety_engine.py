@@ -74,7 +74,7 @@ def test_extreme_values_complete_with_tokens_in_range(llm):
 
 def test_non_finite_logits_from_the_model(llm, monkeypatch):
     """The model's logits get NaN, +inf and -inf entries, and whole rows of them."""
-    model = llm.engine.model
+    model = llm.engine.executor.worker.model
     compute_logits = model.compute_logits
     calls = count()
 

@@ -20,7 +20,7 @@ def test_graphs_match_eager(kind):
     for eager in (True, False):
         llm = LLM(model=path, device="cuda", dtype="float32", num_kv_blocks=64, enforce_eager=eager,
                   cuda_graph_max_batch_size=4)
-        graphs = llm.engine.runner.graphs
+        graphs = llm.engine.executor.worker.runner.graphs
         assert (graphs is None) == eager
         got[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         if not eager:

@@ -74,7 +74,7 @@ from tandem.models.tokenizer_training import EOS, EOT, stdlib_corpus_files, trai
 
 TINY_VOCAB = 512
 TINY_KINDS = ("llama", "llama3", "llama_tied", "llama_sharded", "qwen2", "qwen2_sliding", "mistral", "qwen3",
-              "gemma3", "granite", "smollm3", "phi3", "phi3_longrope")
+              "gemma3", "granite", "smollm3", "phi3", "phi3_longrope", "llama_mqa")
 SLIDING_WINDOW = 8
 MATRIX_SCALE = 3.0
 LM_HEAD_SCALE = 8.0
@@ -106,6 +106,9 @@ def _config_and_class(kind: str) -> tuple[PreTrainedConfig, type]:
     ids = _special_ids()
     if kind in ("llama", "llama_sharded"):
         return LlamaConfig(**_COMMON, **ids), LlamaForCausalLM
+    if kind == "llama_mqa":  # one KV head (replicated under tensor parallelism), an odd vocabulary
+        return LlamaConfig(**{**_COMMON, "num_key_value_heads": 1, "vocab_size": TINY_VOCAB + 3}, **ids), \
+            LlamaForCausalLM
     if kind == "llama_tied":
         return LlamaConfig(**_COMMON, **ids, tie_word_embeddings=True), LlamaForCausalLM
     if kind == "llama3":

@@ -17,12 +17,12 @@ def test_the_builtin_methods_are_registered_under_their_checkpoint_names():
 @pytest.mark.parametrize("fmt,opts", [("gptq", {}), ("awq", {}), ("fp8", {"scales": "channel"})])
 def test_auto_takes_the_checkpoints_method(fmt, opts):
     quantized, _ = build_pair("llama", fmt, **opts)
-    assert LLM(model=str(quantized), num_kv_blocks=16).engine.quant_method.name == fmt
+    assert LLM(model=str(quantized), num_kv_blocks=16).engine.executor.worker.quant_method.name == fmt
 
 
 def test_an_agreeing_explicit_choice_is_accepted():
     quantized, _ = build_pair("llama", "gptq")
-    assert LLM(model=str(quantized), num_kv_blocks=16, quantization="gptq").engine.quant_method.name == "gptq"
+    assert LLM(model=str(quantized), num_kv_blocks=16, quantization="gptq").engine.executor.worker.quant_method.name == "gptq"
 
 
 @pytest.mark.parametrize("choice", ["awq", "none"])

@@ -25,10 +25,10 @@ def test_batch_size_buckets():
 
 
 def _install_static_graphs(llm: LLM, batch_sizes: list[int]) -> DecodeGraphs:
-    engine = llm.engine
-    graphs = DecodeGraphs(engine.model, engine.kv_cache, engine.config.engine.block_size,
-                          engine.max_model_len, batch_sizes, engine.attn_backend_cls, capture=False)
-    engine.runner.graphs = graphs
+    worker = llm.engine.executor.worker
+    graphs = DecodeGraphs(worker.model, worker.kv_cache, worker.config.engine.block_size,
+                          worker.info.max_model_len, batch_sizes, worker.attn_backend_cls, capture=False)
+    worker.runner.graphs = graphs
     return graphs
 
 
@@ -50,7 +50,7 @@ def test_padded_decode_buffers_match_eager(kind):
     assert got == expected
     assert sizes and max(sizes) <= 4 and 3 in sizes  # padded to the bucket of 4
     # padding rows wrote no KV: the reserved block 0 (slot 0 onwards) is still all zeros
-    assert not llm.engine.kv_cache[0].any()
+    assert not llm.engine.executor.worker.kv_cache[0].any()
 
 
 def test_refuses_prefill_steps_and_oversized_batches():
@@ -68,12 +68,12 @@ def test_refuses_prefill_steps_and_oversized_batches():
 
 def test_needs_cuda_and_a_backend_that_supports_graphs():
     llm = LLM(model=str(tiny_model_dir("llama")), num_kv_blocks=16, attention_backend="torch")
-    e = llm.engine
+    e = llm.engine.executor.worker
     with pytest.raises(ValueError, match="does not support CUDA graphs"):
-        DecodeGraphs(e.model, e.kv_cache, 16, e.max_model_len, [1], TorchAttentionBackend, capture=False)
+        DecodeGraphs(e.model, e.kv_cache, 16, e.info.max_model_len, [1], TorchAttentionBackend, capture=False)
     from tandem.plugins.attention_triton import TritonAttentionBackend
 
     with pytest.raises(ValueError, match="need a CUDA device"):
-        DecodeGraphs(e.model, e.kv_cache, 16, e.max_model_len, [1], TritonAttentionBackend, capture=True)
-    assert e.runner.graphs is None  # the engine captures nothing on the CPU
+        DecodeGraphs(e.model, e.kv_cache, 16, e.info.max_model_len, [1], TritonAttentionBackend, capture=True)
+    assert e.runner.graphs is None  # the worker captures nothing on the CPU
     assert torch.device(e.device).type == "cpu"

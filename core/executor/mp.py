@@ -1,0 +1,167 @@
+"""The "mp" executor: one worker process per rank (torch.multiprocessing, spawn), the default
+when tensor or pipeline parallelism is asked for.
+
+The engine process keeps the scheduler; it starts this host's ranks (``parallel.world_size /
+parallel.nnodes`` of them; other hosts start theirs with ``tandem serve --headless``), talks to
+rank 0 over a pipe and watches every local process (tandem.executor.worker_process has the
+protocol). ``execute`` sends the step and waits for rank 0's reply:
+
+- a local rank that exits, a reply later than ``engine.worker_timeout_s``, or a fatal reply (a
+  collective failed, ranks out of step) raise ``EngineDeadError``: the instance goes not-ready
+  and ``tandem serve`` exits 1; the remaining ranks are terminated;
+- a step every rank failed in its Python code raises that exception, which the engine isolates
+  as it does in one process.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing.connection
+import pickle
+import socket
+import time
+from tandem.config import ConfigError, TandemConfig
+from tandem.executor.worker_process import STOP, WorkerSpec, run_worker
+from tandem.interfaces import Executor, KVConnector
+from tandem.sched.output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger("tandem")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class MultiprocExecutor(Executor):
+    name = "mp"
+
+    def __init__(self, config: TandemConfig, eos_token_ids: frozenset[int]) -> None:
+        import torch.multiprocessing as mp
+
+        from tandem.engine import EngineDeadError
+
+        par = config.parallel
+        if par.node_rank != 0:
+            raise ConfigError(f"parallel.node_rank = {par.node_rank}: the other hosts run "
+                              "`tandem serve --headless`; the head (node_rank 0) runs the engine")
+        config = config.model_copy(deep=True)
+        if par.master_port == 0:
+            config.parallel.master_port = free_port(par.master_addr)
+        self.timeout_s = config.engine.worker_timeout_s
+        self.world_size = par.world_size
+        local = par.world_size // par.nnodes
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        level = logging.getLogger("tandem").getEffectiveLevel()
+        self.procs = []
+        for rank in range(local):
+            spec = WorkerSpec(config, eos_token_ids, rank, rank, local, level)
+            proc = ctx.Process(target=run_worker, args=(spec, child if rank == 0 else None),
+                               name=f"tandem-rank-{rank}", daemon=True)
+            proc.start()
+            self.procs.append(proc)
+        child.close()
+        self._closed = False
+        self.step_seconds = 0.0
+        """Round trip of the last step, in the engine process."""
+        self.worker_seconds = 0.0
+        """The slowest rank's compute time of the last step (the rest is the channel's)."""
+        logger.info("mp executor: %d ranks (tp=%d, pp=%d) on %d host(s), rendezvous at %s:%d",
+                    par.world_size, par.tensor_parallel_size, par.pipeline_parallel_size, par.nnodes,
+                    par.master_addr, config.parallel.master_port)
+        try:
+            kind, payload = self._wait(None, "start-up")
+        except EngineDeadError as exc:
+            raise RuntimeError(f"the mp executor could not start: {exc}") from None
+        if kind != "ready":
+            self.close()
+            raise RuntimeError(f"the mp executor could not start: {payload}")
+        self.info = payload
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.info.num_kv_blocks
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        from tandem.engine import EngineDeadError
+
+        if self._closed:
+            raise EngineDeadError("the mp executor's workers are stopped")
+        t0 = time.perf_counter()
+        try:
+            self.conn.send_bytes(pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL))
+        except OSError as exc:
+            self._die(f"rank 0's pipe is closed: {exc}")
+        reply = self._wait(self.timeout_s, "a step")
+        self.step_seconds = time.perf_counter() - t0
+        if reply[0] == "ok":
+            self.worker_seconds = reply[2]
+            return reply[1]
+        if reply[0] == "error":
+            raise reply[1]
+        self._die(reply[1])
+        raise AssertionError("unreachable")
+
+    def connect_kv(self, connector_name: str, compat_hash: str) -> KVConnector:
+        raise ValueError("disaggregation (disaggregation.role prefill or decode) does not run under the "
+                         "mp executor yet: serve the instance with tensor_parallel_size = "
+                         "pipeline_parallel_size = 1")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.conn.send_bytes(STOP)
+        except OSError:
+            pass
+        deadline = time.monotonic() + 10.0
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        self._terminate()
+        self.conn.close()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _wait(self, timeout: float | None, what: str) -> tuple:
+        """Rank 0's next reply; EngineDeadError when a local rank exits first or none comes
+        within ``timeout`` seconds."""
+        ready = multiprocessing.connection.wait([self.conn] + [p.sentinel for p in self.procs], timeout)
+        dead = [p for p in self.procs if p.exitcode is not None]
+        if self.conn in ready:
+            try:
+                return pickle.loads(self.conn.recv_bytes())
+            except (EOFError, OSError):
+                pass
+        if dead:
+            names = ", ".join(f"{p.name} (pid {p.pid}, exit code {p.exitcode})" for p in dead)
+            self._die(f"a worker process died during {what}: {names}")
+        if not ready:
+            self._die(f"the workers did not finish {what} within engine.worker_timeout_s = "
+                      f"{timeout:g} s (a hung rank or a collective that never completes)")
+        self._die(f"rank 0 closed its pipe during {what}")
+        raise AssertionError("unreachable")
+
+    def _die(self, message: str) -> None:
+        from tandem.engine import EngineDeadError
+
+        logger.error("mp executor: %s; stopping the workers", message)
+        self._closed = True
+        self._terminate()
+        raise EngineDeadError(message)
+
+    def _terminate(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self.procs:
+            proc.join(2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(1.0)
+

@@ -1,0 +1,252 @@
+"""One rank's process under the "mp" executor: torch.distributed set-up, the ``Worker``, and the
+step loop.
+
+Which process runs what (tp × pp ranks, ``rank = pp_rank * tp + tp_rank``)::
+
+    engine process (head)        scheduler, detokenizer, API; MultiprocExecutor
+       │  pipe: one pickled SchedulerOutput per step  ▼   ▲  one reply per step
+    rank 0 (head)                Worker; relays each step to the other ranks and gathers replies
+       │  gloo "cpu group": broadcast of the step bytes; gather of every rank's reply
+    ranks 1 .. world-1           Worker; on the head or on other hosts (``tandem serve --headless``)
+
+Each step crosses the pipe once each way: the scheduler's diff (new requests in full, running
+ones as ids, new blocks and new tokens) and the driver's ``ModelRunnerOutput`` (sampled tokens
+and logprobs). Tensors — all-reduces, logits gathers, stage-to-stage hidden states — travel on
+the world group (gloo on the CPU, NCCL on CUDA), whose collectives time out after
+``engine.worker_timeout_s``; the cpu group waits without limit (an idle instance sends nothing).
+
+A reply is ``("ok", output, seconds)``, ``("error", exception)`` when every rank failed the
+step in its Python code (the engine isolates it as in one process), or ``("fatal", message)``
+when a collective failed or one rank failed alone (the ranks are out of step: the engine dies).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from tandem.config import TandemConfig
+
+logger = logging.getLogger("tandem")
+
+STOP = b""
+"""The step message that ends the loop (also sent by rank 0 when its pipe closes)."""
+IDLE_TIMEOUT = timedelta(days=3650)
+
+
+@dataclass(slots=True)
+class WorkerSpec:
+    """What a rank's process is started with."""
+
+    config: TandemConfig
+    eos_token_ids: frozenset[int]
+    rank: int
+    local_rank: int
+    local_world_size: int
+    log_level: int = logging.INFO
+
+    @property
+    def world_size(self) -> int:
+        return self.config.parallel.world_size
+
+
+def init_distributed(spec: WorkerSpec):
+    """Join the rendezvous at ``parallel.master_addr:master_port`` and build the groups; returns
+    this rank's ``ParallelContext``. Raises RuntimeError naming the hosts that did not join."""
+    import torch.distributed as dist
+
+    from tandem.executor.parallel import ParallelContext
+
+    par, eng = spec.config.parallel, spec.config.engine
+    cuda = spec.config.engine.device.startswith("cuda") or (
+        spec.config.engine.device == "auto" and torch.cuda.is_available())
+    backend = "nccl" if cuda else "gloo"
+    if cuda:
+        torch.cuda.set_device(spec.local_rank)
+    timeout = timedelta(seconds=eng.worker_timeout_s)
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://{par.master_addr}:{par.master_port}",
+                                rank=spec.rank, world_size=spec.world_size, timeout=timeout)
+    except Exception as exc:  # noqa: BLE001 - torch raises several kinds on a failed rendezvous
+        raise RuntimeError(
+            f"rank {spec.rank}: the {spec.world_size} ranks did not all join the rendezvous at "
+            f"{par.master_addr}:{par.master_port} within {eng.worker_timeout_s:g} s "
+            f"(parallel.nnodes = {par.nnodes}: is `tandem serve --headless --node-rank N` running on "
+            f"every other host, with the same --master-addr and --master-port?): {exc}") from exc
+    tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
+    cpu_group = dist.new_group(list(range(spec.world_size)), backend="gloo", timeout=IDLE_TIMEOUT)
+    tp_group = None
+    for stage in range(pp):  # every rank builds every group, in the same order
+        group = dist.new_group([stage * tp + i for i in range(tp)], timeout=timeout)
+        if stage == spec.rank // tp:
+            tp_group = group
+    return ParallelContext(tp_size=tp, tp_rank=spec.rank % tp, pp_size=pp, pp_rank=spec.rank // tp,
+                           tp_group=tp_group, pp_group=dist.group.WORLD, cpu_group=cpu_group)
+
+
+def _configure(spec: WorkerSpec) -> None:
+    logging.basicConfig(level=spec.log_level, stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s %(name)s [rank {spec.rank}]: %(message)s")
+    logging.getLogger("tandem").setLevel(spec.log_level)
+    eng = spec.config.engine
+    if eng.num_threads is None and not torch.cuda.is_available():
+        # ranks of one host share its cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.local_world_size))
+    if eng.device in ("auto", "cuda") and torch.cuda.is_available():
+        eng.device = f"cuda:{spec.local_rank}"
+
+
+def run_worker(spec: WorkerSpec, conn: Any = None) -> None:
+    """A rank's process: build the worker, then run steps until told to stop. Rank 0 talks to
+    the engine over ``conn``; the others get their steps from rank 0. Exits 1 on a failure that
+    leaves the ranks out of step."""
+    _configure(spec)
+    from tandem.executor.parallel import set_current
+    from tandem.executor.worker import Worker
+
+    try:
+        context = init_distributed(spec)
+        set_current(context)
+        worker = Worker(spec.config, spec.eos_token_ids)
+    except BaseException as exc:  # noqa: BLE001 - reported to the engine, then the process ends
+        logger.error("start-up failed: %s: %s", type(exc).__name__, exc)
+        if conn is not None:
+            conn.send_bytes(pickle.dumps(("failed", f"rank {spec.rank}: {type(exc).__name__}: {exc}")))
+        sys.exit(1)
+    logger.info("rank %d of %d ready (tp rank %d, pp stage %d)", spec.rank, spec.world_size,
+                context.tp_rank, context.pp_rank)
+    if conn is not None:
+        conn.send_bytes(pickle.dumps(("ready", worker.info)))
+    try:
+        _loop(worker, context, conn)
+    except Exception as exc:  # noqa: BLE001 - the ranks are out of step: end this process
+        logger.error("the step loop failed: %s: %s", type(exc).__name__, exc)
+        if conn is not None:
+            try:
+                conn.send_bytes(pickle.dumps(("fatal", f"rank 0: {type(exc).__name__}: {exc}")))
+            except OSError:
+                pass
+        sys.exit(1)
+    finally:
+        worker.close()
+
+
+def _loop(worker: Any, context: Any, conn: Any) -> None:
+    import torch.distributed as dist
+
+    rank, world = context.rank, context.world_size
+    while True:
+        if conn is not None:
+            try:
+                message = conn.recv_bytes()
+            except (EOFError, OSError):  # the engine is gone
+                message = STOP
+            if world > 1:
+                dist.broadcast_object_list([message], src=0, group=context.cpu_group)
+        else:
+            box = [None]
+            dist.broadcast_object_list(box, src=0, group=context.cpu_group)
+            message = box[0]
+        if message == STOP:
+            return
+        reply = _run_step(worker, message)
+        if world > 1:
+            replies = [None] * world if rank == 0 else None
+            dist.gather_object(reply, replies, dst=0, group=context.cpu_group)
+            if rank != 0:
+                if reply[0] == "fatal":
+                    raise RuntimeError(reply[1])
+                continue
+            reply = _combine(replies, context.driver_rank)
+        conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+        if reply[0] == "fatal":
+            raise RuntimeError(reply[1])
+
+
+def _run_step(worker: Any, message: bytes) -> tuple:
+    t0 = time.perf_counter()
+    try:
+        output = worker.execute(pickle.loads(message))
+    except Exception as exc:  # noqa: BLE001 - sorted out by _combine / the engine
+        if _is_collective_error(exc):
+            return ("fatal", f"rank {worker.parallel.rank}: a collective failed: {type(exc).__name__}: {exc}")
+        logger.debug("step failed: %s", traceback.format_exc())
+        return ("error", _picklable(exc))
+    return ("ok", output if worker.parallel.is_driver else None, time.perf_counter() - t0)
+
+
+def _combine(replies: list[tuple], driver: int) -> tuple:
+    """One reply for the engine: fatal if any rank's was, the exception if every rank failed,
+    fatal if only some did, else the driver's output with the slowest rank's compute time."""
+    fatal = [r[1] for r in replies if r[0] == "fatal"]
+    if fatal:
+        return ("fatal", "; ".join(fatal))
+    failed = [i for i, r in enumerate(replies) if r[0] == "error"]
+    if failed and len(failed) < len(replies):
+        first = replies[failed[0]][1]
+        return ("fatal", f"ranks {failed} failed a step the others ran ({type(first).__name__}: {first}); "
+                         "the ranks are out of step")
+    if failed:
+        return replies[driver] if replies[driver][0] == "error" else replies[failed[0]]
+    return ("ok", replies[driver][1], max(r[2] for r in replies))
+
+
+def _is_collective_error(exc: BaseException) -> bool:
+    import torch.distributed as dist
+
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = f"{type(exc).__name__} {exc}".lower()
+    return any(word in text for word in ("gloo", "nccl", "connection closed", "connection reset", "timed out"))
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - any exception type may refuse pickling
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+def run_headless(config: TandemConfig, eos_token_ids: frozenset[int]) -> int:
+    """``tandem serve --headless``: run this host's ranks (``parallel.node_rank``) until the
+    head stops them; returns the exit code (1 when a rank failed)."""
+    import multiprocessing.connection
+
+    import torch.multiprocessing as mp
+
+    par = config.parallel
+    if par.node_rank == 0:
+        raise ValueError("--headless runs the ranks of another host: give it --node-rank 1 or above "
+                         "(node 0, the head, runs `tandem serve` itself)")
+    local = par.world_size // par.nnodes
+    ctx = mp.get_context("spawn")
+    procs = []
+    for i in range(local):
+        spec = WorkerSpec(config, eos_token_ids, par.node_rank * local + i, i, local,
+                          logging.getLogger("tandem").getEffectiveLevel())
+        proc = ctx.Process(target=run_worker, args=(spec,), name=f"tandem-rank-{spec.rank}")
+        proc.start()
+        procs.append(proc)
+    logger.info("headless node %d: ranks %d..%d started, waiting for the head at %s:%d", par.node_rank,
+                par.node_rank * local, par.node_rank * local + local - 1, par.master_addr, par.master_port)
+    code = 0
+    pending = list(procs)
+    while pending:
+        multiprocessing.connection.wait([p.sentinel for p in pending])
+        for proc in [p for p in pending if p.exitcode is not None]:
+            pending.remove(proc)
+            if proc.exitcode != 0:
+                logger.error("%s exited with code %s", proc.name, proc.exitcode)
+                code = 1
+                for other in pending:
+                    other.terminate()
+    return code
