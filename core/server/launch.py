@@ -63,6 +63,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disaggregated", action="store_true",
                         help="start a router (at --host/--port) with one prefill and one decode "
                              "instance on 127.0.0.1, and supervise them")
+    parser.add_argument("--headless", action="store_true",
+                        help="run this host's ranks of an instance spread over several hosts "
+                             "(--nnodes, --node-rank 1 or above, --master-addr/--master-port of "
+                             "the head) and serve nothing; ends when the head stops")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -78,11 +82,25 @@ def run_serve(args: argparse.Namespace) -> int:
 
         config.model.path = str(default_model_path("demo"))
         config.model.served_model_name = config.model.served_model_name or "demo"
+    if getattr(args, "headless", False):
+        return _run_headless(config)
     if getattr(args, "disaggregated", False):
         from tandem.server.supervisor import run_disaggregated
 
         return run_disaggregated(config, args.uvicorn_log_level)
     return asyncio.run(serve(config, args.uvicorn_log_level))
+
+
+def _run_headless(config: TandemConfig) -> int:
+    from tandem.executor.worker_process import run_headless
+    from tandem.models.loader import load_generation_config
+
+    try:
+        eos = frozenset(load_generation_config(config.model.path)["eos_token_ids"])
+        return run_headless(config, eos)
+    except ValueError as exc:
+        print(f"tandem serve --headless: {exc}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 async def serve(config: TandemConfig, uvicorn_log_level: str = "warning") -> int:
