@@ -178,7 +178,7 @@ def _run_step(worker: Any, message: bytes) -> tuple:
     except Exception as exc:  # noqa: BLE001 - sorted out by _combine / the engine
         if _is_collective_error(exc):
             return ("fatal", f"rank {worker.parallel.rank}: a collective failed: {type(exc).__name__}: {exc}")
-        logger.debug("step failed: %s", traceback.format_exc())
+        logger.error("step failed: %s", traceback.format_exc())
         return ("error", _picklable(exc))
     return ("ok", output if worker.parallel.is_driver else None, time.perf_counter() - t0)
 

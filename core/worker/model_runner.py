@@ -62,6 +62,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         starts = self._update_states(out)
+        self._add_forks(out)
         self._copy_blocks(out.block_copies)
         result = ModelRunnerOutput()
         if out.total_num_scheduled_tokens == 0:
@@ -126,18 +127,10 @@ class ModelRunner:
             starts[data.request_id] = data.num_computed_tokens
         return starts
 
-    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        if copies:
-            src = torch.tensor([s for s, _ in copies], device=self.device)
-            dst = torch.tensor([d for _, d in copies], device=self.device)
-            self.kv_cache[dst] = self.kv_cache[src]
-
-    def _sample(
-        self, hidden: torch.Tensor, inputs: StepInputs, out: SchedulerOutput, result: ModelRunnerOutput
-    ) -> None:
-        rids = list(inputs.sample_request_ids)
-        hidden_rows = list(inputs.sample_rows)
-        row_of = dict(zip(rids, hidden_rows))
+    def _add_forks(self, out: SchedulerOutput) -> None:
+        """Children forked this step share the parent's table as it is after this step's
+        allocation (every rank keeps them; the sampling rank samples their first token from
+        the parent's logits)."""
         for fork in out.forked_requests:
             parent = self.requests[fork.parent_id]
             child = RunnerRequest(
@@ -151,6 +144,20 @@ class ModelRunner:
             child.generator = self._generator(fork.request_id, parent.params.seed, fork.sample_index)
             child.json_state = parent.json_state
             self.requests[fork.request_id] = child
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if copies:
+            src = torch.tensor([s for s, _ in copies], device=self.device)
+            dst = torch.tensor([d for _, d in copies], device=self.device)
+            self.kv_cache[dst] = self.kv_cache[src]
+
+    def _sample(
+        self, hidden: torch.Tensor, inputs: StepInputs, out: SchedulerOutput, result: ModelRunnerOutput
+    ) -> None:
+        rids = list(inputs.sample_request_ids)
+        hidden_rows = list(inputs.sample_rows)
+        row_of = dict(zip(rids, hidden_rows))
+        for fork in out.forked_requests:
             rids.append(fork.request_id)
             hidden_rows.append(row_of[fork.parent_id])
         sampling_rows = [self._sampling_row(self.requests[rid]) for rid in rids]
