@@ -132,12 +132,16 @@ class MultiprocExecutor(Executor):
         """Rank 0's next reply; EngineDeadError when a local rank exits first or none comes
         within ``timeout`` seconds."""
         ready = multiprocessing.connection.wait([self.conn] + [p.sentinel for p in self.procs], timeout)
+        for proc in self.procs:
+            if proc.sentinel in ready:
+                proc.join(1.0)  # a closed sentinel: reap it to learn its exit code
         dead = [p for p in self.procs if p.exitcode is not None]
         if self.conn in ready:
             try:
                 return pickle.loads(self.conn.recv_bytes())
-            except (EOFError, OSError):
-                pass
+            except (EOFError, OSError):  # rank 0 is going: say which rank went first
+                multiprocessing.connection.wait([p.sentinel for p in self.procs], 2.0)
+                dead = [p for p in self.procs if p.exitcode is not None]
         if dead:
             names = ", ".join(f"{p.name} (pid {p.pid}, exit code {p.exitcode})" for p in dead)
             self._die(f"a worker process died during {what}: {names}")

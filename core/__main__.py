@@ -1,0 +1,7 @@
+"""``python -m tandem``: the same as the ``tandem`` command."""
+import sys
+
+from tandem.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
