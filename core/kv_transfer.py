@@ -222,8 +222,8 @@ class KVTransferCoordinator:
             raise ValueError(
                 f"KV compat hash mismatch: the prefill instance {remote.engine_id!r} has "
                 f"{remote.compat_hash!r}, this decode instance {self.compat_hash!r}; both must serve "
-                "the same model and tokenizer with the same dtype, layer count, KV heads, head size "
-                "and block size")
+                "the same model and tokenizer with the same dtype, layer count, KV heads, head size, "
+                "block size, tensor_parallel_size and pipeline_parallel_size")
         reason = None
         if remote.num_tokens != len(prompt_token_ids) or remote.prompt_digest != token_digest(prompt_token_ids):
             reason = "mismatch"  # another prompt was prefilled: its KV must not be read

@@ -65,12 +65,18 @@ def check_handshake(local: dict[str, Any], remote: dict[str, Any]) -> None:
                 f"KV peer {peer!r} speaks {key} {remote.get(key)!r}, this instance "
                 f"{local[key]!r}: both instances must run the same tandem with the same kv_connector"
             )
+    sizes = [(h.get("tensor_parallel_size", 1), h.get("pipeline_parallel_size", 1)) for h in (remote, local)]
+    if sizes[0] != sizes[1]:
+        raise KVHandshakeError(
+            f"KV peer {peer!r} runs tensor_parallel_size × pipeline_parallel_size = "
+            f"{sizes[0][0]} × {sizes[0][1]}, this instance {sizes[1][0]} × {sizes[1][1]}: prefill and "
+            f"decode instances must be split alike")
     if remote.get("compat_hash") != local["compat_hash"] or remote.get("block_bytes") != local["block_bytes"]:
         raise KVHandshakeError(
             f"KV layout mismatch with peer {peer!r}: compat_hash {remote.get('compat_hash')!r} and "
             f"{remote.get('block_bytes')} bytes per block there, {local['compat_hash']!r} and "
             f"{local['block_bytes']} here; prefill and decode instances must serve the same model "
-            f"with the same dtype, layer count, KV heads, head size and block size"
+            f"with the same dtype, layer count, KV heads, head size, block size and parallel sizes"
         )
 
 

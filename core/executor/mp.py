@@ -50,6 +50,7 @@ class MultiprocExecutor(Executor):
             config.parallel.master_port = free_port(par.master_addr)
         self.timeout_s = config.engine.worker_timeout_s
         self.world_size = par.world_size
+        self.tp_size, self.pp_size = par.tensor_parallel_size, par.pipeline_parallel_size
         local = par.world_size // par.nnodes
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
@@ -108,9 +109,31 @@ class MultiprocExecutor(Executor):
         raise AssertionError("unreachable")
 
     def connect_kv(self, connector_name: str, compat_hash: str) -> KVConnector:
-        raise ValueError("disaggregation (disaggregation.role prefill or decode) does not run under the "
-                         "mp executor yet: serve the instance with tensor_parallel_size = "
-                         "pipeline_parallel_size = 1")
+        """Every rank registers its slice of the KV pool with its own connector; the engine
+        drives them all through one ``RankedConnector``."""
+        from tandem.executor.kv_proxy import RankedConnector
+
+        handshakes = self.call_ranks("connect", [(connector_name, compat_hash)] * self.world_size)
+        return RankedConnector(self.call_ranks, handshakes, self.tp_size, self.pp_size)
+
+    def call_ranks(self, method: str, args: list[tuple]) -> list:
+        """``connector.<method>(*args[r])`` on every rank r; their results in rank order. An
+        exception of a rank is raised here; a dead or hung rank is an ``EngineDeadError``."""
+        from tandem.executor.worker_process import KVCall
+
+        if self._closed:
+            self._die("the mp executor's workers are stopped")
+        try:
+            self.conn.send_bytes(pickle.dumps(KVCall(method, args), protocol=pickle.HIGHEST_PROTOCOL))
+        except OSError as exc:
+            self._die(f"rank 0's pipe is closed: {exc}")
+        reply = self._wait(self.timeout_s, f"a KV connector call ({method})")
+        if reply[0] == "kv":
+            return reply[1]
+        if reply[0] == "error":
+            raise reply[1]
+        self._die(reply[1])
+        raise AssertionError("unreachable")
 
     def close(self) -> None:
         if self._closed:

@@ -166,6 +166,8 @@ def _loop(worker: Any, context: Any, conn: Any) -> None:
                     raise RuntimeError(reply[1])
                 continue
             reply = _combine(replies, context.driver_rank)
+        elif reply[0] == "kv":
+            reply = ("kv", [reply[1]])
         conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
         if reply[0] == "fatal":
             raise RuntimeError(reply[1])
@@ -174,7 +176,10 @@ def _loop(worker: Any, context: Any, conn: Any) -> None:
 def _run_step(worker: Any, message: bytes) -> tuple:
     t0 = time.perf_counter()
     try:
-        output = worker.execute(pickle.loads(message))
+        task = pickle.loads(message)
+        if isinstance(task, KVCall):
+            return ("kv", _kv_call(worker, task), 0.0)
+        output = worker.execute(task)
     except Exception as exc:  # noqa: BLE001 - sorted out by _combine / the engine
         if _is_collective_error(exc):
             return ("fatal", f"rank {worker.parallel.rank}: a collective failed: {type(exc).__name__}: {exc}")
@@ -183,13 +188,36 @@ def _run_step(worker: Any, message: bytes) -> tuple:
     return ("ok", output if worker.parallel.is_driver else None, time.perf_counter() - t0)
 
 
+@dataclass(slots=True)
+class KVCall:
+    """A step message that calls a method of every rank's KV connector: rank r runs
+    ``connector.<method>(*args[r])`` ("connect" builds the connector and returns its
+    handshake). The reply is ``("kv", [result of rank 0, rank 1, ...])``."""
+
+    method: str
+    args: list[tuple]
+
+
+def _kv_call(worker: Any, call: KVCall) -> Any:
+    args = call.args[worker.parallel.rank]
+    if call.method == "connect":
+        return worker.connect_kv(*args).handshake_info()
+    if worker.connector is None:
+        raise RuntimeError("no KV connector: the instance is neither a prefill nor a decode instance")
+    return getattr(worker.connector, call.method)(*args)
+
+
 def _combine(replies: list[tuple], driver: int) -> tuple:
     """One reply for the engine: fatal if any rank's was, the exception if every rank failed,
-    fatal if only some did, else the driver's output with the slowest rank's compute time."""
+    fatal if only some did, else the driver's output with the slowest rank's compute time.
+    A connector call (no collective ran: the ranks are still in step) returns every rank's
+    result, or the first rank's exception."""
     fatal = [r[1] for r in replies if r[0] == "fatal"]
     if fatal:
         return ("fatal", "; ".join(fatal))
     failed = [i for i, r in enumerate(replies) if r[0] == "error"]
+    if any(r[0] == "kv" for r in replies):
+        return replies[failed[0]] if failed else ("kv", [r[1] for r in replies])
     if failed and len(failed) < len(replies):
         first = replies[failed[0]][1]
         return ("fatal", f"ranks {failed} failed a step the others ran ({type(first).__name__}: {first}); "

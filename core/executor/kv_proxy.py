@@ -1,0 +1,144 @@
+"""Disaggregation under tensor and pipeline parallelism: one ``KVConnector`` in the engine
+process that stands for every rank's.
+
+Each rank's worker registers its slice of the KV pool (its stage's layers, its KV heads) with a
+connector of its own; block ids are the same on every rank, so a hand-over moves block ``b`` of
+rank ``r`` on the prefill instance into block ``b'`` of rank ``r`` on the decode instance, for
+every rank. ``RankedConnector`` forwards each call to every rank (through the executor's
+channel: ``call_ranks``) and merges the answers::
+
+    handshake_info   rank 0's fields, plus "ranks" (every rank's handshake) and the parallel
+                     sizes; a peer of other sizes is refused at add_peer, naming both
+    start_read       rank r reads the peer's rank r
+    poll             a transfer is "done" once every rank's read is; "error:<reason>" once every
+                     rank's read ended and one failed ("error:deadline" when any rank's ran past
+                     its deadline, then "closed" once each of those is closed)
+    get_notifications  a transfer id once every rank's reader has told its owner rank
+
+The prefill and decode instances must have the same ``tensor_parallel_size`` and
+``pipeline_parallel_size``; the compatibility hash covers both too.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Callable
+
+from tandem.interfaces import KVConnector
+
+DONE, DEADLINE, CLOSED = "done", "error:deadline", "closed"
+MAX_PARTIAL_NOTIFICATIONS = 65536
+
+
+class RankedConnector(KVConnector):
+    """Built by the mp executor once its ranks registered their pools (``handshakes``: each
+    rank's ``handshake_info``). ``call_ranks(method, per_rank_args)`` runs
+    ``connector.method(*args)`` on rank r for every r and returns their results in rank order."""
+
+    name = "ranked"
+
+    def __init__(self, call_ranks: Callable[[str, list[tuple]], list[Any]], handshakes: list[dict[str, Any]],
+                 tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
+        self._call = call_ranks
+        self.world_size = len(handshakes)
+        self._handshake = dict(handshakes[0]) | {
+            "ranks": handshakes,
+            "tensor_parallel_size": tensor_parallel_size,
+            "pipeline_parallel_size": pipeline_parallel_size,
+        }
+        self._peers: dict[str, list[str]] = {}
+        self._ended: dict[str, dict[int, str]] = {}
+        """Transfers in flight: rank → the first state it reported."""
+        self._closing: dict[str, set[int]] = {}
+        """Transfers reported "error:deadline": the ranks whose read is not closed yet."""
+        self._notified: Counter[str] = Counter()
+
+    def register_pool(self, pool: Any, descriptor: Any) -> None:
+        raise RuntimeError("the ranks register their own pools (MultiprocExecutor.connect_kv)")
+
+    def handshake_info(self) -> dict[str, Any]:
+        return dict(self._handshake)
+
+    def add_peer(self, handshake: dict[str, Any]) -> str:
+        mine = (self._handshake["tensor_parallel_size"], self._handshake["pipeline_parallel_size"])
+        theirs = (handshake.get("tensor_parallel_size", 1), handshake.get("pipeline_parallel_size", 1))
+        ranks = handshake.get("ranks")
+        if theirs != mine or not isinstance(ranks, list) or len(ranks) != self.world_size:
+            raise ValueError(f"KV peer {handshake.get('agent_name', '?')!r} runs tensor_parallel_size × "
+                             f"pipeline_parallel_size = {theirs[0]} × {theirs[1]}, this instance "
+                             f"{mine[0]} × {mine[1]}: prefill and decode instances must be split alike")
+        names = self._call("add_peer", [(rank_handshake,) for rank_handshake in ranks])
+        self._peers[names[0]] = names
+        return names[0]
+
+    def start_read(self, transfer_id: str, peer: str, remote_block_ids: list[int],
+                   local_block_ids: list[int], deadline_s: float) -> None:
+        names = self._peer(peer)
+        self._call("start_read", [(transfer_id, name, remote_block_ids, local_block_ids, deadline_s)
+                                  for name in names])
+        self._ended[transfer_id] = {}
+
+    def poll(self) -> dict[str, str]:
+        changed: dict[str, str] = {}
+        for rank, states in enumerate(self._call("poll", [()] * self.world_size)):
+            for tid, state in states.items():
+                if tid in self._closing:
+                    if state == CLOSED:
+                        self._closing[tid].discard(rank)
+                        if not self._closing[tid]:
+                            del self._closing[tid]
+                            changed[tid] = CLOSED
+                elif tid in self._ended:
+                    self._ended[tid].setdefault(rank, state)
+        for tid, ended in list(self._ended.items()):
+            if len(ended) < self.world_size:
+                continue
+            del self._ended[tid]
+            states = set(ended.values())
+            if states == {DONE}:
+                changed[tid] = DONE
+            elif DEADLINE in states:
+                late = {rank for rank, state in ended.items() if state == DEADLINE}
+                self._closing[tid] = late
+                changed[tid] = DEADLINE
+            else:
+                changed[tid] = next(state for state in ended.values() if state != DONE)
+        return changed
+
+    def get_notifications(self) -> list[str]:
+        ready = []
+        for ids in self._call("get_notifications", [()] * self.world_size):
+            for tid in ids:
+                self._notified[tid] += 1
+                if self._notified[tid] == self.world_size:
+                    del self._notified[tid]
+                    ready.append(tid)
+        while len(self._notified) > MAX_PARTIAL_NOTIFICATIONS:  # readers that died half-way
+            del self._notified[next(iter(self._notified))]
+        return ready
+
+    def notify_release(self, peer: str, transfer_id: str) -> None:
+        names = self._peers.get(peer)
+        if names is None:
+            return
+        try:
+            self._call("notify_release", [(name, transfer_id) for name in names])
+        except Exception:  # noqa: BLE001 - never raises, as the contract says
+            pass
+
+    def remove_peer(self, peer: str) -> None:
+        names = self._peers.pop(peer, None)
+        if names is None:
+            return
+        try:
+            self._call("remove_peer", [(name,) for name in names])
+        except Exception:  # noqa: BLE001 - never raises
+            pass
+
+    def close(self) -> None:
+        """The ranks close their own connectors when the executor stops them."""
+
+    def _peer(self, peer: str) -> list[str]:
+        names = self._peers.get(peer)
+        if names is None:
+            raise ValueError(f"unknown KV peer {peer!r}")
+        return names
