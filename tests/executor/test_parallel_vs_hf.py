@@ -53,7 +53,8 @@ def test_greedy_matches_hf_with_prefix_caching_chunks_and_preemption(kind, tp, p
         llm.engine.close()
 
 
-@pytest.mark.parametrize("kind,tp,pp", [("gemma3", 2, 2), ("phi3", 2, 1), ("qwen3", 1, 2)])
+@pytest.mark.parametrize("kind,tp,pp", [("gemma3", 2, 2), ("phi3", 2, 1), ("qwen3", 1, 2), ("granite", 2, 1),
+                                         ("smollm3", 1, 2)])
 def test_other_architectures_match_hf(kind, tp, pp):
     path = tiny_model_dir(kind)
     llm = parallel_llm(kind, tp, pp)

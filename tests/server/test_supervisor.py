@@ -19,11 +19,11 @@ from tests.router.instances import free_port, scrape, wait_for
 pytest.importorskip("nixl_cu12", reason="the nixl KV connector needs nixl-cu12")
 
 
-def start(model_dir, port: int) -> subprocess.Popen:
+def start(model_dir, port: int, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "TANDEM_ENGINE__NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
         [sys.executable, "-m", "tandem.cli", "serve", "--disaggregated", str(model_dir),
-         "--port", str(port), "--served-model-name", "tiny", "--num-kv-blocks", "64"],
+         "--port", str(port), "--served-model-name", "tiny", "--num-kv-blocks", "64", *extra],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -92,6 +92,28 @@ def test_one_command_serves_disaggregated_and_stops_on_sigterm(model_dir):
         assert not any(alive(pid) for pid in pids.values())
     finally:
         proc.kill()
+
+
+@pytest.mark.timeout(300)
+def test_tensor_parallel_instances_on_both_sides_answer_like_one_process(model_dir):
+    from tandem import LLM, SamplingParams
+
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    want = LLM(model=str(model_dir), num_kv_blocks=64).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].text
+    port = free_port()
+    proc = start(model_dir, port, "-tp", "2")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        assert wait_for(lambda: all_instances_healthy(url), 240)
+        answer = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["text"] == want
+        assert scrape(url)["tandem:router_requests_total{path=disaggregated}"] >= 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
 
 
 @pytest.mark.timeout(300)
