@@ -226,7 +226,9 @@ class ParallelConfig(_Section):
     node_rank: int = Field(0, ge=0)
     """This host's number: 0 is the head."""
     master_addr: str = "127.0.0.1"
-    """The head's address that every host reaches (torch.distributed's TCP rendezvous)."""
+    """The head's address that every host reaches (torch.distributed's TCP rendezvous). With
+    nnodes > 1 each host's gloo binds to the interface its route to this address leaves from,
+    unless GLOO_SOCKET_IFNAME names one."""
     master_port: int = Field(0, ge=0, le=65535)
     """The rendezvous port on the head; 0 = a free port, on one host only."""
 

@@ -63,6 +63,7 @@ def init_distributed(spec: WorkerSpec):
     this rank's ``ParallelContext``. Raises RuntimeError naming the hosts that did not join."""
     import torch.distributed as dist
 
+    from tandem.executor.netif import choose_gloo_interface
     from tandem.executor.parallel import ParallelContext
 
     par, eng = spec.config.parallel, spec.config.engine
@@ -72,6 +73,7 @@ def init_distributed(spec: WorkerSpec):
     if cuda:
         torch.cuda.set_device(spec.local_rank)
     timeout = timedelta(seconds=eng.worker_timeout_s)
+    interface = choose_gloo_interface(par.master_addr) if par.nnodes > 1 else None
     try:
         dist.init_process_group(backend, init_method=f"tcp://{par.master_addr}:{par.master_port}",
                                 rank=spec.rank, world_size=spec.world_size, timeout=timeout)
@@ -79,8 +81,7 @@ def init_distributed(spec: WorkerSpec):
         raise RuntimeError(
             f"rank {spec.rank}: the {spec.world_size} ranks did not all join the rendezvous at "
             f"{par.master_addr}:{par.master_port} within {eng.worker_timeout_s:g} s "
-            f"(parallel.nnodes = {par.nnodes}: is `tandem serve --headless --node-rank N` running on "
-            f"every other host, with the same --master-addr and --master-port?): {exc}") from exc
+            f"({_rendezvous_hint(par, interface)}): {exc}") from exc
     tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
     cpu_group = dist.new_group(list(range(spec.world_size)), backend="gloo", timeout=IDLE_TIMEOUT)
     tp_group = None
@@ -90,6 +91,21 @@ def init_distributed(spec: WorkerSpec):
             tp_group = group
     return ParallelContext(tp_size=tp, tp_rank=spec.rank % tp, pp_size=pp, pp_rank=spec.rank // tp,
                            tp_group=tp_group, pp_group=dist.group.WORLD, cpu_group=cpu_group)
+
+
+def _rendezvous_hint(par: Any, interface: str | None) -> str:
+    """What the user of this host should check when the rendezvous failed."""
+    if par.node_rank == 0:
+        hint = (f"parallel.nnodes = {par.nnodes}: is `tandem serve --headless --node-rank N` running on "
+                "every other host, with the same --master-addr and --master-port?")
+    else:
+        hint = ("is the head (`tandem serve --node-rank 0`, the same --nnodes) running at "
+                f"{par.master_addr}, with the same --master-port?")
+    if par.nnodes == 1:
+        return hint
+    chosen = f"it is {interface}" if interface else "none was found, so gloo chose from the hostname"
+    return (f"{hint} gloo binds to the network interface GLOO_SOCKET_IFNAME names ({chosen}): it must "
+            "be one the other hosts reach")
 
 
 def _configure(spec: WorkerSpec) -> None:
