@@ -520,6 +520,7 @@ class AsyncEngine:
             if outputs:
                 self._post(self._deliver, outputs)
         else:
+            engine.check_health()
             engine.poll_kv_transfers()
         self._fail_transfers(engine)
         kv_transfer = engine.kv_transfer

@@ -270,6 +270,11 @@ class LLMEngine:
         """Blocks pinned for decode instances: ``poll_kv_transfers`` must run now and then."""
         return self.kv_transfer is not None and self.kv_transfer.has_pins()
 
+    def check_health(self) -> None:
+        """While idle: raise ``EngineDeadError`` when the executor's workers died (a step would
+        find out only when the next request comes)."""
+        self.executor.check_health()
+
     def poll_kv_transfers(self) -> None:
         """Release notified or expired pins and end finished loads (every ``step`` does it too;
         call it while idle). Requests failed by the "fail" policy: ``take_failed_requests``."""

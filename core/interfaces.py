@@ -498,6 +498,10 @@ class Executor(ABC):
         """Register the KV pools with a connector of ``connector_name`` (a prefill or decode
         instance, once at start-up); returns what the engine's hand-overs drive."""
 
+    def check_health(self) -> None:
+        """Called while the engine is idle, often: raise ``EngineDeadError`` when the workers
+        died (optional; must be cheap — rate-limit anything that crosses a channel)."""
+
     def close(self) -> None:
         """Stop the workers and release what they hold (optional; idempotent)."""
 

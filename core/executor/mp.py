@@ -25,6 +25,7 @@ from tandem.interfaces import Executor, KVConnector
 from tandem.sched.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("tandem")
+HEALTH_PING_S = 5.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -51,6 +52,8 @@ class MultiprocExecutor(Executor):
         self.timeout_s = config.engine.worker_timeout_s
         self.world_size = par.world_size
         self.tp_size, self.pp_size = par.tensor_parallel_size, par.pipeline_parallel_size
+        self.nnodes = par.nnodes
+        self._last_ping = time.monotonic()
         local = par.world_size // par.nnodes
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
@@ -115,6 +118,19 @@ class MultiprocExecutor(Executor):
 
         handshakes = self.call_ranks("connect", [(connector_name, compat_hash)] * self.world_size)
         return RankedConnector(self.call_ranks, handshakes, self.tp_size, self.pp_size)
+
+    def check_health(self) -> None:
+        """A local rank that exited is found at once (its sentinel); ranks on other hosts are
+        pinged through the channel every ``HEALTH_PING_S`` seconds (a dead host breaks the
+        gloo group)."""
+        if self._closed:
+            return
+        dead = [p for p in self.procs if not p.is_alive()]
+        if dead:
+            self._wait(0, "an idle period")  # names them and raises EngineDeadError
+        if self.nnodes > 1 and time.monotonic() - self._last_ping >= HEALTH_PING_S:
+            self._last_ping = time.monotonic()
+            self.call_ranks("ping", [()] * self.world_size)
 
     def call_ranks(self, method: str, args: list[tuple]) -> list:
         """``connector.<method>(*args[r])`` on every rank r; their results in rank order. An

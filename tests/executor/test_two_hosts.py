@@ -200,3 +200,18 @@ def test_head_exits_when_the_other_host_is_killed_while_serving(instance):
     assert events[-1] == "data: [DONE]" and "error" in json.loads(events[-2][6:]), events[-3:]
     assert "the engine failed, exiting" in instance.logs(), instance.logs()
     assert seconds < WORKER_TIMEOUT_S
+
+
+@pytest.mark.timeout(240)
+def test_head_exits_when_the_other_host_is_killed_while_idle(instance):
+    """No request has to come: the idle head pings the other host's rank every few seconds."""
+    from tandem.executor.mp import HEALTH_PING_S
+
+    os.killpg(instance.headless.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    instance.head.wait(WORKER_TIMEOUT_S)
+    seconds = time.monotonic() - killed
+    print(f"\nthe headless host killed -9 while idle: the head exited {instance.head.returncode} {seconds:.1f} s later")
+    assert instance.head.returncode == 1, instance.logs()
+    assert "the engine failed, exiting" in instance.logs(), instance.logs()
+    assert seconds < HEALTH_PING_S + 10

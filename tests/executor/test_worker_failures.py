@@ -89,11 +89,10 @@ def test_serve_tp2_answers_like_one_process_and_exits_nonzero_when_a_worker_dies
                    or "multiprocessing" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
         assert workers, "no worker process found"
         os.kill(workers[-1], signal.SIGKILL)
-        t0 = time.monotonic()
-        httpx.post(f"{url}/v1/completions", json=body, timeout=60)  # the step that finds it dead
+        t0 = time.monotonic()  # idle: no request has to come for the server to notice
         code = proc.wait(timeout=30)
         assert code != 0
-        assert time.monotonic() - t0 < 25
+        assert time.monotonic() - t0 < 10
         assert "engine failed" in proc.stderr.read()
     finally:
         if proc.poll() is None:
