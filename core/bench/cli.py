@@ -10,7 +10,8 @@ import importlib
 
 BENCHMARKS = {
     "offline": ("tandem.bench.offline", "offline throughput of tandem vs HF transformers "
-                "(sequential, static batching, continuous batching)"),
+                "(sequential, static batching, continuous batching); with -tp/-pp, tandem on several ranks "
+                "vs tandem on one"),
     "serve": ("tandem.bench.serve", "serving benchmark over HTTP: request and token throughput, "
               "TTFT, TPOT, ITL and latency percentiles, goodput under SLOs"),
     "kv-transfer": ("tandem.bench.kv_transfer", "KV block hand-over bandwidth over NIXL, on one host "

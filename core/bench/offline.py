@@ -9,7 +9,8 @@ lengths, greedy, EOS ignored) and only the tokens each request asked for count:
   ``max_new_tokens``;
 - ``tandem``: ``tandem.LLM.generate`` over all requests.
 
-It prints tokens/s per mode and tandem's ratio to each baseline.
+It prints tokens/s per mode and tandem's ratio to each baseline. With ``-tp``/``-pp`` above 1 the
+baseline is tandem itself on one rank instead (tandem.bench.offline_parallel).
 """
 from __future__ import annotations
 
@@ -143,9 +144,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
     p.add_argument("--static-batch-size", type=int, default=32)
-    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--modes", nargs="+", choices=MODES, default=None,
+                   help="what runs on one rank (default: all); not with -tp/-pp")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's); with -tp/-pp the total over the ranks "
+                        "(default: every core)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1, metavar="N",
+                   help="above 1 (or -pp above 1): tandem on tp x pp ranks (the mp executor) against "
+                        "tandem on one rank with as many torch threads, instead of the HF modes")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=_positive, default=1, metavar="N",
+                   help="pipeline stages of the parallel run (see -tp)")
+    p.add_argument("--repeats", type=_positive, default=3, metavar="N",
+                   help="with -tp/-pp: timed runs of each setup, alternating (the median counts)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="tandem's max_num_seqs")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--num-speculative-tokens", type=int, default=0,
@@ -154,33 +165,53 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="dtype of both tandem and HF (bfloat16 pays off on CPUs with AVX512-BF16/AMX)")
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
+def describe_workload(path: str, wl: Workload, args: argparse.Namespace) -> str:
+    return (f"model {path}: {wl.num_output_tokens} output tokens over {len(wl.prompts)} requests, "
+            f"prompts {args.prompt_len[0]}-{args.prompt_len[1]}, outputs "
+            f"{args.output_len[0]}-{args.output_len[1]}, {args.dtype}")
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
     from tandem import LLM
+    from tandem.config import ConfigError
+    from tandem.models.config import ModelArchConfig
     from tandem.models.loader import load_generation_config
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     path = args.model
     if path is None:
         from tandem.models.presets import default_model_path
 
         path = str(default_model_path("bench-100m"))
     eos = set(load_generation_config(path)["eos_token_ids"])
+    if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
+        from tandem.bench.offline_parallel import run_comparison
+
+        if args.modes is not None:
+            raise ConfigError("--modes chooses the one-rank modes; with -tp/-pp the bench compares "
+                              "tandem's parallel run with tandem on one rank: drop --modes")
+        vocab = ModelArchConfig.from_pretrained_dir(path).vocab_size
+        return run_comparison(args, path, _workload(args, vocab, eos))
+    args.modes = args.modes or list(MODES)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     hf = None
     if any(m.startswith("hf") for m in args.modes):
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
     llm = LLM(model=path, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               num_speculative_tokens=args.num_speculative_tokens,
               max_num_batched_tokens=args.max_num_batched_tokens) if "tandem" in args.modes else None
-    vocab = (llm.engine.arch.vocab_size if llm else hf.config.vocab_size)
-    wl = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), vocab, eos,
-                       args.seed)
-    print(f"model {path}: {wl.num_output_tokens} output tokens over {len(wl.prompts)} requests, "
-          f"prompts {args.prompt_len[0]}-{args.prompt_len[1]}, outputs "
-          f"{args.output_len[0]}-{args.output_len[1]}, {args.dtype}, torch threads {torch.get_num_threads()}")
+    wl = _workload(args, llm.engine.arch.vocab_size if llm else hf.config.vocab_size, eos)
+    print(f"{describe_workload(path, wl, args)}, torch threads {torch.get_num_threads()}")
     results: dict[str, ModeResult] = {}
     for mode in args.modes:
         if mode == "hf-sequential":
@@ -195,6 +226,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {mode:<14} {r.seconds:8.1f} s  {r.tokens_per_s(wl):8.1f} tok/s", flush=True)
     _print_summary(results, wl)
     return 0
+
+
+def _workload(args: argparse.Namespace, vocab_size: int, eos: set[int]) -> Workload:
+    return make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), vocab_size,
+                         eos, args.seed)
 
 
 def _print_summary(results: dict[str, ModeResult], wl: Workload) -> None:
