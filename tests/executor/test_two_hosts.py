@@ -30,6 +30,7 @@ import pytest
 from tests.engine.test_greedy_vs_hf import _prompts, hf_greedy
 from tests.helpers.netns import Host, TestHosts, test_hosts
 from tests.helpers.tiny_models import tiny_model_dir, tiny_tokenizer
+from tests.router.instances import wait_healthy
 
 MODEL_NAME = "tiny"
 API_PORT = 8000
@@ -83,16 +84,8 @@ class TwoHostInstance:
         return self
 
     def wait_ready(self) -> TwoHostInstance:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            assert self.alive, f"a host exited during start-up:\n{self.logs()}"
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"the instance did not start within {START_TIMEOUT_S:g} s:\n{self.logs()}")
+        wait_healthy(self.url, lambda: None if self.alive else self.logs(), START_TIMEOUT_S, "a host")
+        return self
 
     def stop(self) -> None:
         for proc in (self.head, self.headless):

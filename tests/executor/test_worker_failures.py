@@ -17,7 +17,7 @@ import pytest
 from tandem import LLM, SamplingParams
 from tandem.engine import EngineDeadError
 from tests.helpers.tiny_models import tiny_model_dir
-from tests.router.instances import free_port
+from tests.router.instances import free_port, wait_healthy
 
 pytestmark = pytest.mark.timeout(300)
 REPO = Path(__file__).resolve().parents[2]
@@ -68,16 +68,7 @@ def test_serve_tp2_answers_like_one_process_and_exits_nonzero_when_a_worker_dies
                             cwd=REPO, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline, "the server never became healthy"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
+        wait_healthy(url, lambda: None if proc.poll() is None else proc.stderr.read(), 120, "tandem serve -tp 2")
         body = {"model": str(path), "prompt": prompt, "max_tokens": 8,
                 "min_tokens": 8, "temperature": 0}
         answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60)

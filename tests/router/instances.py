@@ -153,6 +153,22 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float = 15.0) -> bool:
     return False
 
 
+def wait_healthy(url: str, failure: Callable[[], str | None], timeout_s: float, what: str = "the instance") -> None:
+    """Until ``url``/health answers 200. ``failure()`` says why the process cannot come up
+    (it exited: its log) or None; raises AssertionError with that, or TimeoutError."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        reason = failure()
+        assert reason is None, f"{what} exited during start-up:\n{reason}"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{what} did not start within {timeout_s:g} s:\n{failure() or ''}")
+
+
 def completion(url: str, body: dict, path: str = "/v1/completions") -> dict:
     """A non-streamed answer of ``url`` (an instance: the oracle, or the router)."""
     response = httpx.post(f"{url}{path}", json=body, timeout=120)
