@@ -90,12 +90,12 @@ def install(wheels: Path) -> None:
     subprocess.run([*pip, "--no-build-isolation", "-e", str(ROOT)], check=True)
 
 
-QUANT_GPU_TESTS = ["tests/quant/test_cuda.py", "tests/quant/test_int4_dequant_gemm.py",
-                   "tests/quant/test_fp8_matmul.py"]
+OTHER_GPU_TESTS = ["tests/quant/test_cuda.py", "tests/quant/test_int4_dequant_gemm.py",
+                   "tests/quant/test_fp8_matmul.py", "tests/executor/test_mp_one_rank.py"]
 
 
 def run_pytest(smoke: bool) -> Row:
-    folders = ["tests/gpu"] if smoke else ["tests/kernels", "tests/gpu", *QUANT_GPU_TESTS]
+    folders = ["tests/gpu"] if smoke else ["tests/kernels", "tests/gpu", *OTHER_GPU_TESTS]
     cmd = [sys.executable, "-m", "pytest", *folders, "-q", "-p", "no:cacheprovider"]
     if not smoke and importlib.util.find_spec("xdist"):
         cmd += ["-n", "8"]
