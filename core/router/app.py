@@ -1,13 +1,15 @@
 """The router's FastAPI app.
 
     POST /v1/completions, /v1/chat/completions   routed (dispatch.py); streams relayed unchanged
-    GET  /v1/models                              relayed from a healthy instance
+    GET  /v1/models, /v1/models/{id}             relayed from a healthy instance
+    POST /tokenize, /detokenize                  relayed to a healthy instance
+    GET  /version                                the router's tandem version
     GET  /health                                 200 while a decode-capable instance is in rotation
     GET  /metrics                                the router's metrics (metrics.py)
     GET|POST|DELETE /admin/instances             list, add ({url, role}), remove (?url=...)
 
-The /v1 routes need ``Authorization: Bearer <server.api_key>`` when that key is set; the header
-is relayed to the instances byte for byte. The admin routes need ``Authorization: Bearer
+The /v1 routes, /tokenize and /detokenize need ``Authorization: Bearer <server.api_key>`` when
+that key is set; the header is relayed to the instances byte for byte. The admin routes need ``Authorization: Bearer
 <disaggregation.router_admin_key>`` when that key is set (401 otherwise). A client that goes away
 before its answer is ready cancels the upstream requests (the instances abort them).
 
@@ -27,6 +29,7 @@ import time
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -86,6 +89,7 @@ def create_router_app(config: TandemConfig, health_interval_s: float = 1.0) -> F
                   description="Routes OpenAI requests over prefill and decode instances.")
     _add_error_handlers(app)
     app.include_router(_v1_routes(dispatcher, config.server.api_key))
+    app.include_router(_tokenizer_routes(dispatcher, config.server.api_key))
     app.include_router(_admin_routes(registry, health_client, disagg.router_admin_key))
     _add_operator_routes(app, registry, metrics)
     return app
@@ -123,20 +127,50 @@ def _v1_routes(dispatcher: Dispatcher, api_key: str | None) -> APIRouter:
     @router.get("/models")
     async def models(request: Request) -> Response:
         """The model list of the first healthy instance that answers."""
-        headers = _relayed_headers(request)
-        registry = dispatcher.registry
-        for info in registry.candidates("decode") + registry.candidates("prefill"):
-            try:
-                answer = await dispatcher.client.get(f"{info.url}/v1/models", headers=headers)
-            except httpx.TransportError as exc:
-                registry.mark_down(info.url, f"/v1/models failed: {type(exc).__name__}: {exc}")
-                continue
-            if answer.status_code != 503:
-                return Response(answer.content, status_code=answer.status_code,
-                                media_type=answer.headers.get("content-type"))
-        raise RouterError(503, "no healthy instance answered", code="no_instance")
+        return await relay_to_any(dispatcher, request, "/v1/models")
+
+    @router.get("/models/{model_id:path}")
+    async def retrieve_model(request: Request, model_id: str) -> Response:
+        return await relay_to_any(dispatcher, request, f"/v1/models/{quote(model_id, safe='/')}")
 
     return router
+
+
+def _tokenizer_routes(dispatcher: Dispatcher, api_key: str | None) -> APIRouter:
+    """/tokenize and /detokenize, relayed to any healthy instance: they all serve one model."""
+    check = _bearer_check(api_key, "a valid API key is required", "invalid_api_key")
+    router = APIRouter(dependencies=[Depends(check)])
+
+    @router.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await relay_to_any(dispatcher, request, "/tokenize", json_object(await request.body()))
+
+    @router.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await relay_to_any(dispatcher, request, "/detokenize", json_object(await request.body()))
+
+    return router
+
+
+async def relay_to_any(dispatcher: Dispatcher, request: Request, path: str,
+                       body: dict[str, Any] | None = None) -> Response:
+    """The answer of the first healthy instance (decode-capable first) that answers ``path``
+    with anything but a 503: GET without ``body``, POST with it. 503 when none does."""
+    headers = _relayed_headers(request)
+    registry = dispatcher.registry
+    for info in registry.candidates("decode") + registry.candidates("prefill"):
+        try:
+            if body is None:
+                answer = await dispatcher.client.get(f"{info.url}{path}", headers=headers)
+            else:
+                answer = await dispatcher.client.post(f"{info.url}{path}", headers=headers, json=body)
+        except httpx.TransportError as exc:
+            registry.mark_down(info.url, f"{path} failed: {type(exc).__name__}: {exc}")
+            continue
+        if answer.status_code != 503:
+            return Response(answer.content, status_code=answer.status_code,
+                            media_type=answer.headers.get("content-type"))
+    raise RouterError(503, "no healthy instance answered", code="no_instance")
 
 
 def _relayed_headers(request: Request) -> RawHeaders:
@@ -238,6 +272,11 @@ def _add_operator_routes(app: FastAPI, registry: InstanceRegistry, metrics: Rout
         return JSONResponse({"status": "ok" if ready else "no_decode_instance",
                              "instances": [s.as_dict() for s in registry.all()]},
                             status_code=200 if ready else 503)
+
+    @app.get("/version")
+    async def version() -> dict:
+        """The router's tandem version."""
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def router_metrics() -> Response:

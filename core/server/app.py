@@ -1,10 +1,11 @@
-"""The FastAPI app of one tandem instance: the OpenAI routes, /health, /metrics, and the KV
-hand-over routes of a prefill instance (/kv/handshake, /kv/release; see tandem.server.disagg).
+"""The FastAPI app of one tandem instance: the OpenAI routes, vLLM's /tokenize and /detokenize,
+/health, /metrics, /version, and the KV hand-over routes of a prefill instance (/kv/handshake,
+/kv/release; see tandem.server.disagg).
 
 ``create_app(config)`` builds everything an instance needs (the async engine, its metrics) and
 starts the engine in the app's lifespan: the model loads in the engine thread while the server
-already answers /health with 503. Every /v1 route needs ``Authorization: Bearer KEY`` when
-``server.api_key`` is set; requests with ``kv_transfer_params`` and the /kv routes need the
+already answers /health with 503. Every /v1 route, /tokenize and /detokenize need
+``Authorization: Bearer KEY`` when ``server.api_key`` is set; requests with ``kv_transfer_params`` and the /kv routes need the
 cluster secret (``X-Tandem-KV-Secret``) when ``disaggregation.kv_transfer_secret`` is set. Errors
 use OpenAI's body; FastAPI's 422 becomes a 400.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -35,13 +36,19 @@ from tandem.server.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     KVReleaseRequest,
     KVReleaseResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
 )
 from tandem.server.serving import ClientDisconnected, ServingContext
+from tandem.server.tokenize import detokenize, tokenize
 
 logger = logging.getLogger("tandem.server")
 
@@ -84,12 +91,13 @@ def create_app(config: TandemConfig, engine_factory: Callable[[], LLMEngine] | N
     app.state.tandem = ctx
     _add_error_handlers(app, metrics)
     app.include_router(_v1_router(ctx, config.server.api_key))
+    app.include_router(_tokenizer_router(ctx, config.server.api_key))
     _add_operator_routes(app, ctx)
     _add_kv_routes(app, ctx)
     return app
 
 
-def _v1_router(ctx: ServingContext, api_key: str | None) -> APIRouter:
+def _api_key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
     async def check_api_key(request: Request) -> None:
         if api_key is None:
             return
@@ -98,12 +106,26 @@ def _v1_router(ctx: ServingContext, api_key: str | None) -> APIRouter:
             raise APIError(401, "a valid API key is required: Authorization: Bearer KEY",
                            code="invalid_api_key")
 
-    router = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)], responses=_ERRORS)
+    return check_api_key
+
+
+def _model_card(ctx: ServingContext) -> ModelCard:
+    max_len = ctx.engine.engine.max_model_len if ctx.engine.engine is not None else None
+    return ModelCard(id=ctx.model_name, root=ctx.model_path, max_model_len=max_len)
+
+
+def _v1_router(ctx: ServingContext, api_key: str | None) -> APIRouter:
+    router = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))], responses=_ERRORS)
 
     @router.get("/models", response_model=ModelList)
     async def list_models() -> ModelList:
-        max_len = ctx.engine.engine.max_model_len if ctx.engine.engine is not None else None
-        return ModelList(data=[ModelCard(id=ctx.model_name, root=ctx.model_path, max_model_len=max_len)])
+        return ModelList(data=[_model_card(ctx)])
+
+    @router.get("/models/{model_id:path}", response_model=ModelCard)
+    async def retrieve_model(model_id: str) -> ModelCard:
+        """The model ``model_id`` as /v1/models lists it; 404 (model_not_found) for another id."""
+        ctx.check_model(model_id)
+        return _model_card(ctx)
 
     @router.post("/completions", response_model=CompletionResponse)
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -118,6 +140,24 @@ def _v1_router(ctx: ServingContext, api_key: str | None) -> APIRouter:
     return router
 
 
+def _tokenizer_router(ctx: ServingContext, api_key: str | None) -> APIRouter:
+    """vLLM's /tokenize and /detokenize, guarded by the API key as the /v1 routes are."""
+    router = APIRouter(dependencies=[Depends(_api_key_check(api_key))], responses=_ERRORS)
+
+    @router.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:
+        """A prompt (as /v1/completions tokenizes it) or messages (through the chat template)
+        to token ids, with the context length."""
+        return tokenize(ctx, body)
+
+    @router.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
+        """Token ids to text."""
+        return detokenize(ctx, body)
+
+    return router
+
+
 def _add_operator_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -125,6 +165,10 @@ def _add_operator_routes(app: FastAPI, ctx: ServingContext) -> None:
         state = ctx.engine.state
         status = 200 if state == EngineState.READY else 503
         return JSONResponse({"status": state.value}, status_code=status)
+
+    @app.get("/version", response_model=VersionResponse)
+    async def version() -> VersionResponse:
+        return VersionResponse(version=__version__)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -20,8 +20,10 @@ from tandem.server.protocol import (
     ChatCompletionResponse,
     ChatLogprobEntry,
     ChatLogprobs,
+    ChatMessage,
     ChatStreamChoice,
     DeltaMessage,
+    PromptTokensDetails,
     TopLogprob,
     UsageInfo,
 )
@@ -75,17 +77,24 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
 
 def render_chat(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
     """The prompt token ids of the conversation, through the tokenizer's chat template."""
+    return chat_token_ids(ctx, body.messages, body.add_generation_prompt)
+
+
+def chat_token_ids(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool,
+                   add_special_tokens: bool = False) -> list[int]:
+    """The token ids of ``messages`` rendered by the tokenizer's chat template (a 400 when the
+    model has none or the template refuses them)."""
     tokenizer = ctx.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request(f"the model {ctx.model_name!r} has no chat template, so it cannot serve "
                           "/v1/chat/completions; use /v1/completions", "messages")
-    messages = [{"role": m.role, "content": message_text(m.content)} for m in body.messages]
+    turns = [{"role": m.role, "content": message_text(m.content)} for m in messages]
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=body.add_generation_prompt)
+        text = tokenizer.apply_chat_template(turns, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
     except Exception as exc:  # noqa: BLE001 — a template may raise anything on bad input
         raise bad_request(f"the chat template refused the messages: {exc}", "messages") from exc
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 @dataclass(slots=True)
@@ -123,8 +132,10 @@ class _ChatView:
 
     def _usage(self, out: RequestOutput | None) -> UsageInfo:
         completion = sum(len(seq.token_ids) for seq in out.outputs) if out is not None else 0
+        cached = out.num_cached_tokens if out is not None else 0
         return UsageInfo(prompt_tokens=self.num_prompt_tokens, completion_tokens=completion,
-                         total_tokens=self.num_prompt_tokens + completion)
+                         total_tokens=self.num_prompt_tokens + completion,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
     def _logprobs(self, token_ids: list[int],
                   entries: list[dict[int, Logprob]] | None) -> ChatLogprobs | None:

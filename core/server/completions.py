@@ -17,6 +17,7 @@ from tandem.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptTokensDetails,
     UsageInfo,
 )
 from tandem.server.serving import (
@@ -122,7 +123,9 @@ class _CompletionView:
     def _usage(self, finals: list[RequestOutput]) -> UsageInfo:
         prompt = sum(len(p) for p in self.prompts)
         completion = sum(len(seq.token_ids) for out in finals for seq in out.outputs)
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        cached = sum(out.num_cached_tokens for out in finals)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
     async def stream(self, streams):
         finals: list[RequestOutput | None] = [None] * len(streams)

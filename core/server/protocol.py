@@ -204,13 +204,40 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
 
 
+class TokenizeRequest(_Request):
+    """POST /tokenize, vLLM's two forms: ``prompt`` (a string, tokenized as /v1/completions
+    does) or ``messages`` (through the chat template, as /v1/chat/completions does). Exactly
+    one of them. ``add_special_tokens`` defaults to true for a prompt, false for messages (the
+    template writes them)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Request):
+    """POST /detokenize: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 # ----------------------------------------------------------------------------- responses
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache (whole blocks), not computed."""
 
 
 class UsageInfo(_Response):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(_Response):
@@ -316,6 +343,21 @@ class ModelCard(_Response):
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
+class VersionResponse(_Response):
+    version: str
 
 
 class ErrorInfo(_Response):

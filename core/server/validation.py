@@ -44,15 +44,15 @@ def _best_of(value: Any, body: SamplingFields) -> bool:
 
 
 _NULL = _one_of()
+_GUIDED = "guided decoding"
 _COMMON = {
     "logit_bias": Unimplemented("logit biases", _one_of({}), "null or {}"),
     "best_of": Unimplemented("best-of sampling (best_of > n)", _best_of, "null or equal to n"),
     "prompt_logprobs": Unimplemented("vLLM's prompt_logprobs (use echo with logprobs on "
                                      "/v1/completions)", _NULL, "null"),
-    "guided_json": Unimplemented("guided decoding", _NULL, "null"),
-    "guided_regex": Unimplemented("guided decoding", _NULL, "null"),
-    "guided_choice": Unimplemented("guided decoding", _NULL, "null"),
-    "guided_grammar": Unimplemented("guided decoding", _NULL, "null"),
+    **{name: Unimplemented(_GUIDED, _NULL, "null") for name in (
+        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+        "guided_whitespace_pattern")},
     "structured_outputs": Unimplemented("structured outputs (tandem has JSON mode: "
                                         "response_format json_object)", _one_of({}), "null or {}"),
     "logits_processors": Unimplemented("logits processors", _one_of([]), "null or []"),
@@ -101,6 +101,11 @@ def check_body(body: SamplingFields, route: str) -> None:
     for name, field in UNIMPLEMENTED[route].items():
         if name in extra and not field.neutral(extra[name], body):
             raise bad_request(_unimplemented_message(name, field, extra[name], body), name)
+    check_text(body)
+
+
+def check_text(body: BaseModel) -> None:
+    """400 for a string anywhere in the body's fields that is not valid Unicode."""
     for name in type(body).model_fields:
         bad = _bad_text(getattr(body, name), name)
         if bad is not None:
@@ -112,6 +117,10 @@ def check_body(body: SamplingFields, route: str) -> None:
 def _unimplemented_message(name: str, field: Unimplemented, value: Any, body: SamplingFields) -> str:
     if name == "best_of" and type(value) is int and value < body.n:
         return f"best_of ({value}) must be at least n ({body.n})"
+    if field.feature == _GUIDED:
+        return (f"{name} is not supported: vLLM removed the guided_* fields; their successor is "
+                "structured_outputs, which tandem does not implement yet (it has JSON mode: "
+                'response_format {"type": "json_object"}); omit it or send null')
     return (f"{name} is not supported: tandem does not implement {field.feature}; omit it or send "
             f"{field.neutral_text}")
 

@@ -167,9 +167,29 @@ def test_models_and_health_come_from_the_instances(cluster, router):
         (cluster.decode[1].url, "decode", True)}
 
 
+def test_tokenize_detokenize_version_and_model_retrieve_pass_through(cluster, router):
+    import tandem
+
+    direct, routed = cluster.decode[0].url, router.url
+    for path, body in (("/tokenize", {"prompt": LONG_PROMPT}),
+                       ("/tokenize", {"messages": [{"role": "user", "content": "Hi"}]}),
+                       ("/detokenize", {"tokens": list(range(40, 90))}),
+                       ("/detokenize", {"tokens": [10**9]})):
+        want = httpx.post(f"{direct}{path}", json=body, timeout=10)
+        got = httpx.post(f"{routed}{path}", json=body, timeout=10)
+        assert (got.status_code, got.json()) == (want.status_code, want.json())
+    assert httpx.get(f"{routed}/version", timeout=10).json() == {"version": tandem.__version__}
+    assert client(router).models.retrieve(MODEL_NAME).id == MODEL_NAME
+    with pytest.raises(openai.NotFoundError) as info:
+        client(router).models.retrieve("another/model")
+    assert info.value.body["code"] == "model_not_found"
+
+
 def test_the_router_api_key_guards_the_v1_routes(cluster):
     with running_router([(cluster.decode[0].url, "decode")], api_key="router-key") as router:
         with pytest.raises(openai.AuthenticationError):
             client(router).models.list()
+        for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
+            assert httpx.post(f"{router.url}{path}", json=body, timeout=10).status_code == 401
         keyed = openai.OpenAI(base_url=f"{router.url}/v1", api_key="router-key", max_retries=0)
         assert keyed.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2).choices[0].text

@@ -59,7 +59,8 @@ def test_models_health_and_openapi(client, http):
     assert models.data[0].max_model_len == 512  # the tiny model's max_position_embeddings
     assert http.get("/health").json() == {"status": "ready"}
     paths = http.get("/openapi.json").json()["paths"]
-    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"} <= set(paths)
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model_id}", "/health",
+            "/metrics", "/tokenize", "/detokenize", "/version"} <= set(paths)
 
 
 def test_completions_greedy_equal_offline(client, offline, hf_tokenizer):
@@ -215,3 +216,62 @@ def test_chat_logprobs(client, offline, hf_tokenizer):
         assert len(entry.top_logprobs) == 2
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-5)  # greedy
+
+
+def _long_unique_prompt(tag: str, hf_tokenizer) -> str:
+    """A prompt of more than 3 blocks (block size 16) that no other test sends."""
+    prompt = f"# {tag}\n" + "\n".join(f"value_{i} = {i} * {i}" for i in range(12))
+    assert len(hf_tokenizer.encode(prompt)) > 3 * 16
+    return prompt
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_usage_reports_prefix_cache_hits(client, hf_tokenizer, stream):
+    prompt = _long_unique_prompt(f"cached completion {stream}", hf_tokenizer)
+    num_prompt = len(hf_tokenizer.encode(prompt))
+
+    def cached_tokens() -> int:
+        kwargs = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0.0,
+                                        **kwargs)
+        usage = list(got)[-1].usage if stream else got.usage
+        assert usage.prompt_tokens == num_prompt
+        return usage.prompt_tokens_details.cached_tokens
+
+    assert cached_tokens() == 0
+    second = cached_tokens()
+    assert 32 <= second < num_prompt and second % 16 == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_usage_reports_prefix_cache_hits(client, hf_tokenizer, stream):
+    messages = [{"role": "user", "content": _long_unique_prompt(f"cached chat {stream}", hf_tokenizer)}]
+    text = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    num_prompt = len(hf_tokenizer.encode(text, add_special_tokens=False))
+
+    def cached_tokens() -> int:
+        kwargs = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+        got = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
+                                             temperature=0.0, **kwargs)
+        usage = list(got)[-1].usage if stream else got.usage
+        assert usage.prompt_tokens == num_prompt
+        return usage.prompt_tokens_details.cached_tokens
+
+    assert cached_tokens() == 0
+    second = cached_tokens()
+    assert 32 <= second < num_prompt and second % 16 == 0
+
+
+def test_version(http):
+    import tandem
+
+    assert http.get("/version").json() == {"version": tandem.__version__}
+
+
+def test_models_retrieve_equals_the_listed_model(client):
+    listed = client.models.list().data[0]
+    got = client.models.retrieve("tiny")
+    assert got.model_dump(exclude={"created"}) == listed.model_dump(exclude={"created"})
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("other/model")
+    assert info.value.body["code"] == "model_not_found"

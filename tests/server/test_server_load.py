@@ -182,8 +182,15 @@ def test_api_key(model_dir):
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
             r = httpx.post(f"{srv.url}/v1/completions", headers=headers, json={"prompt": "x"})
             assert r.status_code == 401
+            for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
+                r = httpx.post(f"{srv.url}{path}", headers=headers, json=body)
+                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            assert httpx.get(f"{srv.url}/v1/models/{model_dir}", headers=headers).status_code == 401
         assert httpx.get(f"{srv.url}/health").status_code == 200
         assert httpx.get(f"{srv.url}/metrics").status_code == 200
+        assert httpx.get(f"{srv.url}/version").status_code == 200
+        key = {"Authorization": "Bearer sesame"}
+        assert httpx.post(f"{srv.url}/tokenize", headers=key, json={"prompt": "x"}).status_code == 200
         good = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="sesame", max_retries=0)
         assert good.completions.create(model=str(model_dir), prompt="x", max_tokens=2).choices
         bad = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="nope", max_retries=0)

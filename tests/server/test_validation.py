@@ -86,6 +86,18 @@ def test_non_neutral_values_are_refused(extra, param):
     assert "not supported" in info.value.message or "at least n" in info.value.message
 
 
+@pytest.mark.parametrize("name", ["guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                                  "guided_decoding_backend"])
+def test_removed_guided_fields_point_to_structured_outputs(name):
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                                 name: "a"})
+    with pytest.raises(APIError) as info:
+        check_body(body, "/v1/chat/completions")
+    assert (info.value.status, info.value.param) == (400, name)
+    assert info.value.message.startswith(f"{name} is not supported: vLLM removed")
+    assert "structured_outputs" in info.value.message and "not implement" in info.value.message
+
+
 @pytest.mark.parametrize("extra", [
     {"logit_bias": {}}, {"logit_bias": None}, {"best_of": 1}, {"best_of": None}, {"suffix": ""},
     {"use_beam_search": False}, {"add_special_tokens": True}, {"bad_words": []},
