@@ -4,7 +4,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
+from transformers import AutoTokenizer
 
 from tests.helpers.tiny_models import tiny_model_dir
 from tests.server.server_helpers import ENGINE, ServerThread, running_server, server_config
@@ -28,3 +30,16 @@ def offline(model_dir):
     from tandem import LLM
 
     return LLM(model=str(model_dir), **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def http(server) -> httpx.Client:
+    """An HTTP client of the shared server."""
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(model_dir):
+    """The checkpoint's tokenizer through HF transformers: the oracle of token counts."""
+    return AutoTokenizer.from_pretrained(model_dir)

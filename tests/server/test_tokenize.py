@@ -4,23 +4,10 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
-from transformers import AutoTokenizer
 
 MESSAGES = [{"role": "system", "content": "You write Python."},
             {"role": "user", "content": "Print hello."}]
-
-
-@pytest.fixture(scope="module")
-def http(server) -> httpx.Client:
-    with httpx.Client(base_url=server.url, timeout=60) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def hf_tokenizer(model_dir):
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 def _tokenize(http, **body) -> dict:
