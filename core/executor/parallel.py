@@ -16,7 +16,7 @@ calls ``set_current`` is a single rank (tp = pp = 1), where every collective is 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,7 +35,6 @@ class ParallelContext:
     """The group p2p sends between stages use (the world group)."""
     cpu_group: Any = None
     """A gloo group of every rank, for what travels on the CPU (block counts, step messages)."""
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def rank(self) -> int:
@@ -127,7 +126,7 @@ def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
     return range(start, start + base + (1 if pp_rank < extra else 0))
 
 
-def check_tensor_parallel(num_heads: int, num_kv_heads: int, vocab_size: int, tp_size: int) -> None:
+def check_tensor_parallel(num_heads: int, num_kv_heads: int, tp_size: int) -> None:
     """Raise ValueError when attention heads or KV heads cannot be shared by ``tp_size`` ranks."""
     if tp_size == 1:
         return

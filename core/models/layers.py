@@ -266,7 +266,7 @@ class Attention(nn.Module):
         self.rotary_dim = config.rotary_dim or config.head_dim
         self.head_dim = config.head_dim
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-        check_tensor_parallel(heads, kv_heads, config.vocab_size, parallel.tp_size)
+        check_tensor_parallel(heads, kv_heads, parallel.tp_size)
         kv_parts, kv_index = parallel.kv_head_split(kv_heads)
         self.num_heads = heads // parallel.tp_size
         self.num_kv_heads = kv_heads // kv_parts

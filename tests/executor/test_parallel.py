@@ -36,10 +36,10 @@ def test_kv_heads_split_or_replicate():
 ])
 def test_head_counts_that_cannot_be_shared_are_refused(heads, kv, tp, match):
     if match is None:
-        check_tensor_parallel(heads, kv, 512, tp)
+        check_tensor_parallel(heads, kv, tp)
     else:
         with pytest.raises(ValueError, match=match):
-            check_tensor_parallel(heads, kv, 512, tp)
+            check_tensor_parallel(heads, kv, tp)
 
 
 def test_the_driver_is_tensor_rank_0_of_the_last_stage():
