@@ -18,6 +18,7 @@ hookimpl = pluggy.HookimplMarker("tandem")
 _LAZY = {
     "LLM": "tandem.llm",
     "SamplingParams": "tandem.sched.sampling_params",
+    "StructuredOutputsParams": "tandem.sched.sampling_params",
     "RequestOutput": "tandem.outputs",
     "CompletionOutput": "tandem.outputs",
     "TandemConfig": "tandem.config",

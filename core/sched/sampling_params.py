@@ -5,7 +5,9 @@ Pure Python: the scheduler side imports this, so it must never import torch.
 from __future__ import annotations
 
 import math
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from tandem.sched.request_checks import InvalidRequest, check_text
 
@@ -16,6 +18,87 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 """Generous bounds on what every step checks for each sequence (OpenAI allows 4 stop strings)."""
+
+
+@dataclass(slots=True, frozen=True)
+class StructuredOutputsParams:
+    """What the output must match, as vLLM's ``StructuredOutputsParams``: exactly one of
+
+    - ``json``: a JSON schema (a dict, or its JSON text); the output is one JSON value valid
+      against it;
+    - ``json_object``: True: the output is one JSON object (OpenAI's JSON mode);
+    - ``regex``: a regular expression the whole output matches;
+    - ``choice``: a non-empty list of strings; the output is one of them;
+    - ``grammar``: an EBNF grammar (GBNF/xgrammar dialect, with a ``root`` rule);
+    - ``structural_tag``: an xgrammar structural tag (its JSON text).
+
+    ``disable_any_whitespace`` makes JSON outputs compact; ``disable_additional_properties``
+    treats a schema's objects as ``additionalProperties: false`` where the schema says nothing.
+    Pure data: the structured-output backend (``tandem.interfaces.StructuredOutputBackend``)
+    compiles it, and refuses what it cannot (a 400 naming the problem). ``key`` identifies the
+    grammar for the compile cache.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+    def __post_init__(self) -> None:
+        if self.choice is not None and not isinstance(self.choice, tuple):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        where = "structured_outputs"
+        if len(given) != 1:
+            raise InvalidRequest(where, "must set exactly one of " + ", ".join(self.KINDS)
+                                 + (f" (got {', '.join(given)})" if given else " (got none)"), "SamplingParams")
+        kind = given[0]
+        value = getattr(self, kind)
+        if kind == "json" and not isinstance(value, (str, dict)):
+            raise InvalidRequest(f"{where}.json", "must be a JSON schema: an object or its JSON text", "SamplingParams")
+        if kind == "json" and isinstance(value, str):
+            try:
+                json.loads(value)
+            except ValueError as exc:
+                raise InvalidRequest(f"{where}.json", f"is not valid JSON ({exc})", "SamplingParams") from None
+        if kind in ("regex", "grammar", "structural_tag") and not (isinstance(value, str) and value):
+            raise InvalidRequest(f"{where}.{kind}", "must be a non-empty string", "SamplingParams")
+        if kind == "choice" and not (value and all(isinstance(c, str) and c for c in value)):
+            raise InvalidRequest(f"{where}.choice", "must be a non-empty list of non-empty strings",
+                                 "SamplingParams")
+        if kind == "json_object" and value is not True:
+            raise InvalidRequest(f"{where}.json_object", "must be true", "SamplingParams")
+
+    @property
+    def kind(self) -> str:
+        """Which of ``KINDS`` is set."""
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str, bool, bool]:
+        """(kind, canonical text of the grammar, options): equal keys compile to one grammar."""
+        value: Any = getattr(self, self.kind)
+        if self.kind == "json":
+            value = json.dumps(json.loads(value) if isinstance(value, str) else value, sort_keys=True)
+        elif self.kind == "choice":
+            value = json.dumps(list(value))
+        return (self.kind, str(value), self.disable_any_whitespace, self.disable_additional_properties)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StructuredOutputsParams:
+        """From vLLM's request field ``structured_outputs`` (its unknown keys are refused)."""
+        unknown = sorted(set(data) - set(cls.KINDS) - {"disable_any_whitespace", "disable_additional_properties"})
+        if unknown:
+            raise InvalidRequest("structured_outputs", f"has unknown field(s) {', '.join(unknown)}; it takes "
+                                 + ", ".join(cls.KINDS) + ", disable_any_whitespace, disable_additional_properties",
+                                 "SamplingParams")
+        return cls(**{k: v for k, v in data.items() if v is not None})
 
 
 @dataclass(slots=True)
@@ -51,15 +134,18 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    structured_output: str | None = None
-    """"json_object": every token keeps the output a prefix of one JSON object, and the sequence
-    may end (EOS) only once the object is complete (JSON mode; see tandem.sched.json_grammar)."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrained decoding: every token keeps the output a prefix of a string the grammar
+    accepts, and the sequence may end (EOS) only once it is complete (a dict is read with
+    ``StructuredOutputsParams.from_dict``)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
@@ -138,5 +224,6 @@ _CHECKS = (
      f"strings of at most {MAX_STOP_STRING_CHARS} characters"),
     ("stop_token_ids", lambda v: len(v) <= MAX_STOP_TOKEN_IDS, f"at most {MAX_STOP_TOKEN_IDS} token ids"),
     ("stop_token_ids", lambda v: all(_is_int(t) and t >= 0 for t in v), "non-negative integers"),
-    ("structured_output", lambda v: v in (None, "json_object"), "None or 'json_object'"),
+    ("structured_outputs", lambda v: v is None or isinstance(v, StructuredOutputsParams),
+     "None or a StructuredOutputsParams (or its dict)"),
 )

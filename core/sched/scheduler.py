@@ -464,7 +464,7 @@ class Scheduler:
         allow."""
         cfg = self.config
         if (cfg.num_speculative_tokens == 0 or not _is_decode(request, num_remaining)
-                or request.sampling_params.structured_output is not None):
+                or request.sampling_params.structured_outputs is not None):
             return []
         limit = min(cfg.num_speculative_tokens, step.token_budget - 1,
                     request.max_tokens - request.num_output_tokens - 1,

@@ -18,7 +18,7 @@ from tandem.async_engine import AsyncEngine, EngineUnavailable, RequestStream
 from tandem.server.disagg import HandshakeCache, KVTransferArgs
 from tandem.outputs import RequestOutput
 from tandem.sched.request_checks import InvalidRequest, check_request
-from tandem.sched.sampling_params import SamplingParams
+from tandem.sched.sampling_params import SamplingParams, StructuredOutputsParams
 from tandem.server.errors import APIError, api_error_from, bad_request
 from tandem.server.metrics import RequestTimer, ServerMetrics
 from tandem.server.protocol import SamplingFields
@@ -88,7 +88,7 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
-            structured_output="json_object" if json_mode else None,
+            structured_outputs=StructuredOutputsParams(json_object=True) if json_mode else None,
             **{k: v for k, v in fields.items() if v is not None},
         )
     except ValueError as exc:

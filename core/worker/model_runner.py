@@ -114,7 +114,7 @@ class ModelRunner:
         for data in out.new_requests:
             req = RunnerRequest.from_new(data)
             req.generator = self._generator(data.request_id, data.sampling_params.seed, data.sample_index)
-            if data.sampling_params.structured_output is not None and self.samples:
+            if data.sampling_params.structured_outputs is not None and self.samples:
                 req.json_state = self.json_masker.initial_state(req.output_token_ids)
             self.requests[data.request_id] = req
             starts[data.request_id] = data.num_computed_tokens

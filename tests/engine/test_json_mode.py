@@ -14,9 +14,9 @@ from tests.helpers.tiny_models import tiny_model_dir, tiny_tokenizer
 def test_outputs_are_json_objects_or_prefixes_of_one():
     llm = LLM(model=str(tiny_model_dir("llama")), num_kv_blocks=512, num_speculative_tokens=3)
     prompt = tiny_tokenizer().encode("Answer in JSON:")
-    params = [SamplingParams(temperature=3.0, max_tokens=200, seed=s, structured_output="json_object")
+    params = [SamplingParams(temperature=3.0, max_tokens=200, seed=s, structured_outputs={"json_object": True})
               for s in range(32)]
-    params.append(SamplingParams(temperature=0.0, max_tokens=40, structured_output="json_object", n=2, seed=9))
+    params.append(SamplingParams(temperature=0.0, max_tokens=40, structured_outputs={"json_object": True}, n=2, seed=9))
     outputs = [c for o in llm.generate([prompt] * len(params), params) for c in o.outputs]
     complete = 0
     for out in outputs:

@@ -26,7 +26,7 @@ EXTREMES = [
     dict(top_k=-1, top_p=5e-324, min_p=1.0, temperature=1e-300, repetition_penalty=5e-324),
     dict(presence_penalty=-2.0, frequency_penalty=2.0, temperature=1e300),
     dict(min_tokens=3, stop_token_ids=list(range(TINY_VOCAB))),  # every token banned
-    dict(structured_output="json_object", repetition_penalty=5e-324, temperature=1e-300),
+    dict(structured_outputs={"json_object": True}, repetition_penalty=5e-324, temperature=1e-300),
     dict(n=2, repetition_penalty=1e308, top_p=5e-324),
 ]
 

@@ -77,7 +77,7 @@ def test_speculative_decoding_json_mode_and_prompt_logprobs_at_tp2():
         assert llm.engine.last_step is not None
 
         prompt = tiny_tokenizer().encode("Answer in JSON:")
-        params = [SamplingParams(temperature=3.0, max_tokens=60, seed=s, structured_output="json_object")
+        params = [SamplingParams(temperature=3.0, max_tokens=60, seed=s, structured_outputs={"json_object": True})
                   for s in range(8)]
         for out in llm.generate([prompt] * len(params), params):
             text = out.outputs[0].text

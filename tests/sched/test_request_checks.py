@@ -45,7 +45,7 @@ def test_values_vllm_accepts_are_accepted(kwargs):
     ({"prompt_logprobs": -1}, "prompt_logprobs"), ({"stop": [""]}, "stop"), ({"stop": [5]}, "stop"),
     ({"stop": ["s"] * 65}, "stop"), ({"stop": ["z" * 1025]}, "stop"), ({"stop": ["\ud800"]}, "stop"),
     ({"stop": "a\udfff"}, "stop"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
-    ({"stop_token_ids": [0] * 1025}, "stop_token_ids"), ({"structured_output": "regex"}, "structured_output"),
+    ({"stop_token_ids": [0] * 1025}, "stop_token_ids"), ({"structured_outputs": "regex"}, "structured_outputs"),
 ])
 def test_out_of_range_values_name_the_field(kwargs, field):
     with pytest.raises(InvalidRequest, match=rf"^SamplingParams\.{field} ") as info:

@@ -101,5 +101,5 @@ def test_abort_in_flight_takes_the_drafts_back():
 
 def test_json_mode_requests_get_no_drafts():
     s = make_scheduler(num_speculative_tokens=3, ngram_min=1, ngram_max=2)
-    _decoding(s, max_tokens=20, structured_output="json_object")
+    _decoding(s, max_tokens=20, structured_outputs={"json_object": True})
     assert s.schedule().spec_token_ids == {}
