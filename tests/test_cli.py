@@ -41,6 +41,11 @@ def tandem_register_schedulers(register):
 @tandem.hookimpl
 def tandem_register_kv_allocators(register):
     register("paged", _stand_in(interfaces.KVAllocator))
+
+
+@tandem.hookimpl
+def tandem_register_structured_output_backends(register):
+    register("xgrammar", _stand_in(interfaces.StructuredOutputBackend))
 '''
 
 

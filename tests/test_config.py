@@ -34,6 +34,7 @@ DEFAULTS = {
         "attention_backend": "auto", "num_threads": None, "num_speculative_tokens": 0,
         "speculative_ngram_min": 2, "speculative_ngram_max": 4, "enforce_eager": False,
         "cuda_graph_max_batch_size": 256, "max_logprobs": 20, "distributed_executor_backend": "auto",
+        "structured_output_backend": "xgrammar",
         "worker_timeout_s": 300.0,
     },
     "parallel": {
@@ -276,7 +277,7 @@ class FakeRegistry:
 BUILTIN_NAMES = FakeRegistry(
     scheduler=["fcfs", "priority"], kv_allocator=["paged"], attention_backend=["torch"],
     quant_method=["gptq", "unquantized"], kv_connector=["nixl"],
-    routing_policy=["least_loaded", "round_robin"],
+    routing_policy=["least_loaded", "round_robin"], structured_output_backend=["xgrammar"],
 )
 
 
@@ -305,7 +306,7 @@ def test_auto_and_none_are_accepted_besides_registered_names():
 
 
 def test_disaggregation_names_are_checked_only_when_disaggregated():
-    no_connectors = FakeRegistry(scheduler=["fcfs"], kv_allocator=["paged"])
+    no_connectors = FakeRegistry(scheduler=["fcfs"], kv_allocator=["paged"], structured_output_backend=["xgrammar"])
     validate_plugin_names(load(), no_connectors)
     with pytest.raises(ConfigError) as info:
         validate_plugin_names(load(overrides={"role": "decode"}), no_connectors)

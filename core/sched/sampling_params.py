@@ -18,6 +18,9 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 """Generous bounds on what every step checks for each sequence (OpenAI allows 4 stop strings)."""
+MAX_GRAMMAR_CHARS = 65_536
+"""Longest structured-output grammar (its canonical text: a schema's JSON, a regex, the choices
+as a JSON list): compiles run one at a time, so one huge grammar would delay all others."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -72,6 +75,10 @@ class StructuredOutputsParams:
                                  "SamplingParams")
         if kind == "json_object" and value is not True:
             raise InvalidRequest(f"{where}.json_object", "must be true", "SamplingParams")
+        size = len(self.key[1])
+        if size > MAX_GRAMMAR_CHARS:
+            raise InvalidRequest(f"{where}.{kind}", f"must be at most {MAX_GRAMMAR_CHARS} characters "
+                                 f"long (got {size})", "SamplingParams")
 
     @property
     def kind(self) -> str:
