@@ -193,3 +193,25 @@ def test_the_router_api_key_guards_the_v1_routes(cluster):
             assert httpx.post(f"{router.url}{path}", json=body, timeout=10).status_code == 401
         keyed = openai.OpenAI(base_url=f"{router.url}/v1", api_key="router-key", max_retries=0)
         assert keyed.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2).choices[0].text
+
+
+def test_response_format_and_structured_outputs_pass_through(cluster, router):
+    import json
+    import re
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 50}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    answer = client(router).chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": LONG_PROMPT}], max_tokens=100, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}})
+    jsonschema.validate(json.loads(answer.choices[0].message.content), schema)
+    stream = client(router).completions.create(model=MODEL_NAME, prompt=LONG_PROMPT, max_tokens=50, temperature=1,
+                                               seed=4, stream=True, extra_body={"structured_outputs": {"choice": ["up", "down"]}})
+    assert "".join(c.choices[0].text for c in stream if c.choices) in ("up", "down")
+    with pytest.raises(openai.BadRequestError) as info:
+        client(router).completions.create(model=MODEL_NAME, prompt="x", max_tokens=5,
+                                          extra_body={"structured_outputs": {"regex": "(x"}})
+    assert info.value.body["param"] == "structured_outputs"
+    assert re.search("parenthesis", info.value.body["message"])
