@@ -65,6 +65,7 @@ KINDS: dict[str, PluginKind] = {
         PluginKind("routing_policy", "tandem_register_routing_policies", interfaces.RoutingPolicy),
         PluginKind("model", "tandem_register_models", None),
         PluginKind("executor", "tandem_register_executors", interfaces.Executor),
+        PluginKind("tool_parser", "tandem_register_tool_parsers", interfaces.ToolParser),
     ]
 }
 
