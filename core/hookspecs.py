@@ -81,6 +81,16 @@ def tandem_register_executors(register: Register) -> None:
 
 
 @hookspec
+def tandem_register_structured_output_backends(register: Register) -> None:
+    """Register structured-output (constrained decoding) backends, selected by
+    ``engine.structured_output_backend``: ``register("xgrammar", XGrammarBackend)``.
+
+    Each class subclasses ``tandem.interfaces.StructuredOutputBackend`` and is built by the
+    engine process with ``(tokenizer, vocab_size, stop_token_ids)`` when the first constrained
+    request arrives."""
+
+
+@hookspec
 def tandem_register_tool_parsers(register: Register) -> None:
     """Register tool-call parsers for ``tool_choice: "auto"``: ``register("hermes",
     HermesToolParser)``.

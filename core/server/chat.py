@@ -45,9 +45,10 @@ from tandem.server.serving import (
     sse_error,
     until_disconnect,
 )
+from tandem.server.structured import prepare_grammar
 from tandem.server.tools.choice import ToolUse, tool_use
 from tandem.server.tools.stream import ToolCallStream, new_tool_call_id
-from tandem.server.validation import check_body, check_messages, check_response_format, message_text
+from tandem.server.validation import check_body, check_messages, message_text
 
 ROUTE = "/v1/chat/completions"
 
@@ -63,7 +64,6 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     ctx.check_ready()
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs = true", "top_logprobs")
-    check_response_format(body)
     tools = tool_use(body, ctx.tool_parser)
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = tools.constrain(sampling_params(body, max_tokens,
@@ -72,6 +72,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     max_tokens_name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     check_prompt(ctx, token_ids, params, {"prompt": "messages", "logprobs": "top_logprobs",
                                           "max_tokens": max_tokens_name})
+    await prepare_grammar(ctx.engine.engine, params, body, "tools" if tools.schema is not None else None)
     kv_transfer = await kv_transfer_args(ctx.engine.engine, ctx.handshakes, body, 1)
     view = _ChatView(ctx, body, f"chatcmpl-{uuid.uuid4().hex}", len(token_ids), tools)
     streams = await admit(ctx, [token_ids], params, view.request_id, body.priority, kv_transfer)

@@ -19,10 +19,11 @@ from tandem.interfaces import ToolParser
 from tandem.server.disagg import HandshakeCache, KVTransferArgs
 from tandem.outputs import RequestOutput
 from tandem.sched.request_checks import InvalidRequest, check_request
-from tandem.sched.sampling_params import SamplingParams, StructuredOutputsParams
+from tandem.sched.sampling_params import SamplingParams
 from tandem.server.errors import APIError, api_error_from, bad_request
 from tandem.server.metrics import RequestTimer, ServerMetrics
 from tandem.server.protocol import SamplingFields
+from tandem.server.structured import structured_outputs_of
 from tandem.server.validation import UNKNOWN_FIELDS, unknown_fields
 
 logger = logging.getLogger("tandem.server")
@@ -78,7 +79,7 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
         "min_p": body.min_p, "presence_penalty": body.presence_penalty,
         "frequency_penalty": body.frequency_penalty, "repetition_penalty": body.repetition_penalty,
     }
-    json_mode = body.response_format is not None and body.response_format.type == "json_object"
+    structured = structured_outputs_of(body)
     try:
         return SamplingParams(
             n=body.n,
@@ -92,7 +93,7 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
-            structured_outputs=StructuredOutputsParams(json_object=True) if json_mode else None,
+            structured_outputs=structured,
             **{k: v for k, v in fields.items() if v is not None},
         )
     except ValueError as exc:

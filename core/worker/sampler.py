@@ -1,7 +1,7 @@
 """The sampler: one step's logits in, one token per row out.
 
 Runs in the engine thread on the model's device, once per step, over every row that samples this
-step. Per row: its logits are sanitized (below); a JSON-mode row's ``allowed`` mask sets the
+step. Per row: its logits are sanitized (below); a constrained row's ``allowed`` mask (structured outputs) sets the
 tokens it excludes to -inf; tandem.worker.logits_processing applies the ``min_tokens`` bans, the
 repetition, presence and frequency penalties and, for the rows that sample, the temperature and
 the top-k, top-p and min-p filters; greedy rows (``temperature == 0``) then take the argmax and
@@ -66,7 +66,7 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     eos_token_ids: frozenset[int]
-    allowed: torch.Tensor | None = None  # JSON mode: bool [vocab], the tokens that may come
+    allowed: torch.Tensor | None = None  # structured outputs: bool [vocab], the tokens that may come
 
     @property
     def before_min_tokens(self) -> bool:
