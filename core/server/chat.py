@@ -179,7 +179,7 @@ class _ChatView:
         parse = self.tools.parser.parse(text, final=True)
         calls = [ToolCallOut(id=new_tool_call_id(),
                              function=ToolCallFunction(name=call.name, arguments=call.arguments))
-                 for call in parse.calls]
+                 for call in parse.calls[:self.tools.max_calls]]
         return AssistantMessage(content=(parse.content or None) if calls else parse.content,
                                 tool_calls=calls)
 
@@ -239,7 +239,7 @@ class _ChatView:
             delta = DeltaMessage(content=seq.text[st.text_len:])
         else:
             if st.tool_calls is None:
-                st.tool_calls = ToolCallStream(self.tools.parser)
+                st.tool_calls = ToolCallStream(self.tools.parser, self.tools.max_calls)
             content, calls = st.tool_calls.update(seq.text, seq.finished)
             delta = DeltaMessage(content=content if content or not calls else None, tool_calls=calls or None)
             if seq.finished:

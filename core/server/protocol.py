@@ -273,6 +273,9 @@ class ChatCompletionRequest(SamplingFields):
     """"none" (no call; the tools are still rendered), "auto" (the model decides; needs
     ``server.enable_auto_tool_choice``), "required" (at least one call) or a named function
     (exactly that call); unset means "auto" with tools, "none" without (as OpenAI)."""
+    parallel_tool_calls: bool = True
+    """False: at most one tool call per choice (the first the model writes; "required" is held
+    to one)."""
 
 
 class TokenizeRequest(_Request):

@@ -9,6 +9,8 @@
 Unset means "auto" when tools are given, else "none". "none" and "auto" without tools are
 plain chat; "required" with ``tools: []`` is "none" (as OpenAI and vLLM). "auto" needs
 ``server.enable_auto_tool_choice`` and a parser; without them it is a 400 naming the flags.
+``parallel_tool_calls: false`` keeps the first call of "auto" (as vLLM) and holds "required"
+to one.
 """
 from __future__ import annotations
 
@@ -36,10 +38,13 @@ class ToolUse:
     mode: str
     parser: ToolParser | None = None
     schema: dict[str, Any] | None = None
+    max_calls: int | None = None
+    """At most this many calls per choice (``parallel_tool_calls: false``: 1); None: any."""
 
     def constrain(self, params: SamplingParams) -> SamplingParams:
-        """``params`` with the output held to ``schema``; a 400 when the request constrains its
-        output otherwise too (response_format, structured_outputs)."""
+        """``params`` with the output held to ``schema``, as compact JSON (no free whitespace: a
+        model cannot spend its tokens on it, as a random-weight one does); a 400 when the
+        request constrains its output otherwise too (response_format, structured_outputs)."""
         if self.schema is None:
             return params
         if params.structured_outputs is not None:
@@ -47,7 +52,8 @@ class ToolUse:
                               "cannot be combined with response_format or structured_outputs",
                               "tool_choice")
         try:
-            return dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=self.schema))
+            spec = StructuredOutputsParams(json=self.schema, disable_any_whitespace=True)
+            return dataclasses.replace(params, structured_outputs=spec)
         except ValueError as exc:
             raise api_error_from(exc) from exc
 
@@ -82,12 +88,13 @@ def tool_use(body: ChatCompletionRequest, auto_parser: ToolParser | None) -> Too
         return ToolUse("named", NamedCallParser(tool.function.name), parameters_schema(tool))
     if choice == "required":
         try:
-            return ToolUse("required", RequiredCallsParser(), required_schema(tools))
+            schema = required_schema(tools, single=not body.parallel_tool_calls)
         except ValueError as exc:
             raise bad_request(str(exc), "tools") from exc
+        return ToolUse("required", RequiredCallsParser(), schema)
     if auto_parser is None:
         raise bad_request(AUTO_NEEDS_FLAGS, "tool_choice")
-    return ToolUse("auto", auto_parser)
+    return ToolUse("auto", auto_parser, max_calls=None if body.parallel_tool_calls else 1)
 
 
 def _shown(choice: Any) -> str:

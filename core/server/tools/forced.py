@@ -14,7 +14,8 @@ vLLM: the request's output must match a JSON schema, so any model answers with c
        "$defs": {...}}
 
   (each tool's ``$defs`` hoisted to the top, since a ``$ref`` resolves from the root; two tools
-  defining one name differently are refused).
+  defining one name differently are refused; ``"maxItems": 1`` with ``parallel_tool_calls:
+  false``).
 
 Their parsers read those outputs back as calls (streamed or not) with the ``ToolParser``
 contract; they are not plugins: the request picks them.
@@ -37,9 +38,10 @@ def parameters_schema(tool: ChatCompletionTool) -> dict[str, Any]:
     return copy.deepcopy(tool.function.parameters) if tool.function.parameters else dict(EMPTY_PARAMETERS)
 
 
-def required_schema(tools: list[ChatCompletionTool]) -> dict[str, Any]:
-    """The schema of a "required" answer (see the module docstring). Raises ValueError when two
-    tools define one ``$defs`` name differently."""
+def required_schema(tools: list[ChatCompletionTool], single: bool = False) -> dict[str, Any]:
+    """The schema of a "required" answer (see the module docstring), with ``"maxItems": 1``
+    when ``single`` (``parallel_tool_calls: false``). Raises ValueError when two tools define
+    one ``$defs`` name differently."""
     defs: dict[str, Any] = {}
     variants = []
     for tool in tools:
@@ -53,6 +55,8 @@ def required_schema(tools: list[ChatCompletionTool]) -> dict[str, Any]:
                          "required": ["name", "parameters"]})
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
                               "items": {"type": "object", "anyOf": variants}}
+    if single:
+        schema["maxItems"] = 1
     if defs:
         schema["$defs"] = defs
     return schema

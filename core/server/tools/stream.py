@@ -30,6 +30,8 @@ class ToolCallStream:
     """What one choice's stream has sent: its content, and per call its id, name, arguments."""
 
     parser: ToolParser
+    max_calls: int | None = None
+    """Calls past this many are not sent (``parallel_tool_calls: false``)."""
     content: str = ""
     ids: list[str] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
@@ -52,7 +54,7 @@ class ToolCallStream:
             return "", []
         content, self.content = parse.content[len(self.content):], parse.content
         deltas = []
-        for index, call in enumerate(parse.calls):
+        for index, call in enumerate(parse.calls[:self.max_calls]):
             if call.name is None:
                 break
             if index == len(self.ids):

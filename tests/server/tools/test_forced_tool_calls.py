@@ -49,6 +49,14 @@ def test_the_required_schema_accepts_exactly_calls_of_the_tools(answer, valid):
     assert jsonschema.Draft202012Validator(schema).is_valid(answer) == valid
 
 
+def test_without_parallel_calls_the_list_holds_one_call():
+    schema = required_schema([tool("ping")], single=True)
+    assert schema["maxItems"] == 1
+    validator = jsonschema.Draft202012Validator(schema)
+    assert validator.is_valid([{"name": "ping", "parameters": {}}])
+    assert not validator.is_valid([{"name": "ping", "parameters": {}}] * 2)
+
+
 def test_defs_are_hoisted_to_the_root_where_refs_resolve():
     point = {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}
     parameters = {"type": "object", "properties": {"at": {"$ref": "#/$defs/Point"}}, "required": ["at"],

@@ -87,6 +87,13 @@ def test_a_malformed_call_after_one_was_sent_stops_the_stream():
     assert stream.num_calls == 1
 
 
+def test_calls_past_max_calls_are_not_sent():
+    text = '[{"name": "a", "parameters": {}}, {"name": "b", "parameters": {"x": 1}}]'
+    stream = ToolCallStream(RequiredCallsParser(), max_calls=1)
+    sent = [d for i in range(1, len(text) + 1) for d in stream.update(text[:i], i == len(text))[1]]
+    assert [d.function.name for d in sent if d.id] == ["a"] and {d.index for d in sent} == {0}
+
+
 def test_malformed_text_before_any_call_streams_as_content():
     text = "<tool_call>not a call</tool_call>"
     assert streamed(HermesToolParser(), list(text))[:2] == (text, [])
