@@ -31,12 +31,14 @@ JSON_MAX_WHITESPACE = 32
 """Most whitespace characters between two JSON tokens (xgrammar's ``max_whitespace_cnt``): a
 greedy model could otherwise emit whitespace forever, which JSON allows."""
 
-_LOOSE_STRING_CHARS = r'[^\"\\\r\n]'
-_JSON_STRING_CHARS = r'[^\0-\x1f\"\\]'
-"""xgrammar 0.2.9 writes the characters of a string with a length bound (minLength,
-maxLength) as the first class, which lets control characters through (raw U+0000-U+001F are
-not JSON: strict parsers such as Python's json refuse them); tandem puts the second in its
-place, re-reading the grammar's EBNF. (Escapes stay out of such strings, as in xgrammar.)"""
+_JSON_STRING_CHARS = r'[^\0-\x1f\"\\\uD800-\uDFFF]'
+_LOOSE_STRING_CHARS = (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]')
+"""xgrammar 0.2.9 writes the unescaped characters of a JSON string as these classes: the
+first (strings with a length bound) lets control characters through, and both let UTF-8
+encoded surrogates (U+D800-U+DFFF) through. Neither is JSON text (strict parsers such as
+Python's json refuse control characters; surrogates decode to U+FFFD, which breaks
+maxLength), so tandem puts ``_JSON_STRING_CHARS`` in their place, re-reading the grammar's
+EBNF. (Escapes stay out of length-bounded strings, as in xgrammar.)"""
 
 _LOCATION = re.compile(r"^\[[0-9:]+\] [^ ]+:\d+: ")
 """xgrammar's C++ errors start with the time and the source file: not for users."""
@@ -96,10 +98,7 @@ def _grammar_of(params: Any) -> xgr.Grammar:
             grammar = xgr.Grammar.from_json_schema(
                 text, any_whitespace=not params.disable_any_whitespace, separators=compact,
                 strict_mode=True, max_whitespace_cnt=None if compact else JSON_MAX_WHITESPACE)
-            ebnf = str(grammar)
-            if _LOOSE_STRING_CHARS not in ebnf:
-                return grammar
-            return xgr.Grammar.from_ebnf(ebnf.replace(_LOOSE_STRING_CHARS, _JSON_STRING_CHARS))
+            return _strict_json_strings(grammar)
         if kind == "regex":
             return xgr.Grammar.from_regex(params.regex)
         if kind == "choice":
@@ -109,6 +108,14 @@ def _grammar_of(params: Any) -> xgr.Grammar:
         return xgr.Grammar.from_structural_tag(params.structural_tag)
     except (RuntimeError, ValueError, TypeError) as exc:
         raise ValueError(f"{_KIND_NAMES[kind]} was refused by xgrammar: {_message(exc)}") from None
+
+
+def _strict_json_strings(grammar: xgr.Grammar) -> xgr.Grammar:
+    ebnf = str(grammar)
+    fixed = ebnf
+    for loose in _LOOSE_STRING_CHARS:
+        fixed = fixed.replace(loose, _JSON_STRING_CHARS)
+    return grammar if fixed == ebnf else xgr.Grammar.from_ebnf(fixed)
 
 
 _KIND_NAMES = {
