@@ -43,7 +43,7 @@ DEFAULTS = {
     },
     "server": {
         "host": "127.0.0.1", "port": 8000, "api_key": None, "max_queued_requests": 256,
-        "max_queued_tokens": 262144, "shutdown_timeout_s": 30.0, "log_requests": False,
+        "max_queued_tokens": 262144, "shutdown_timeout_s": 30.0, "log_requests": False, "enable_auto_tool_choice": False, "tool_call_parser": None,
         "stream_stall_timeout_s": 60.0,
     },
     "disaggregation": {
@@ -317,6 +317,22 @@ def test_disaggregation_names_are_checked_only_when_disaggregated():
     router = load(overrides={"instances": [{"url": "http://a", "role": "both"}]})
     with pytest.raises(ConfigError, match="disaggregation.routing_policy"):
         validate_plugin_names(router, no_connectors)
+
+
+def test_the_tool_call_parser_is_checked_when_set():
+    validate_plugin_names(load(overrides={"tool_call_parser": "hermes"}),
+                          FakeRegistry(**BUILTIN_NAMES._names, structured_output_backend=["xgrammar"], tool_parser=["hermes"]))
+    with pytest.raises(ConfigError) as info:
+        validate_plugin_names(load(overrides={"tool_call_parser": "mistral"}),
+                              FakeRegistry(**BUILTIN_NAMES._names, structured_output_backend=["xgrammar"], tool_parser=["hermes", "llama3_json"]))
+    assert ("server.tool_call_parser: no tool_parser named 'mistral'; allowed: 'hermes', "
+            "'llama3_json'") in str(info.value)
+
+
+def test_auto_tool_choice_needs_a_parser():
+    with pytest.raises(ConfigError, match="enable_auto_tool_choice needs tool_call_parser"):
+        load(overrides={"enable_auto_tool_choice": True})
+    assert load(overrides={"enable_auto_tool_choice": True, "tool_call_parser": "hermes"}).server.tool_call_parser == "hermes"
 
 
 # --------------------------------------------------------------------------- TOML out, example file

@@ -127,8 +127,22 @@ def test_a_lone_surrogate_in_kv_transfer_params_is_refused_where_it_is_parsed(pa
     assert refused.value.errors()[0]["loc"] == loc
 
 
-def test_tool_calls_in_history_are_refused():
-    chat = ChatCompletionRequest.model_validate({"messages": [
-        {"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]})
-    with pytest.raises(APIError, match="tool_calls"):
-        check_messages(chat)
+CALL = {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize("messages, match", [
+    ([{"role": "user", "content": None}], r"messages\[0\].content is required"),
+    ([{"role": "user"}], r"messages\[0\].content is required"),
+    ([{"role": "user", "content": "x", "tool_calls": [CALL]}], r"messages\[0\].tool_calls: only an assistant"),
+    ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "function_call": {"name": "f"}}],
+     r"messages\[1\].function_call is not supported"),
+])
+def test_malformed_tool_history_is_refused(messages, match):
+    with pytest.raises(APIError, match=match):
+        check_messages(ChatCompletionRequest.model_validate({"messages": messages}))
+
+
+def test_an_assistant_tool_call_may_have_null_content():
+    check_messages(ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "content": "42", "tool_call_id": "1"}]}))
