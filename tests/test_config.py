@@ -321,10 +321,10 @@ def test_disaggregation_names_are_checked_only_when_disaggregated():
 
 def test_the_tool_call_parser_is_checked_when_set():
     validate_plugin_names(load(overrides={"tool_call_parser": "hermes"}),
-                          FakeRegistry(**BUILTIN_NAMES._names, structured_output_backend=["xgrammar"], tool_parser=["hermes"]))
+                          FakeRegistry(**BUILTIN_NAMES._names, tool_parser=["hermes"]))
     with pytest.raises(ConfigError) as info:
         validate_plugin_names(load(overrides={"tool_call_parser": "mistral"}),
-                              FakeRegistry(**BUILTIN_NAMES._names, structured_output_backend=["xgrammar"], tool_parser=["hermes", "llama3_json"]))
+                              FakeRegistry(**BUILTIN_NAMES._names, tool_parser=["hermes", "llama3_json"]))
     assert ("server.tool_call_parser: no tool_parser named 'mistral'; allowed: 'hermes', "
             "'llama3_json'") in str(info.value)
 
