@@ -17,6 +17,9 @@ BENCHMARKS = {
     "kv-transfer": ("tandem.bench.kv_transfer", "KV block hand-over bandwidth over NIXL, on one host "
                     "(shared memory, TCP) and between two test hosts (network namespaces, TCP; as root), "
                     "vs an in-process torch copy of the same blocks"),
+    "structured": ("tandem.bench.structured", "constrained decoding (a cached JSON schema) vs unconstrained, "
+                   "same engine, prompts and output lengths: throughput ratio, first compile time, "
+                   "bitmask time per step"),
     "disagg": ("tandem.bench.disagg", "colocated vs disaggregated serving on the same cores: TTFT and "
                "TPOT of steady decoding streams under bursts of long prompts"),
 }
