@@ -115,20 +115,24 @@ class StructuredOutputManager:
         """Advance ``request_id``'s grammar (True for a request without one); False when a token
         is not allowed (the sampler had no allowed token left: see tandem.worker.sampler)."""
         grammar = self._grammars.get(request_id)
-        return grammar is None or not token_ids or grammar.accept_tokens(token_ids)
+        if grammar is None or not token_ids or grammar.is_terminated():
+            return True  # past its stop token only ``ignore_eos`` goes on: unconstrained
+        return grammar.accept_tokens(token_ids)
 
     def release(self, request_id: str) -> None:
         self._grammars.pop(request_id, None)
 
     def bitmask(self, out: SchedulerOutput) -> GrammarBitmask | None:
         """This step's rows: every scheduled constrained sequence, and the children forked this
-        step (their grammars are forked from the parent's, before its token of this step)."""
+        step (their grammars are forked from the parent's, before its token of this step). A
+        grammar past its stop token (a request with ``ignore_eos``) constrains nothing more."""
         for fork in out.forked_requests:
             parent = self._grammars.get(fork.parent_id)
             if parent is not None:
                 self._grammars[fork.request_id] = parent.fork()
         rids = [rid for rid in out.num_scheduled_tokens if rid in self._grammars]
         rids += [f.request_id for f in out.forked_requests if f.request_id in self._grammars]
+        rids = [rid for rid in rids if not self._grammars[rid].is_terminated()]
         if not rids:
             return None
         bitmask = np.zeros((len(rids), (self.vocab_size + 31) // 32), dtype=np.int32)

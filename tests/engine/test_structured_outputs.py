@@ -213,3 +213,16 @@ def test_a_request_waits_for_its_grammar_outside_the_step():
     finally:
         GATE.set()
         engine.close()
+
+
+def test_ignore_eos_goes_on_unconstrained_after_the_grammar_ends(llm):
+    """With ignore_eos the sequence passes its grammar's stop token and runs to max_tokens: the
+    output starts with a complete answer of the grammar, EOS, then free text."""
+    out = llm.generate(["Answer:"], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
+                                                   skip_special_tokens=False,
+                                                   structured_outputs={"choice": ["yes", "no"]}))[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 30
+    eos = sorted(llm.engine.eos_token_ids)
+    first_eos = next(i for i, t in enumerate(out.token_ids) if t in eos)
+    answer = llm.get_tokenizer().decode(out.token_ids[:first_eos])
+    assert answer in ("yes", "no")
