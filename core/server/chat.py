@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from tandem.chat_template import NoChatTemplate, apply_chat_template, content_text
 from tandem.outputs import CompletionOutput, Logprob, RequestOutput
 from tandem.server.disagg import check_kv_secret, dump, hand_over, kv_transfer_args
 from tandem.server.errors import APIError, bad_request
@@ -35,12 +36,18 @@ from tandem.server.serving import (
     check_prompt,
     log_unknown_fields,
     merged,
-    sampling_params,
+    prompt_logprobs_body,
+    request_params,
     sse,
     sse_error,
     until_disconnect,
 )
-from tandem.server.validation import check_body, check_messages, check_response_format, message_text
+from tandem.server.validation import (
+    check_body,
+    check_messages,
+    check_prompt_logprobs,
+    check_response_format,
+)
 
 ROUTE = "/v1/chat/completions"
 
@@ -57,8 +64,10 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs = true", "top_logprobs")
     check_response_format(body)
+    check_prompt_logprobs(body)
     max_tokens = body.max_completion_tokens or body.max_tokens
-    params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+    params = request_params(ctx, body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
+                            body.prompt_logprobs)
     token_ids = render_chat(ctx, body)
     max_tokens_name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     check_prompt(ctx, token_ids, params, {"prompt": "messages", "logprobs": "top_logprobs",
@@ -84,17 +93,14 @@ def chat_token_ids(ctx: ServingContext, messages: list[ChatMessage], add_generat
                    add_special_tokens: bool = False) -> list[int]:
     """The token ids of ``messages`` rendered by the tokenizer's chat template (a 400 when the
     model has none or the template refuses them)."""
-    tokenizer = ctx.tokenizer
-    if not getattr(tokenizer, "chat_template", None):
-        raise bad_request(f"the model {ctx.model_name!r} has no chat template, so it cannot serve "
-                          "/v1/chat/completions; use /v1/completions", "messages")
-    turns = [{"role": m.role, "content": message_text(m.content)} for m in messages]
+    turns = [{"role": m.role, "content": content_text(m.content)} for m in messages]
     try:
-        text = tokenizer.apply_chat_template(turns, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
-    except Exception as exc:  # noqa: BLE001 — a template may raise anything on bad input
-        raise bad_request(f"the chat template refused the messages: {exc}", "messages") from exc
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return apply_chat_template(ctx.tokenizer, turns, add_generation_prompt, add_special_tokens)
+    except NoChatTemplate as exc:
+        raise bad_request(f"the model {ctx.model_name!r} has no chat template, so it cannot serve "
+                          "/v1/chat/completions; use /v1/completions", "messages") from exc
+    except ValueError as exc:
+        raise bad_request(str(exc), "messages") from exc
 
 
 @dataclass(slots=True)
@@ -128,7 +134,8 @@ class _ChatView:
             for seq in out.outputs
         ]
         return ChatCompletionResponse(id=self.request_id, model=self.ctx.model_name, choices=choices,
-                                      usage=self._usage(out))
+                                      usage=self._usage(out),
+                                      prompt_logprobs=prompt_logprobs_body(out.prompt_logprobs))
 
     def _usage(self, out: RequestOutput | None) -> UsageInfo:
         completion = sum(len(seq.token_ids) for seq in out.outputs) if out is not None else 0
