@@ -64,6 +64,7 @@ CONFIG_FLAGS = [
     ConfigFlag("--enforce-eager", "engine.enforce_eager", None),
     ConfigFlag("--num-speculative-tokens", "engine.num_speculative_tokens", int, "N"),
     ConfigFlag("--distributed-executor-backend", "engine.distributed_executor_backend", metavar="NAME"),
+    ConfigFlag("--structured-output-backend", "engine.structured_output_backend", metavar="NAME"),
     ConfigFlag("--worker-timeout-s", "engine.worker_timeout_s", float, "SECONDS"),
     ConfigFlag("--tensor-parallel-size", "parallel.tensor_parallel_size", int, "N", "-tp"),
     ConfigFlag("--pipeline-parallel-size", "parallel.pipeline_parallel_size", int, "N", "-pp"),

@@ -185,6 +185,9 @@ class EngineConfig(_Section):
     distributed_executor_backend: str = "auto"
     """Executor plugin name: uniproc (the model in the engine's process) or mp (one worker
     process per rank); auto = uniproc unless tensor or pipeline parallelism is asked for."""
+    structured_output_backend: str = "xgrammar"
+    """Structured-output (constrained decoding) backend plugin name: compiles the grammars of
+    requests with ``structured_outputs``, ``response_format`` or forced tool calls."""
     worker_timeout_s: float = Field(300.0, gt=0.0)
     """Under the mp executor: a step (or a collective) that takes longer, or other hosts that do
     not join within it at start-up, make the instance fail (not ready, exit 1)."""
@@ -549,6 +552,7 @@ _PLUGIN_FIELDS = [
     ("engine", "attention_backend", "attention_backend", ("auto",)),
     ("model", "quantization", "quant_method", ("auto", "none")),
     ("engine", "distributed_executor_backend", "executor", ("auto",)),
+    ("engine", "structured_output_backend", "structured_output_backend", ()),
 ]
 _DISAGGREGATION_PLUGIN_FIELDS = [
     ("disaggregation", "kv_connector", "kv_connector", ()),

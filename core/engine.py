@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 from itertools import count
 from typing import Any
@@ -34,15 +35,29 @@ from tandem.output_processor import OutputProcessor
 from tandem.outputs import RequestOutput
 from tandem.plugin_manager import call_observers, get_registry
 from tandem.sched.request import Request, RequestStatus
-from tandem.sched.request_checks import RequestLimits, check_request, check_text
+from tandem.sched.request_checks import InvalidRequest, RequestLimits, check_request, check_text
 from tandem.sched.sampling_params import SamplingParams
 from tandem.sched.scheduler import Scheduler, SchedulerConfig
+from tandem.structured_outputs import StructuredOutputManager
 
 logger = logging.getLogger("tandem")
+
+_GRAMMAR_POLL_S = 0.01
+"""How long an engine with only compiling requests waits for a compile per step."""
 
 MAX_FAILED_STEPS_IN_ROW = 8
 """Failed steps with no successful step between them before the engine gives up: isolation makes
 a single poison request cost two failed steps (its batch, then itself alone)."""
+
+
+@dataclass(slots=True)
+class _AwaitingGrammar:
+    """A request added while its grammar compiles: it joins the scheduler once it has."""
+
+    request: Request
+    compiled: Any
+    load_remote_kv: bool
+    pin_kv_on_finish: bool
 
 
 class RequestRejected(ValueError):
@@ -95,6 +110,8 @@ class LLMEngine:
         self.kv_transfer = self._build_kv_transfer()
         self._failed: list[tuple[str, str]] = []
         self._num_failed_steps_in_row = 0
+        self.structured = self._build_structured_outputs()
+        self._awaiting_grammar: dict[str, _AwaitingGrammar] = {}
         call_observers("tandem_engine_started", config=config)
 
     # ----------------------------------------------------------------------------- start-up
@@ -174,6 +191,16 @@ class LLMEngine:
                            tensor_parallel_size=self.config.parallel.tensor_parallel_size,
                            pipeline_parallel_size=self.config.parallel.pipeline_parallel_size)
 
+    def _build_structured_outputs(self) -> StructuredOutputManager:
+        """The grammars of constrained requests (the backend reads the whole vocabulary once,
+        on the compile thread, while the engine starts)."""
+        from tandem.models.loader import load_tokenizer
+
+        backend = self.registry.get("structured_output_backend", self.config.engine.structured_output_backend)
+        path = self.config.model.tokenizer or self.config.model.path
+        return StructuredOutputManager(backend, lambda: load_tokenizer(path), self.arch.vocab_size,
+                                       self.eos_token_ids)
+
     def _build_kv_transfer(self) -> KVTransferCoordinator | None:
         """A prefill or decode instance registers its KV pool with the configured connector."""
         disagg = self.config.disaggregation
@@ -188,6 +215,7 @@ class LLMEngine:
             failure_policy=disagg.kv_load_failure_policy)
 
     def close(self) -> None:
+        self.structured.close()
         """Stop the executor and release the KV connector (idempotent)."""
         self.executor.close()
 
@@ -234,6 +262,8 @@ class LLMEngine:
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         params = params.tokenize_bad_words(self.tokenizer)
         check_request(token_ids, params, self.request_limits)
+        if params.structured_outputs is not None:
+            self.structured.validate(params.structured_outputs)
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = max(self.max_model_len - len(token_ids), 1)
@@ -253,19 +283,52 @@ class LLMEngine:
         try:  # all or nothing: a plugin or tokenizer that raises leaves no trace of the request
             load = remote_prefill is not None and self.kv_transfer.admit(request_id, remote_prefill,
                                                                          token_ids)
-            request = self.scheduler.add_request(request, load_remote_kv=load,
-                                                 pin_kv_on_finish=remote_decode)
-            if request.status == RequestStatus.FINISHED_REJECTED:
-                raise RequestRejected(request.reject_reason)
+            if params.structured_outputs is not None:
+                compiled = self.structured.submit(params.structured_outputs)
+                self._awaiting_grammar[request_id] = _AwaitingGrammar(request, compiled, load, remote_decode)
+                self._admit_compiled([request_id])
+            else:
+                self._schedule(request, load, remote_decode)
             self.outputs.add_request(request_id, prompt if isinstance(prompt, str) else None,
                                      token_ids, params)
         except BaseException:
             if self.kv_transfer is not None:
                 self.kv_transfer.forget(request_id)
+            self._awaiting_grammar.pop(request_id, None)
+            self.structured.release(request_id)
             self.scheduler.abort_requests([request_id])
             self.outputs.states.pop(request_id, None)
             raise
         return request_id
+
+    def _schedule(self, request: Request, load_remote_kv: bool, pin_kv_on_finish: bool) -> None:
+        request = self.scheduler.add_request(request, load_remote_kv=load_remote_kv,
+                                             pin_kv_on_finish=pin_kv_on_finish)
+        if request.status == RequestStatus.FINISHED_REJECTED:
+            raise RequestRejected(request.reject_reason)
+
+    def _admit_compiled(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Move the requests of ``request_ids`` whose grammar has compiled into the scheduler;
+        a compile that failed, or a request the scheduler rejects, fails the request. Raises
+        for the request being added (a single id, from ``add_request``) instead."""
+        adding = len(request_ids) == 1 and request_ids[0] not in self.outputs.states
+        outputs = []
+        for rid in request_ids:
+            waiting = self._awaiting_grammar[rid]
+            if not waiting.compiled.done():
+                continue
+            del self._awaiting_grammar[rid]
+            try:
+                exc = waiting.compiled.exception()
+                if exc is not None:
+                    raise InvalidRequest("structured_outputs", f"could not be compiled: {exc}")
+                self.structured.start(rid, waiting.compiled.result(), waiting.request.output_token_ids)
+                self._schedule(waiting.request, waiting.load_remote_kv, waiting.pin_kv_on_finish)
+            except Exception as exc:  # noqa: BLE001 - this request alone fails
+                if adding:
+                    raise
+                outputs.append(self._fail(rid, exc, "starting its grammar"))
+        return outputs
 
     def abort_request(self, request_ids: str | list[str], error: str | None = None) -> list[RequestOutput]:
         """Abort requests at any moment: their blocks are free when this returns. Returns their
@@ -278,13 +341,16 @@ class LLMEngine:
                 self.kv_transfer.forget(rid)
         for rid in ids:
             self.outputs.finish_all(rid, reason, error)
+            waiting = self._awaiting_grammar.pop(rid, None)
+            if waiting is not None:
+                self._on_finished(waiting.request, reason)
         for request in self.scheduler.abort_requests(ids):
             self._on_finished(request, reason)
         return [out for rid in ids if (out := self.outputs.output(rid, self.delta_outputs)) is not None]
 
     def has_unfinished_requests(self) -> bool:
         """Requests to step, or KV hand-overs not over (reads whose blocks are held)."""
-        return self.scheduler.has_unfinished_requests() or (
+        return self.scheduler.has_unfinished_requests() or bool(self._awaiting_grammar) or (
             self.kv_transfer is not None and self.kv_transfer.has_loads())
 
     def has_kv_pins(self) -> bool:
@@ -319,15 +385,17 @@ class LLMEngine:
         """Schedule, execute, update. Returns the outputs of the requests that changed, failed
         ones included (see the module docstring); raises only ``EngineDeadError``."""
         t0 = time.perf_counter()
+        started = self._start_compiled()
         try:
             self.poll_kv_transfers()
             sched_out = self.scheduler.schedule()
             if self.kv_transfer is not None:
                 self.kv_transfer.start_loads(self.scheduler.take_new_loads())
+            sched_out.grammar = self.structured.bitmask(sched_out)
             runner_out = self.executor.execute(sched_out)
             updates = self.scheduler.update_from_output(sched_out, runner_out)
         except Exception as exc:  # noqa: BLE001 - isolated below; only EngineDeadError escapes
-            return self._on_step_failed(exc)
+            return started + self._on_step_failed(exc)
         self._num_failed_steps_in_row = 0
         changed: dict[str, None] = {}
         failed: dict[str, BaseException] = {}
@@ -343,6 +411,7 @@ class LLMEngine:
         self._record_step(sched_out, runner_out, time.perf_counter() - t0)
         outputs = [o for rid in changed if rid not in failed and (o := self._output(rid, failed))]
         outputs += [self._fail(rid, exc, "post-processing its tokens") for rid, exc in failed.items()]
+        outputs += started
         if self.kv_transfer is not None:
             params = self.kv_transfer.on_new_pins(self.scheduler.take_new_pins())
             for out in outputs:
@@ -350,7 +419,21 @@ class LLMEngine:
                     out.kv_transfer_params = params[out.request_id]
         return outputs
 
+    def _start_compiled(self) -> list[RequestOutput]:
+        """Schedule the requests whose grammar compiled since the last step. While nothing else
+        is there to step, wait a little for a compile rather than spin."""
+        if not self._awaiting_grammar:
+            return []
+        if not self.scheduler.has_unfinished_requests():
+            wait(list({id(w.compiled): w.compiled for w in self._awaiting_grammar.values()}.values()),
+                 timeout=_GRAMMAR_POLL_S, return_when=FIRST_COMPLETED)
+        return self._admit_compiled(list(self._awaiting_grammar))
+
     def _process_update(self, req: Request, new_token_ids: list[int], runner_out: Any) -> None:
+        if not self.structured.accept(req.request_id, new_token_ids):
+            raise ValueError(f"its output left its grammar at one of the tokens {new_token_ids} (no "
+                             "token the grammar allows was left after the request's other bans, "
+                             "such as min_tokens)")
         stop_str = self.outputs.process(req, new_token_ids, runner_out)
         if stop_str is not None and not req.is_finished:
             req.stop_reason = stop_str
@@ -406,6 +489,7 @@ class LLMEngine:
         return RequestOutput(request_id, None, [], [], finished=True, error=message)
 
     def _on_finished(self, request: Request, reason: str | None = None) -> None:
+        self.structured.release(request.request_id)
         self.outputs.finish(request)
         call_observers(
             "tandem_request_finished",

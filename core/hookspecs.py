@@ -81,6 +81,16 @@ def tandem_register_executors(register: Register) -> None:
 
 
 @hookspec
+def tandem_register_structured_output_backends(register: Register) -> None:
+    """Register structured-output (constrained decoding) backends, selected by
+    ``engine.structured_output_backend``: ``register("xgrammar", XGrammarBackend)``.
+
+    Each class subclasses ``tandem.interfaces.StructuredOutputBackend`` and is built by the
+    engine process with ``(tokenizer, vocab_size, stop_token_ids)`` when the first constrained
+    request arrives."""
+
+
+@hookspec
 def tandem_engine_started(config: Any) -> None:
     """Observer: called once in each engine process after the model is loaded and the KV pool is
     allocated, with the effective ``TandemConfig``. The return value is ignored; an

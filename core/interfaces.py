@@ -506,6 +506,79 @@ class Executor(ABC):
         """Stop the workers and release what they hold (optional; idempotent)."""
 
 
+# --------------------------------------------------------------------------- structured outputs
+
+
+class StructuredOutputGrammar(ABC):
+    """One sequence's place in its grammar: which tokens may come next, and the tokens taken.
+
+    Used on the engine thread only (not thread-safe). A grammar starts before the sequence's
+    first output token; ``accept_tokens`` advances it by the tokens the sequence gained, EOS
+    included. Token masks are packed bits, the layout xgrammar and vLLM share::
+
+        bitmask[row, w] (int32)   bit b (least significant first) allows token 32 * w + b
+        shape [rows, ceil(vocab_size / 32)]; bits past vocab_size are 0
+    """
+
+    @abstractmethod
+    def accept_tokens(self, token_ids: list[int]) -> bool:
+        """Advance by ``token_ids`` in order; False (and the tokens from the first refused one
+        on ignored) when one is not allowed."""
+
+    @abstractmethod
+    def fill_bitmask(self, bitmask: Any, row: int) -> None:
+        """Write the tokens allowed next into ``bitmask[row]`` (a numpy int32 array of the
+        layout above). Once the grammar is complete only the stop tokens are allowed."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """True once a stop token was accepted after a complete output."""
+
+    @abstractmethod
+    def fork(self) -> StructuredOutputGrammar:
+        """An independent copy at the same place (a sibling sequence of ``n > 1``)."""
+
+
+class StructuredOutputBackend(ABC):
+    """Turns ``StructuredOutputsParams`` (tandem.sched.sampling_params) into grammars: xgrammar
+    is built in; a plugin may add another (``tandem_register_structured_output_backends``),
+    selected by ``engine.structured_output_backend``.
+
+    Built once per engine, lazily, on the engine's compile thread, with the tokenizer (a
+    transformers tokenizer), the model's vocabulary size (the width of its logits, which may
+    exceed the tokenizer's) and the ids that end a sequence. ``validate`` runs where the request
+    is admitted and must be cheap (parse, no token masks); ``compile`` may take long and runs on
+    a worker thread, never the engine's step; both raise ``ValueError`` with a message a user
+    can act on for a grammar they cannot serve. ``compile``'s result is opaque to tandem, which
+    caches it by ``StructuredOutputsParams.key`` and may hand it to ``grammar`` many times,
+    from the engine thread.
+    """
+
+    name: ClassVar[str] = ""
+
+    @abstractmethod
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: frozenset[int]) -> None:
+        """Prepare for this vocabulary (may take a second for a large one)."""
+
+    @abstractmethod
+    def validate(self, params: Any) -> None:
+        """Raise ValueError when ``params`` is not a grammar this backend can compile."""
+
+    @abstractmethod
+    def compile(self, params: Any) -> Any:
+        """Compile ``params`` (raise ValueError as ``validate`` does). Thread-safe."""
+
+    @abstractmethod
+    def grammar(self, compiled: Any) -> StructuredOutputGrammar:
+        """A fresh grammar at the start of ``compiled``."""
+
+    def fill_bitmasks(self, grammars: list[StructuredOutputGrammar], bitmask: Any) -> None:
+        """Fill ``bitmask[i]`` for ``grammars[i]`` (one step's batch; a backend may do it in
+        parallel)."""
+        for row, grammar in enumerate(grammars):
+            grammar.fill_bitmask(bitmask, row)
+
+
 # --------------------------------------------------------------------------- routing policies
 
 

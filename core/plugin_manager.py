@@ -65,6 +65,8 @@ KINDS: dict[str, PluginKind] = {
         PluginKind("routing_policy", "tandem_register_routing_policies", interfaces.RoutingPolicy),
         PluginKind("model", "tandem_register_models", None),
         PluginKind("executor", "tandem_register_executors", interfaces.Executor),
+        PluginKind("structured_output_backend", "tandem_register_structured_output_backends",
+                   interfaces.StructuredOutputBackend),
     ]
 }
 

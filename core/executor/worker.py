@@ -112,7 +112,6 @@ class Worker:
         self.runner = ModelRunner(self.model, self.kv_cache, eng.block_size, eos_token_ids,
                                   self.attn_backend_cls, self.parallel)
         self.runner.graphs = self._capture_cuda_graphs()
-        self.runner.make_json_masker = self._make_json_masker
         self.connector: KVConnector | None = None
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -160,17 +159,6 @@ class Worker:
         logger.info("KV pool: %d blocks of %d tokens (%.1f MiB)", num_blocks, bs,
                     pool.numel() * pool.element_size() / 2**20)
         return pool
-
-    def _make_json_masker(self):
-        from tandem.models.loader import load_tokenizer
-        from tandem.worker.structured import JsonMasker, token_bytes
-
-        t0 = time.perf_counter()
-        tokenizer = load_tokenizer(self.config.model.tokenizer or self.config.model.path)
-        pieces = token_bytes(tokenizer, self.arch.vocab_size, self.eos_token_ids)
-        masker = JsonMasker(pieces, self.eos_token_ids, self.device)
-        logger.info("JSON mode: indexed %d tokens in %.1f s", self.arch.vocab_size, time.perf_counter() - t0)
-        return masker
 
     def _capture_cuda_graphs(self):
         """On CUDA, unless enforce_eager or the backend cannot replay graphs: decode graphs at

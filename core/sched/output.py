@@ -57,6 +57,17 @@ class ForkedRequestData:
 
 
 @dataclass(slots=True)
+class GrammarBitmask:
+    """The tokens that constrained sequences may sample this step, set by the engine after
+    ``schedule()`` (tandem.structured_outputs): ``bitmask`` row ``i`` (numpy int32, the packed
+    layout of ``tandem.interfaces.StructuredOutputGrammar``) belongs to ``request_ids[i]``. A
+    sequence that samples and is not listed is unconstrained."""
+
+    request_ids: list[str]
+    bitmask: object
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     """One step's plan.
 
@@ -78,6 +89,7 @@ class SchedulerOutput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     """Draft tokens of speculative decoding: a request listed here has ``1 + len(drafts)``
     scheduled tokens, its last known token followed by the drafts (not yet its tokens)."""
+    grammar: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -38,8 +38,7 @@ class StructuredOutputsParams:
     - ``grammar``: an EBNF grammar (GBNF/xgrammar dialect, with a ``root`` rule);
     - ``structural_tag``: an xgrammar structural tag (its JSON text).
 
-    ``disable_any_whitespace`` makes JSON outputs compact; ``disable_additional_properties``
-    treats a schema's objects as ``additionalProperties: false`` where the schema says nothing.
+    ``disable_any_whitespace`` makes JSON outputs compact.
     Pure data: the structured-output backend (``tandem.interfaces.StructuredOutputBackend``)
     compiles it, and refuses what it cannot (a 400 naming the problem). ``key`` identifies the
     grammar for the compile cache.
@@ -52,7 +51,6 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     structural_tag: str | None = None
     disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False
 
     KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
@@ -87,23 +85,22 @@ class StructuredOutputsParams:
         return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
 
     @property
-    def key(self) -> tuple[str, str, bool, bool]:
+    def key(self) -> tuple[str, str, bool]:
         """(kind, canonical text of the grammar, options): equal keys compile to one grammar."""
         value: Any = getattr(self, self.kind)
         if self.kind == "json":
             value = json.dumps(json.loads(value) if isinstance(value, str) else value, sort_keys=True)
         elif self.kind == "choice":
             value = json.dumps(list(value))
-        return (self.kind, str(value), self.disable_any_whitespace, self.disable_additional_properties)
+        return (self.kind, str(value), self.disable_any_whitespace)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StructuredOutputsParams:
         """From vLLM's request field ``structured_outputs`` (its unknown keys are refused)."""
-        unknown = sorted(set(data) - set(cls.KINDS) - {"disable_any_whitespace", "disable_additional_properties"})
+        unknown = sorted(set(data) - set(cls.KINDS) - {"disable_any_whitespace"})
         if unknown:
             raise InvalidRequest("structured_outputs", f"has unknown field(s) {', '.join(unknown)}; it takes "
-                                 + ", ".join(cls.KINDS) + ", disable_any_whitespace, disable_additional_properties",
-                                 "SamplingParams")
+                                 + ", ".join(cls.KINDS) + ", disable_any_whitespace", "SamplingParams")
         return cls(**{k: v for k, v in data.items() if v is not None})
 
 

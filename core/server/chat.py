@@ -42,12 +42,8 @@ from tandem.server.serving import (
     sse_error,
     until_disconnect,
 )
-from tandem.server.validation import (
-    check_body,
-    check_messages,
-    check_prompt_logprobs,
-    check_response_format,
-)
+from tandem.server.structured import prepare_grammar
+from tandem.server.validation import check_body, check_messages, check_prompt_logprobs
 
 ROUTE = "/v1/chat/completions"
 
@@ -63,7 +59,6 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     ctx.check_ready()
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs = true", "top_logprobs")
-    check_response_format(body)
     check_prompt_logprobs(body)
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = request_params(ctx, body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
@@ -72,6 +67,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     max_tokens_name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     check_prompt(ctx, token_ids, params, {"prompt": "messages", "logprobs": "top_logprobs",
                                           "max_tokens": max_tokens_name})
+    await prepare_grammar(ctx.engine.engine, params, body)
     kv_transfer = await kv_transfer_args(ctx.engine.engine, ctx.handshakes, body, 1)
     view = _ChatView(ctx, body, f"chatcmpl-{uuid.uuid4().hex}", len(token_ids))
     streams = await admit(ctx, [token_ids], params, view.request_id, body.priority, kv_transfer)

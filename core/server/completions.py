@@ -34,7 +34,8 @@ from tandem.server.serving import (
     sse_error,
     until_disconnect,
 )
-from tandem.server.validation import check_body, check_prompt_logprobs, check_response_format
+from tandem.server.structured import prepare_grammar
+from tandem.server.validation import check_body, check_prompt_logprobs
 
 ROUTE = "/v1/completions"
 
@@ -46,13 +47,13 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     check_body(body, ROUTE)
     ctx.check_model(body.model)
     ctx.check_ready()
-    check_response_format(body)
     check_prompt_logprobs(body)
     prompt_logprobs, prompt_logprobs_name = _prompt_logprobs(body)
     params = request_params(ctx, body, body.max_tokens, body.logprobs, prompt_logprobs)
     prompts, texts = _prompts(ctx, body.prompt)
     for token_ids in prompts:
         check_prompt(ctx, token_ids, params, {"prompt_logprobs": prompt_logprobs_name})
+    await prepare_grammar(ctx.engine.engine, params, body)
     kv_transfer = await kv_transfer_args(ctx.engine.engine, ctx.handshakes, body, len(prompts))
     view = _CompletionView(ctx, body, f"cmpl-{uuid.uuid4().hex}", prompts, texts)
     streams = await admit(ctx, prompts, params, view.request_id, body.priority, kv_transfer)

@@ -57,11 +57,23 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    """``response_format.json_schema``: OpenAI's structured outputs. ``strict`` is accepted and
+    changes nothing: the answer always follows the schema (constrained decoding)."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    json_schema: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Request):
-    """OpenAI's ``response_format``: ``{"type": "text"}`` or ``{"type": "json_object"}`` (JSON
-    mode: the reply is one JSON object); JSON schemas are refused."""
+    """OpenAI's ``response_format``: ``{"type": "text"}``, ``{"type": "json_object"}`` (JSON
+    mode: the reply is one JSON object) or ``{"type": "json_schema", "json_schema": {"name",
+    "schema", "strict"}}`` (the reply is valid against the schema)."""
 
     type: str
+    json_schema: JsonSchemaFormat | None = None
 
 
 BlockId = Annotated[int, Field(ge=0, lt=2**31)]
@@ -165,7 +177,11 @@ class SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None
-    """Chat and (as in vLLM) completions: JSON mode or plain text."""
+    """Chat and (as in vLLM) completions: plain text, JSON mode or a JSON schema."""
+    structured_outputs: dict[str, Any] | None = None
+    """vLLM's constrained decoding: exactly one of ``json`` (a schema), ``regex``, ``choice``,
+    ``grammar`` (EBNF), ``json_object``, ``structural_tag`` (see
+    ``tandem.sched.sampling_params.StructuredOutputsParams``)."""
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_TOKEN_ID_ENTRIES)
     """OpenAI's: token id (a decimal string) → bias in [-100, 100], added to its logit."""
     allowed_token_ids: list[int] | None = Field(None, max_length=MAX_TOKEN_ID_ENTRIES)

@@ -20,10 +20,11 @@ from tandem.async_engine import AsyncEngine, EngineUnavailable, RequestStream
 from tandem.server.disagg import HandshakeCache, KVTransferArgs
 from tandem.outputs import Logprob, RequestOutput
 from tandem.sched.request_checks import InvalidRequest, check_request
-from tandem.sched.sampling_params import SamplingParams, StructuredOutputsParams
+from tandem.sched.sampling_params import SamplingParams
 from tandem.server.errors import APIError, api_error_from, bad_request
 from tandem.server.metrics import RequestTimer, ServerMetrics
 from tandem.server.protocol import PromptLogprob, PromptLogprobs, SamplingFields
+from tandem.server.structured import structured_outputs_of
 from tandem.server.validation import UNKNOWN_FIELDS, unknown_fields
 
 logger = logging.getLogger("tandem.server")
@@ -92,7 +93,7 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
         "frequency_penalty": body.frequency_penalty, "repetition_penalty": body.repetition_penalty,
     }
     fields = {k: v if v is not None else (defaults or {}).get(k) for k, v in fields.items()}
-    json_mode = body.response_format is not None and body.response_format.type == "json_object"
+    structured = structured_outputs_of(body)
     try:
         return SamplingParams(
             n=body.n,
@@ -109,7 +110,7 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
             logit_bias=_logit_bias(body.logit_bias),
             allowed_token_ids=body.allowed_token_ids,
             bad_words=body.bad_words,
-            structured_outputs=StructuredOutputsParams(json_object=True) if json_mode else None,
+            structured_outputs=structured,
             **{k: v for k, v in fields.items() if v is not None},
         )
     except ValueError as exc:

@@ -50,8 +50,6 @@ _COMMON = {
     **{name: Unimplemented(_GUIDED, _NULL, "null") for name in (
         "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
         "guided_whitespace_pattern")},
-    "structured_outputs": Unimplemented("structured outputs (tandem has JSON mode: "
-                                        "response_format json_object)", _one_of({}), "null or {}"),
     "logits_processors": Unimplemented("logits processors", _one_of([]), "null or []"),
     "use_beam_search": Unimplemented("beam search", _one_of(False), "null or false"),
     "truncate_prompt_tokens": Unimplemented("prompt truncation", _NULL, "null"),
@@ -113,9 +111,9 @@ def _unimplemented_message(name: str, field: Unimplemented, value: Any, body: Sa
     if name == "best_of" and type(value) is int and value < body.n:
         return f"best_of ({value}) must be at least n ({body.n})"
     if field.feature == _GUIDED:
-        return (f"{name} is not supported: vLLM removed the guided_* fields; their successor is "
-                "structured_outputs, which tandem does not implement yet (it has JSON mode: "
-                'response_format {"type": "json_object"}); omit it or send null')
+        return (f"{name} is not supported: vLLM removed the guided_* fields; send structured_outputs "
+                'instead, e.g. {"structured_outputs": {"json": <schema>}} (or "regex", "choice", '
+                '"grammar", "json_object")')
     return (f"{name} is not supported: tandem does not implement {field.feature}; omit it or send "
             f"{field.neutral_text}")
 
@@ -150,14 +148,6 @@ def check_prompt_logprobs(body: SamplingFields) -> None:
     if body.stream and body.prompt_logprobs:
         raise bad_request("prompt_logprobs are not available when stream is true (only 0 is "
                           "accepted, and not streamed)", "prompt_logprobs")
-
-
-def check_response_format(body: SamplingFields) -> None:
-    """400 for a ``response_format`` other than text and JSON mode (no JSON schemas)."""
-    if body.response_format is not None and body.response_format.type not in ("text", "json_object"):
-        raise bad_request(f"response_format type {body.response_format.type!r} is not supported: "
-                          "tandem serves 'text' and 'json_object' (no JSON schemas yet)",
-                          "response_format")
 
 
 def check_messages(body: ChatCompletionRequest) -> None:

@@ -18,7 +18,6 @@ import torch
 
 from tandem.interfaces import AttentionMetadata
 from tandem.models.rotary import PROMPT_LENS_KEY
-from tandem.sched.json_grammar import JsonState
 from tandem.sched.output import NewRequestData, SchedulerOutput
 from tandem.sched.sampling_params import SamplingParams
 
@@ -34,7 +33,6 @@ class RunnerRequest:
     sample_index: int
     block_ids: list[int]
     generator: torch.Generator | None = None
-    json_state: JsonState | None = None  # JSON mode: the recognizer's state after the outputs
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> RunnerRequest:

@@ -16,16 +16,14 @@ residual) from stage s-1 and sends its own on.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from tandem.executor.parallel import ParallelContext
 from tandem.sched.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from tandem.worker.cuda_graphs import DecodeGraphs
-from tandem.worker.structured import JsonMasker
 from tandem.worker.input_batch import RunnerRequest, StepInputs, build_step_inputs, split_microbatches
 from tandem.worker.sampler import Sampler, SamplingRow, compute_logprobs, make_generator
+from tandem.worker.structured import allowed_tokens
 
 
 class ModelRunner:
@@ -55,9 +53,6 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         # Decode steps that fit replay captured CUDA graphs (set by the engine on CUDA).
         self.graphs: DecodeGraphs | None = None
-        # JSON mode: builds the JsonMasker on first use (set by the engine: needs the tokenizer).
-        self.make_json_masker: Callable[[], JsonMasker] | None = None
-        self._json_masker: JsonMasker | None = None
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -114,8 +109,6 @@ class ModelRunner:
         for data in out.new_requests:
             req = RunnerRequest.from_new(data)
             req.generator = self._generator(data.request_id, data.sampling_params.seed, data.sample_index)
-            if data.sampling_params.structured_outputs is not None and self.samples:
-                req.json_state = self.json_masker.initial_state(req.output_token_ids)
             self.requests[data.request_id] = req
             starts[data.request_id] = data.num_computed_tokens
         for data in out.cached_requests:
@@ -142,7 +135,6 @@ class ModelRunner:
                 block_ids=list(parent.block_ids),
             )
             child.generator = self._generator(fork.request_id, parent.params.seed, fork.sample_index)
-            child.json_state = parent.json_state
             self.requests[fork.request_id] = child
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -173,6 +165,9 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[hidden_rows])
         if logits is None:  # a tensor rank other than 0: it lent its vocabulary shard
             return
+        if out.grammar is not None:  # constrained sequences have no drafts: rows 0..len(rids)-1
+            for row, mask in zip(sampling_rows, allowed_tokens(out.grammar, rids, logits.shape[1], logits.device)):
+                row.allowed = mask
         sampled = self.sampler(logits, sampling_rows)
         for i, rid in enumerate(rids):
             self._emit(rid, sampled.token_ids[i:i + 1], sampled.logprobs[i:i + 1], result)
@@ -181,20 +176,8 @@ class ModelRunner:
             accepted = next((i for i, (t, d) in enumerate(zip(tokens, drafts)) if t != d), len(drafts))
             self._emit(rid, tokens[:accepted + 1], sampled.logprobs[first:first + accepted + 1], result)
 
-    @property
-    def json_masker(self) -> JsonMasker:
-        if self._json_masker is None:
-            if self.make_json_masker is None:
-                raise ValueError("JSON mode needs the engine's tokenizer (ModelRunner.make_json_masker)")
-            self._json_masker = self.make_json_masker()
-        return self._json_masker
-
     def _emit(self, rid: str, tokens: list[int], logprobs: list[TokenLogprobs | None],
               result: ModelRunnerOutput) -> None:
-        req = self.requests[rid]
-        if req.json_state is not None:
-            for token in tokens:
-                req.json_state = self.json_masker.advance(req.json_state, token)
         result.sampled_token_ids[rid] = tokens
         if logprobs and logprobs[0] is not None:
             result.logprobs[rid] = logprobs
@@ -213,7 +196,6 @@ class ModelRunner:
             prompt_token_ids=req.token_ids[: req.num_prompt_tokens],
             output_token_ids=req.output_token_ids + drafts if drafts else req.output_token_ids,
             eos_token_ids=self.eos_token_ids,
-            allowed=self.json_masker.mask(req.json_state) if req.json_state is not None else None,
         )
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs, result: ModelRunnerOutput) -> None:

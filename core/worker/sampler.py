@@ -1,10 +1,11 @@
 """The sampler: one step's logits in, one token per row out.
 
 Runs in the engine thread on the model's device, once per step, over every row that samples this
-step. Per row: its logits are sanitized (below); a JSON-mode row's ``allowed`` mask sets the
-tokens it excludes to -inf; tandem.worker.logits_processing applies ``allowed_token_ids``, the
-bad-word and ``min_tokens`` bans, ``logit_bias``, the repetition, presence and frequency
-penalties and, for the rows that sample, the temperature and the top-k, top-p and min-p filters; greedy rows (``temperature == 0``) then take the argmax and
+step. Per row: its logits are sanitized (below); a constrained row's ``allowed`` mask (structured
+outputs) sets the tokens it excludes to -inf; tandem.worker.logits_processing applies
+``allowed_token_ids``, the bad-word and ``min_tokens`` bans, ``logit_bias``, the repetition,
+presence and frequency penalties and, for the rows that sample, the temperature and the top-k,
+top-p and min-p filters; greedy rows (``temperature == 0``) then take the argmax and
 the others are drawn from.
 
 Logprobs describe the RAW model distribution (``log_softmax`` of the sanitized logits, before the
@@ -22,10 +23,10 @@ every row gets a token in ``[0, vocab)`` and every logprob is a finite float:
   keeps one through every step (tandem.worker.logits_processing says how extreme values saturate:
   a temperature so small it overflows is effectively greedy, a penalty that overflows takes a
   token to float32's largest finite value or its negative, never to NaN or -inf).
-- Fallback. A row left with no finite logit (its JSON mask, ``allowed_token_ids``, bad-word and
-  ``min_tokens`` bans exclude every token with a finite logit, or the model gave none) takes the argmax of its sanitized raw logits,
-  the model's own greedy choice ignoring bans, mask and penalties; token 0 where those are all -inf
-  too. It still consumes its uniform number, so a seeded stream stays aligned.
+- Fallback. A row left with no finite logit (its structured-output mask, ``allowed_token_ids``,
+  bad-word and ``min_tokens`` bans exclude every token with a finite logit, or the model gave
+  none) takes the argmax of its sanitized raw logits, the model's own greedy choice ignoring
+  bans, mask and penalties; token 0 where those are all -inf too. It still consumes its uniform number, so a seeded stream stays aligned.
 - Logprobs are those of the sanitized raw logits. A logprob of -inf, and every logprob of a row
   with no finite logit (whose distribution is undefined), is reported as float32's lowest value
   ``-3.4028234663852886e38``: JSON cannot carry infinity, and it sorts below every real logprob.
@@ -66,7 +67,7 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     eos_token_ids: frozenset[int]
-    allowed: torch.Tensor | None = None  # JSON mode: bool [vocab], the tokens that may come
+    allowed: torch.Tensor | None = None  # structured outputs: bool [vocab], the tokens that may come
 
     @property
     def before_min_tokens(self) -> bool:

@@ -11,7 +11,6 @@ import json
 import pytest
 
 from tandem import LLM, SamplingParams
-from tandem.sched.json_grammar import START, advance
 from tests.engine.test_greedy_vs_hf import MIXED_LENGTHS, _prompts, hf_greedy, tandem_greedy
 from tests.helpers.tiny_models import hf_model, tiny_model_dir, tiny_tokenizer
 
@@ -81,7 +80,6 @@ def test_speculative_decoding_json_mode_and_prompt_logprobs_at_tp2():
                   for s in range(8)]
         for out in llm.generate([prompt] * len(params), params):
             text = out.outputs[0].text
-            assert advance(START, text.encode()) is not None, text
             if out.outputs[0].finish_reason == "stop":
                 assert isinstance(json.loads(text), dict), text
 

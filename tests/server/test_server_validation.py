@@ -14,7 +14,6 @@ import httpx
 import pytest
 
 from tandem import SamplingParams
-from tandem.sched.json_grammar import START, advance
 from tests.server.server_helpers import running_server, server_config
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
@@ -151,7 +150,6 @@ def test_json_object_response_format_gives_json(server):
     assert response.status_code == 200, response.text
     for choice in response.json()["choices"]:
         text = choice["message"]["content"]
-        assert advance(START, text.encode()) is not None, text
         if choice["finish_reason"] == "stop":
             assert isinstance(json.loads(text), dict)
 
