@@ -11,9 +11,12 @@ class NoChatTemplate(ValueError):
     """The tokenizer has no chat template."""
 
 
-def content_text(content: str | Sequence[Any]) -> str:
+def content_text(content: str | Sequence[Any] | None) -> str:
     """The text of a message's content: a string, or text parts (objects with ``.text`` or
-    dicts ``{"type": "text", "text": ...}``) joined by newlines. ValueError for another part."""
+    dicts ``{"type": "text", "text": ...}``) joined by newlines; "" for None (an assistant
+    message with tool calls only, as vLLM gives the template). ValueError for another part."""
+    if content is None:
+        return ""
     if isinstance(content, str):
         return content
     texts = []
@@ -27,15 +30,17 @@ def content_text(content: str | Sequence[Any]) -> str:
     return "\n".join(texts)
 
 
-def apply_chat_template(tokenizer: Any, turns: Sequence[Mapping[str, str]],
-                        add_generation_prompt: bool = True, add_special_tokens: bool = False) -> list[int]:
-    """The token ids of ``turns`` (``{"role", "content"}`` with text content) rendered by the
-    tokenizer's chat template, then encoded (without special tokens by default: the template
+def apply_chat_template(tokenizer: Any, turns: Sequence[Mapping[str, Any]],
+                        add_generation_prompt: bool = True, add_special_tokens: bool = False,
+                        tools: list[dict] | None = None) -> list[int]:
+    """The token ids of ``turns`` (``{"role", "content"}`` with text content, and what else the
+    template reads: ``name``, ``tool_calls``…) and ``tools`` (function definitions) rendered by
+    the tokenizer's chat template, then encoded (without special tokens by default: the template
     writes them). ``NoChatTemplate`` without a template; ValueError when the template raises."""
     if not getattr(tokenizer, "chat_template", None):
         raise NoChatTemplate("the tokenizer has no chat template")
     try:
-        text = tokenizer.apply_chat_template([dict(t) for t in turns], tokenize=False,
+        text = tokenizer.apply_chat_template([dict(t) for t in turns], tools=tools, tokenize=False,
                                              add_generation_prompt=add_generation_prompt)
     except Exception as exc:  # noqa: BLE001 — a template may raise anything on bad input
         raise ValueError(f"the chat template refused the messages: {exc}") from exc

@@ -81,6 +81,8 @@ CONFIG_FLAGS = [
     ConfigFlag("--shutdown-timeout-s", "server.shutdown_timeout_s", float, "SECONDS"),
     ConfigFlag("--stream-stall-timeout-s", "server.stream_stall_timeout_s", float, "SECONDS"),
     ConfigFlag("--log-requests", "server.log_requests", None),
+    ConfigFlag("--enable-auto-tool-choice", "server.enable_auto_tool_choice", None),
+    ConfigFlag("--tool-call-parser", "server.tool_call_parser", metavar="NAME"),
     ConfigFlag("--role", "disaggregation.role"),
 ]
 _POSITIONAL_MODEL = "model_path_positional"

@@ -276,6 +276,18 @@ class ServerConfig(_Section):
     blocks freed; a positive, finite number of seconds."""
     log_requests: bool = False
     """Log every request (ids, token counts, timing)."""
+    enable_auto_tool_choice: bool = False
+    """Serve tool_choice "auto": the model decides whether to call tools; tool_call_parser reads
+    its calls from the output."""
+    tool_call_parser: str | None = None
+    """The tool parser plugin of tool_choice "auto" (built in: hermes, llama3_json)."""
+
+    @model_validator(mode="after")
+    def _auto_tools_need_a_parser(self) -> ServerConfig:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (--tool-call-parser NAME): "
+                             "the parser that reads the model's tool calls")
+        return self
 
 
 class InstanceConfig(_Section):
@@ -570,6 +582,8 @@ def validate_plugin_names(config: TandemConfig, registry: Registry) -> None:
     colocated instance never loads them.
     """
     fields = list(_PLUGIN_FIELDS)
+    if config.server.tool_call_parser is not None:
+        fields.append(("server", "tool_call_parser", "tool_parser", ()))
     if config.disaggregation.role != "both" or config.disaggregation.instances:
         fields += _DISAGGREGATION_PLUGIN_FIELDS
     problems = []

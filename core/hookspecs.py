@@ -91,6 +91,15 @@ def tandem_register_structured_output_backends(register: Register) -> None:
 
 
 @hookspec
+def tandem_register_tool_parsers(register: Register) -> None:
+    """Register tool-call parsers for ``tool_choice: "auto"``: ``register("hermes",
+    HermesToolParser)``.
+
+    Each class subclasses ``tandem.interfaces.ToolParser`` and is built with no arguments, once
+    per server process. Selected by ``server.tool_call_parser`` (``--tool-call-parser``)."""
+
+
+@hookspec
 def tandem_engine_started(config: Any) -> None:
     """Observer: called once in each engine process after the model is loaded and the KV pool is
     allocated, with the effective ``TandemConfig``. The return value is ignored; an

@@ -579,6 +579,49 @@ class StructuredOutputBackend(ABC):
             grammar.fill_bitmask(bitmask, row)
 
 
+# --------------------------------------------------------------------------- tool parsers
+
+
+@dataclass(slots=True, frozen=True)
+class ParsedToolCall:
+    """One tool call found in a model's output, as far as the text goes: ``name`` is None until
+    the function's name is complete; ``arguments`` is the JSON text of its arguments so far —
+    the model's own characters, never reformatted, so that streamed fragments concatenate to the
+    final text."""
+
+    name: str | None
+    arguments: str
+
+
+@dataclass(slots=True, frozen=True)
+class ToolCallParse:
+    """A model's output split into ``content`` (the text meant for the user) and tool ``calls``."""
+
+    content: str
+    calls: tuple[ParsedToolCall, ...] = ()
+
+
+class ToolParser(ABC):
+    """Finds the tool calls in a model's output text, for ``tool_choice: "auto"`` (the server
+    process, selected by ``server.tool_call_parser``; built once with no arguments, shared by
+    every request: it must keep no state between calls)."""
+
+    name: ClassVar[str] = ""
+
+    @abstractmethod
+    def parse(self, text: str, final: bool) -> ToolCallParse:
+        """Parse ``text``, the whole output so far; ``final`` when the output is complete.
+
+        Called on the event loop, once per streamed chunk of every choice (with the text so far)
+        and once at the end: must be fast and must not block. A non-final parse reports only
+        what no continuation can change, so that a stream can send it at once: for a prefix
+        ``t`` of ``u``, ``parse(t, False)``'s content is a prefix of ``parse(u, ...)``'s, its
+        calls are a prefix of ``u``'s calls, and each call keeps its name once known and its
+        arguments only grow. Text that cannot be tool calls (malformed JSON, a missing name)
+        parses as ``ToolCallParse(text)``: all content, no calls (a stream that already sent
+        calls keeps them)."""
+
+
 # --------------------------------------------------------------------------- routing policies
 
 

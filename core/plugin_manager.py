@@ -67,6 +67,7 @@ KINDS: dict[str, PluginKind] = {
         PluginKind("executor", "tandem_register_executors", interfaces.Executor),
         PluginKind("structured_output_backend", "tandem_register_structured_output_backends",
                    interfaces.StructuredOutputBackend),
+        PluginKind("tool_parser", "tandem_register_tool_parsers", interfaces.ToolParser),
     ]
 }
 

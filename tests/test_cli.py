@@ -41,6 +41,11 @@ def tandem_register_schedulers(register):
 @tandem.hookimpl
 def tandem_register_kv_allocators(register):
     register("paged", _stand_in(interfaces.KVAllocator))
+
+
+@tandem.hookimpl
+def tandem_register_structured_output_backends(register):
+    register("xgrammar", _stand_in(interfaces.StructuredOutputBackend))
 '''
 
 
@@ -231,14 +236,17 @@ def test_every_server_setting_has_a_flag():
     argv = [
         "--max-queued-requests", "7", "--max-queued-tokens", "900", "--shutdown-timeout-s", "2.5",
         "--stream-stall-timeout-s", "12.5", "--log-requests", "--max-logprobs", "5",
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
     ]
     assert flags_to_overrides(parse(argv)) == {
         "server.max_queued_requests": 7, "server.max_queued_tokens": 900,
         "server.shutdown_timeout_s": 2.5, "server.stream_stall_timeout_s": 12.5,
         "server.log_requests": True, "engine.max_logprobs": 5,
+        "server.enable_auto_tool_choice": True, "server.tool_call_parser": "hermes",
     }
     server_fields = {"host", "port", "api_key", "max_queued_requests", "max_queued_tokens",
-                     "shutdown_timeout_s", "log_requests", "stream_stall_timeout_s"}
+                     "shutdown_timeout_s", "log_requests", "stream_stall_timeout_s",
+                     "enable_auto_tool_choice", "tool_call_parser"}
     assert server_fields == set(ServerConfig.model_fields), "a [server] field was added: give it a flag"
     assert {f"server.{name}" for name in server_fields} <= {flag.key for flag in CONFIG_FLAGS}
 

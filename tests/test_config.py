@@ -34,6 +34,7 @@ DEFAULTS = {
         "attention_backend": "auto", "num_threads": None, "num_speculative_tokens": 0,
         "speculative_ngram_min": 2, "speculative_ngram_max": 4, "enforce_eager": False,
         "cuda_graph_max_batch_size": 256, "max_logprobs": 20, "distributed_executor_backend": "auto",
+        "structured_output_backend": "xgrammar",
         "worker_timeout_s": 300.0,
     },
     "parallel": {
@@ -42,7 +43,7 @@ DEFAULTS = {
     },
     "server": {
         "host": "127.0.0.1", "port": 8000, "api_key": None, "max_queued_requests": 256,
-        "max_queued_tokens": 262144, "shutdown_timeout_s": 30.0, "log_requests": False,
+        "max_queued_tokens": 262144, "shutdown_timeout_s": 30.0, "log_requests": False, "enable_auto_tool_choice": False, "tool_call_parser": None,
         "stream_stall_timeout_s": 60.0,
     },
     "disaggregation": {
@@ -276,7 +277,7 @@ class FakeRegistry:
 BUILTIN_NAMES = FakeRegistry(
     scheduler=["fcfs", "priority"], kv_allocator=["paged"], attention_backend=["torch"],
     quant_method=["gptq", "unquantized"], kv_connector=["nixl"],
-    routing_policy=["least_loaded", "round_robin"],
+    routing_policy=["least_loaded", "round_robin"], structured_output_backend=["xgrammar"],
 )
 
 
@@ -305,7 +306,7 @@ def test_auto_and_none_are_accepted_besides_registered_names():
 
 
 def test_disaggregation_names_are_checked_only_when_disaggregated():
-    no_connectors = FakeRegistry(scheduler=["fcfs"], kv_allocator=["paged"])
+    no_connectors = FakeRegistry(scheduler=["fcfs"], kv_allocator=["paged"], structured_output_backend=["xgrammar"])
     validate_plugin_names(load(), no_connectors)
     with pytest.raises(ConfigError) as info:
         validate_plugin_names(load(overrides={"role": "decode"}), no_connectors)
@@ -316,6 +317,22 @@ def test_disaggregation_names_are_checked_only_when_disaggregated():
     router = load(overrides={"instances": [{"url": "http://a", "role": "both"}]})
     with pytest.raises(ConfigError, match="disaggregation.routing_policy"):
         validate_plugin_names(router, no_connectors)
+
+
+def test_the_tool_call_parser_is_checked_when_set():
+    validate_plugin_names(load(overrides={"tool_call_parser": "hermes"}),
+                          FakeRegistry(**BUILTIN_NAMES._names, tool_parser=["hermes"]))
+    with pytest.raises(ConfigError) as info:
+        validate_plugin_names(load(overrides={"tool_call_parser": "mistral"}),
+                              FakeRegistry(**BUILTIN_NAMES._names, tool_parser=["hermes", "llama3_json"]))
+    assert ("server.tool_call_parser: no tool_parser named 'mistral'; allowed: 'hermes', "
+            "'llama3_json'") in str(info.value)
+
+
+def test_auto_tool_choice_needs_a_parser():
+    with pytest.raises(ConfigError, match="enable_auto_tool_choice needs tool_call_parser"):
+        load(overrides={"enable_auto_tool_choice": True})
+    assert load(overrides={"enable_auto_tool_choice": True, "tool_call_parser": "hermes"}).server.tool_call_parser == "hermes"
 
 
 # --------------------------------------------------------------------------- TOML out, example file

@@ -51,6 +51,11 @@ def tandem_register_schedulers(register):
 @tandem.hookimpl
 def tandem_register_kv_allocators(register):
     register("paged", _stand_in(interfaces.KVAllocator))
+
+
+@tandem.hookimpl
+def tandem_register_structured_output_backends(register):
+    register("xgrammar", _stand_in(interfaces.StructuredOutputBackend))
 '''
 
 
@@ -327,6 +332,7 @@ def test_entries_are_ordered_by_kind_then_name(sandbox):
     assert [(e.kind, e.name, e.package) for e in get_registry().entries()] == [
         ("scheduler", "a", "two"), ("scheduler", "b", "two"), ("scheduler", "fcfs", "tandem-fake-builtins"),
         ("kv_allocator", "paged", "tandem-fake-builtins"),
+        ("structured_output_backend", "xgrammar", "tandem-fake-builtins"),
     ]
 
 

@@ -3,7 +3,7 @@ interpreter's own standard library (``Lib/*.py``), a fixed sorted subset, so a g
 always yields the same tokenizer.
 
 The tokenizer adds ``<|bos|>`` in front of every encoded text and ships a Llama-3-like chat
-template that itself starts with ``<|bos|>``: tokenize a rendered chat with
+template (with tool calling, ``CHAT_TEMPLATE``) that itself starts with ``<|bos|>``: tokenize a rendered chat with
 ``add_special_tokens=False`` (as ``apply_chat_template(tokenize=True)`` does).
 """
 from __future__ import annotations
@@ -25,14 +25,42 @@ SPECIAL_TOKENS = (BOS, EOS, PAD, START_HEADER, END_HEADER, EOT)
 
 CHAT_TEMPLATE = (
     "{{- bos_token -}}"
-    "{%- for message in messages -%}"
-    "{{- '" + START_HEADER + "' + message['role'] + '" + END_HEADER + "\\n\\n' + message['content'] + '"
+    "{%- if tools -%}"
+    "{{- '" + START_HEADER + "system" + END_HEADER + "\\n\\n' -}}"
+    "{%- if messages[0]['role'] == 'system' -%}{{- messages[0]['content'] + '\\n\\n' -}}{%- endif -%}"
+    "{{- '# Tools\\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
+    "{{- '\\n</tools>\\nTo call one, write <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>"
     + EOT + "' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if tools and loop.first and message['role'] == 'system' -%}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}"
+    "{{- '" + START_HEADER + "user" + END_HEADER + "\\n\\n' -}}"
+    "{%- else -%}{{- '\\n' -}}{%- endif -%}"
+    "{{- '<tool_response>\\n' + message['content'] + '\\n</tool_response>' -}}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{- '" + EOT + "' -}}{%- endif -%}"
+    "{%- else -%}"
+    "{{- '" + START_HEADER + "' + message['role'] + '" + END_HEADER + "\\n\\n' + message['content'] -}}"
+    "{%- for call in message['tool_calls'] or [] -%}"
+    "{%- if message['content'] or not loop.first -%}{{- '\\n' -}}{%- endif -%}"
+    "{{- '<tool_call>\\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' "
+    "+ (call['function']['arguments'] | tojson) + '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '" + EOT + "' -}}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}"
     "{{- '" + START_HEADER + "assistant" + END_HEADER + "\\n\\n' -}}"
     "{%- endif -%}"
 )
+"""A Llama-3-like template with Qwen-style tools: given ``tools``, a system turn lists them as
+JSON in a ``<tools>`` block (after the system message's own text) and says how to call them;
+an assistant's ``tool_calls`` (arguments as values, rendered with ``tojson``) follow its
+content as ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``; consecutive ``tool``
+messages form one user turn of ``<tool_response>`` blocks. Without tools, tool calls or tool
+messages it renders as a plain Llama-3-like chat."""
 
 
 def stdlib_corpus_files(max_files: int | None = None) -> list[Path]:

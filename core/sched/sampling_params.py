@@ -24,6 +24,9 @@ MAX_TOKEN_ID_ENTRIES = 65536
 """At most this many ``logit_bias`` entries, and as many ``allowed_token_ids``."""
 MAX_BAD_WORDS = 128
 MAX_BAD_WORD_CHARS = 1024
+MAX_GRAMMAR_CHARS = 65_536
+"""Longest structured-output grammar (its canonical text: a schema's JSON, a regex, the choices
+as a JSON list): compiles run one at a time, so one huge grammar would delay all others."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -78,6 +81,10 @@ class StructuredOutputsParams:
                                  "SamplingParams")
         if kind == "json_object" and value is not True:
             raise InvalidRequest(f"{where}.json_object", "must be true", "SamplingParams")
+        size = len(self.key[1])
+        if size > MAX_GRAMMAR_CHARS:
+            raise InvalidRequest(f"{where}.{kind}", f"must be at most {MAX_GRAMMAR_CHARS} characters "
+                                 f"long (got {size})", "SamplingParams")
 
     @property
     def kind(self) -> str:

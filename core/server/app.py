@@ -26,6 +26,8 @@ from tandem import __version__
 from tandem.async_engine import AsyncEngine, EngineError, EngineState, EngineUnavailable, QueueLimits
 from tandem.config import TandemConfig
 from tandem.engine import LLMEngine
+from tandem.interfaces import ToolParser
+from tandem.plugin_manager import get_registry
 from tandem.server.chat import create_chat_completion
 from tandem.server.completions import create_completion
 from tandem.server.disagg import HANDSHAKE_PATH, RELEASE_PATH, HandshakeCache, check_kv_secret
@@ -72,7 +74,7 @@ def create_app(config: TandemConfig, engine_factory: Callable[[], LLMEngine] | N
     ctx = ServingContext(engine, config.model.served_model_name or config.model.path,
                          config.model.path, metrics, config.server.log_requests,
                          config.server.stream_stall_timeout_s, kv_secret,
-                         HandshakeCache(secret=kv_secret))
+                         HandshakeCache(secret=kv_secret), _auto_tool_parser(config))
     role = config.disaggregation.role
     if role != "both" and kv_secret is None:
         logger.warning("disaggregation.role is %s and disaggregation.kv_transfer_secret is unset: anyone "
@@ -95,6 +97,14 @@ def create_app(config: TandemConfig, engine_factory: Callable[[], LLMEngine] | N
     _add_operator_routes(app, ctx)
     _add_kv_routes(app, ctx)
     return app
+
+
+def _auto_tool_parser(config: TandemConfig) -> ToolParser | None:
+    """The parser of tool_choice "auto", when the server serves it (UnknownPluginError for a
+    name no plugin registered)."""
+    if not config.server.enable_auto_tool_choice:
+        return None
+    return get_registry().get("tool_parser", config.server.tool_call_parser)()
 
 
 def _api_key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:

@@ -1,8 +1,10 @@
-"""POST /v1/chat/completions: the messages go through the tokenizer's chat template, then one
-engine request with ``n`` choices; logprobs in the chat shape; SSE deltas with the role first.
+"""POST /v1/chat/completions: the messages (and tools) go through the tokenizer's chat template,
+then one engine request with ``n`` choices; logprobs in the chat shape; SSE deltas with the role
+first; tool calls as ``tandem.server.tools.choice`` says.
 """
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass, field
 
@@ -22,9 +24,12 @@ from tandem.server.protocol import (
     ChatLogprobEntry,
     ChatLogprobs,
     ChatMessage,
+    ChatCompletionTool,
     ChatStreamChoice,
     DeltaMessage,
     PromptTokensDetails,
+    ToolCallFunction,
+    ToolCallOut,
     TopLogprob,
     UsageInfo,
 )
@@ -43,6 +48,8 @@ from tandem.server.serving import (
     until_disconnect,
 )
 from tandem.server.structured import prepare_grammar
+from tandem.server.tools.choice import ToolUse, tool_use
+from tandem.server.tools.stream import ToolCallStream, new_tool_call_id
 from tandem.server.validation import check_body, check_messages, check_prompt_logprobs
 
 ROUTE = "/v1/chat/completions"
@@ -60,16 +67,18 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs = true", "top_logprobs")
     check_prompt_logprobs(body)
+    tools = tool_use(body, ctx.tool_parser)
     max_tokens = body.max_completion_tokens or body.max_tokens
-    params = request_params(ctx, body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
-                            body.prompt_logprobs)
+    params = tools.constrain(request_params(ctx, body, max_tokens,
+                                            (body.top_logprobs or 0) if body.logprobs else None,
+                                            body.prompt_logprobs))
     token_ids = render_chat(ctx, body)
     max_tokens_name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     check_prompt(ctx, token_ids, params, {"prompt": "messages", "logprobs": "top_logprobs",
                                           "max_tokens": max_tokens_name})
-    await prepare_grammar(ctx.engine.engine, params, body)
+    await prepare_grammar(ctx.engine.engine, params, body, "tools" if tools.schema is not None else None)
     kv_transfer = await kv_transfer_args(ctx.engine.engine, ctx.handshakes, body, 1)
-    view = _ChatView(ctx, body, f"chatcmpl-{uuid.uuid4().hex}", len(token_ids))
+    view = _ChatView(ctx, body, f"chatcmpl-{uuid.uuid4().hex}", len(token_ids), tools)
     streams = await admit(ctx, [token_ids], params, view.request_id, body.priority, kv_transfer)
     if body.stream:
         return SSEResponse(view.stream(streams), ctx, streams)
@@ -81,17 +90,20 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
 
 
 def render_chat(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
-    """The prompt token ids of the conversation, through the tokenizer's chat template."""
-    return chat_token_ids(ctx, body.messages, body.add_generation_prompt)
+    """The prompt token ids of the conversation, through the tokenizer's chat template. The
+    tools are rendered whatever tool_choice says ("none" too, as vLLM by default)."""
+    return chat_token_ids(ctx, body.messages, body.add_generation_prompt, tools=body.tools)
 
 
 def chat_token_ids(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool,
-                   add_special_tokens: bool = False) -> list[int]:
-    """The token ids of ``messages`` rendered by the tokenizer's chat template (a 400 when the
-    model has none or the template refuses them)."""
-    turns = [{"role": m.role, "content": content_text(m.content)} for m in messages]
+                   add_special_tokens: bool = False,
+                   tools: list[ChatCompletionTool] | None = None) -> list[int]:
+    """The token ids of ``messages`` (and ``tools``) rendered by the tokenizer's chat template
+    (a 400 when the model has none or the template refuses them)."""
+    turns = [template_turn(i, m) for i, m in enumerate(messages)]
     try:
-        return apply_chat_template(ctx.tokenizer, turns, add_generation_prompt, add_special_tokens)
+        return apply_chat_template(ctx.tokenizer, turns, add_generation_prompt, add_special_tokens,
+                                   tools=[t.template_dict() for t in tools or []] or None)
     except NoChatTemplate as exc:
         raise bad_request(f"the model {ctx.model_name!r} has no chat template, so it cannot serve "
                           "/v1/chat/completions; use /v1/completions", "messages") from exc
@@ -99,11 +111,38 @@ def chat_token_ids(ctx: ServingContext, messages: list[ChatMessage], add_generat
         raise bad_request(str(exc), "messages") from exc
 
 
+def template_turn(index: int, message: ChatMessage) -> dict:
+    """``message`` as vLLM hands it to a chat template: content as text ("" for null), ``name``
+    when given, an assistant's ``tool_calls`` (none when empty) with their arguments parsed from
+    JSON text into values (templates render them with ``tojson``; empty means ``{}``), a tool
+    message's ``tool_call_id``. A 400 when arguments are not JSON."""
+    turn: dict = {"role": message.role, "content": content_text(message.content)}
+    if message.name is not None:
+        turn["name"] = message.name
+    if message.tool_calls:
+        turn["tool_calls"] = [_template_call(f"messages[{index}].tool_calls[{j}]", call)
+                              for j, call in enumerate(message.tool_calls)]
+    if message.tool_call_id is not None:
+        turn["tool_call_id"] = message.tool_call_id
+    return turn
+
+
+def _template_call(path: str, call) -> dict:
+    data = call.model_dump()
+    try:
+        data["function"]["arguments"] = json.loads(call.function.arguments) if call.function.arguments else {}
+    except ValueError as exc:
+        raise bad_request(f"{path}.function.arguments is not JSON text: {exc}", "messages") from None
+    return data
+
+
 @dataclass(slots=True)
 class _ChoiceState:
     text_len: int = 0
     num_tokens: int = 0
     finished: bool = False
+    tool_calls: ToolCallStream | None = None
+    """The tool calls sent so far, when the request's tool use has a parser."""
 
 
 @dataclass(slots=True)
@@ -114,6 +153,7 @@ class _ChatView:
     body: ChatCompletionRequest
     request_id: str
     num_prompt_tokens: int
+    tools: ToolUse
     states: dict[int, _ChoiceState] = field(default_factory=dict)
 
     async def collect(self, streams) -> RequestOutput:
@@ -123,15 +163,28 @@ class _ChatView:
         return final
 
     def response(self, out: RequestOutput) -> ChatCompletionResponse:
-        choices = [
-            ChatChoice(index=seq.index, message=AssistantMessage(content=seq.text),
-                       logprobs=self._logprobs(seq.token_ids, seq.logprobs),
-                       finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
-            for seq in out.outputs
-        ]
+        choices = []
+        for seq in out.outputs:
+            message = self._message(seq.text)
+            choices.append(ChatChoice(
+                index=seq.index, message=message, logprobs=self._logprobs(seq.token_ids, seq.logprobs),
+                finish_reason=self.tools.finish_reason(seq.finish_reason, bool(message.tool_calls)),
+                stop_reason=seq.stop_reason))
         return ChatCompletionResponse(id=self.request_id, model=self.ctx.model_name, choices=choices,
                                       usage=self._usage(out),
                                       prompt_logprobs=prompt_logprobs_body(out.prompt_logprobs))
+
+    def _message(self, text: str) -> AssistantMessage:
+        """The answer ``text`` as a message: content, and the tool calls the parser finds (when
+        there are calls, empty content is null, as OpenAI)."""
+        if self.tools.parser is None:
+            return AssistantMessage(content=text)
+        parse = self.tools.parser.parse(text, final=True)
+        calls = [ToolCallOut(id=new_tool_call_id(),
+                             function=ToolCallFunction(name=call.name, arguments=call.arguments))
+                 for call in parse.calls[:self.tools.max_calls]]
+        return AssistantMessage(content=(parse.content or None) if calls else parse.content,
+                                tool_calls=calls)
 
     def _usage(self, out: RequestOutput | None) -> UsageInfo:
         completion = sum(len(seq.token_ids) for seq in out.outputs) if out is not None else 0
@@ -184,11 +237,21 @@ class _ChatView:
             return None
         new_ids = seq.token_ids[st.num_tokens:]
         entries = seq.logprobs[st.num_tokens:] if seq.logprobs is not None else None
+        finish_reason = seq.finish_reason
+        if self.tools.parser is None:
+            delta = DeltaMessage(content=seq.text[st.text_len:])
+        else:
+            if st.tool_calls is None:
+                st.tool_calls = ToolCallStream(self.tools.parser, self.tools.max_calls)
+            content, calls = st.tool_calls.update(seq.text, seq.finished)
+            delta = DeltaMessage(content=content if content or not calls else None, tool_calls=calls or None)
+            if seq.finished:
+                finish_reason = self.tools.finish_reason(seq.finish_reason, st.tool_calls.num_calls > 0)
         choice = ChatStreamChoice(
             index=seq.index,
-            delta=DeltaMessage(content=seq.text[st.text_len:]),
+            delta=delta,
             logprobs=self._logprobs(new_ids, entries),
-            finish_reason=seq.finish_reason,
+            finish_reason=finish_reason,
             stop_reason=seq.stop_reason if seq.finished else None,
         )
         st.text_len, st.num_tokens, st.finished = len(seq.text), len(seq.token_ids), seq.finished

@@ -27,8 +27,8 @@ from tandem.sched.sampling_params import (
 )
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-"""The chat roles of OpenAI's API (its deprecated "function" role belongs to function calling,
-which tandem does not implement)."""
+"""The chat roles of OpenAI's API (its deprecated "function" role belongs to the legacy
+``functions`` API, which tandem does not implement; ``tools`` is its successor)."""
 
 
 class _Request(BaseModel):
@@ -214,12 +214,61 @@ class TextContentPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    """A call the assistant made, in the conversation's history: ``arguments`` is JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
-    """One message; ``content`` is required (text only), whatever the role."""
+    """One message (text only). ``content`` may be null only in an assistant message that has
+    ``tool_calls``; a ``tool`` message answers the call ``tool_call_id``."""
 
     role: Literal[ROLES]
-    content: str | list[TextContentPart]
+    content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(_Request):
+    """A function the model may call: ``parameters`` is the JSON schema of its arguments (an
+    object; none means "no arguments")."""
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionTool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+    def template_dict(self) -> dict[str, Any]:
+        """What the chat template gets, as vLLM passes it (``strict`` only when sent)."""
+        return self.model_dump(exclude={"function": {"strict"}} if self.function.strict is None else None)
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``: call that function."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -233,6 +282,15 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0)
     """At most ``engine.max_logprobs`` (20 by default)."""
     add_generation_prompt: bool = True
+    tools: list[ChatCompletionTool] | None = None
+    """Functions the model may call (rendered by the chat template); see tool_choice."""
+    tool_choice: ToolChoice | None = None
+    """"none" (no call; the tools are still rendered), "auto" (the model decides; needs
+    ``server.enable_auto_tool_choice``), "required" (at least one call) or a named function
+    (exactly that call); unset means "auto" with tools, "none" without (as OpenAI)."""
+    parallel_tool_calls: bool = True
+    """False: at most one tool call per choice (the first the model writes; "required" is held
+    to one)."""
 
 
 class TokenizeRequest(_Request):
@@ -244,6 +302,8 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatCompletionTool] | None = None
+    """With ``messages``: rendered by the chat template, as on /v1/chat/completions."""
     add_generation_prompt: bool = True
     add_special_tokens: bool | None = None
     return_token_strs: bool = False
@@ -332,9 +392,23 @@ class ChatLogprobs(_Response):
     content: list[ChatLogprobEntry] | None = None
 
 
+class ToolCallFunction(_Response):
+    name: str
+    arguments: str
+    """JSON text."""
+
+
+class ToolCallOut(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    """None when the answer is tool calls only (as OpenAI)."""
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
 class ChatChoice(_Response):
@@ -356,9 +430,25 @@ class ChatCompletionResponse(_Response):
     kv_transfer_params: dict[str, Any] | None = None
 
 
+class DeltaFunctionCall(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Response):
+    """One piece of a streamed tool call: the first of call ``index`` has its id, type and
+    function name; the next ones add fragments of ``function.arguments``."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(_Response):

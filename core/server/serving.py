@@ -17,6 +17,7 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 
 from tandem.async_engine import AsyncEngine, EngineUnavailable, RequestStream
+from tandem.interfaces import ToolParser
 from tandem.server.disagg import HandshakeCache, KVTransferArgs
 from tandem.outputs import Logprob, RequestOutput
 from tandem.sched.request_checks import InvalidRequest, check_request
@@ -43,6 +44,9 @@ class ServingContext:
     kv_secret: str | None = None
     """The cluster secret (``disaggregation.kv_transfer_secret``), None when there is none."""
     handshakes: HandshakeCache = field(default_factory=HandshakeCache)
+    tool_parser: ToolParser | None = None
+    """The parser of tool_choice "auto" (``server.tool_call_parser``); None unless
+    ``server.enable_auto_tool_choice``."""
 
     @property
     def tokenizer(self):

@@ -54,9 +54,11 @@ def _schema(schema: dict | bool) -> dict:
     return schema
 
 
-async def prepare_grammar(engine, params: SamplingParams, body: SamplingFields) -> None:
+async def prepare_grammar(engine, params: SamplingParams, body: SamplingFields,
+                          param: str | None = None) -> None:
     """Check ``params``' grammar with the engine's backend and start compiling it, on a
-    thread; a refusal is a 400 naming ``response_format`` or ``structured_outputs``."""
+    thread; a refusal is a 400 naming ``param``, else ``response_format`` or
+    ``structured_outputs``."""
     spec = params.structured_outputs
     if spec is None:
         return
@@ -69,5 +71,5 @@ async def prepare_grammar(engine, params: SamplingParams, body: SamplingFields) 
     try:
         await asyncio.to_thread(check)
     except InvalidRequest as exc:
-        name = "structured_outputs" if body.structured_outputs is not None else "response_format"
+        name = param or ("structured_outputs" if body.structured_outputs is not None else "response_format")
         raise bad_request(f"{name} {exc.detail}", name) from exc

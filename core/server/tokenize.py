@@ -27,7 +27,7 @@ def tokenize(ctx: ServingContext, body: TokenizeRequest) -> TokenizeResponse:
         token_ids = ctx.tokenizer.encode(body.prompt, add_special_tokens=add_special)
     else:
         token_ids = chat_token_ids(ctx, body.messages, body.add_generation_prompt,
-                                   bool(body.add_special_tokens))
+                                   bool(body.add_special_tokens), body.tools)
     strs = ctx.tokenizer.convert_ids_to_tokens(token_ids) if body.return_token_strs else None
     return TokenizeResponse(count=len(token_ids), max_model_len=ctx.engine.engine.max_model_len,
                             tokens=token_ids, token_strs=strs)

@@ -64,11 +64,9 @@ UNIMPLEMENTED: dict[str, dict[str, Unimplemented]] = {
     },
     "/v1/chat/completions": {
         **_COMMON,
-        "tools": Unimplemented("tool calling", _one_of([]), "null or []"),
-        "tool_choice": Unimplemented("tool calling", _one_of("none", "auto"), 'null, "none" or "auto"'),
-        "functions": Unimplemented("function calling", _one_of([]), "null or []"),
-        "function_call": Unimplemented("function calling", _one_of("none", "auto"),
-                                       'null, "none" or "auto"'),
+        "functions": Unimplemented("the legacy function calling (use tools)", _one_of([]), "null or []"),
+        "function_call": Unimplemented("the legacy function calling (use tool_choice)",
+                                       _one_of("none", "auto"), 'null, "none" or "auto"'),
         "add_special_tokens": Unimplemented("chat prompts with special tokens", _one_of(False),
                                             "null or false"),
         "continue_final_message": Unimplemented("continuing the final message", _one_of(False),
@@ -81,10 +79,10 @@ UNIMPLEMENTED: dict[str, dict[str, Unimplemented]] = {
         "audio": Unimplemented("audio output", _NULL, "null"),
     },
 }
-"""Per route: the fields tandem refuses unless they hold a neutral value. ``tool_choice: "auto"``
-is neutral because no tools can be given."""
+"""Per route: the fields tandem refuses unless they hold a neutral value. ``function_call:
+"auto"`` is neutral because no ``functions`` can be given."""
 
-_MESSAGE_UNIMPLEMENTED = {"tool_calls": "tool calls", "function_call": "function calls"}
+_MESSAGE_UNIMPLEMENTED = {"function_call": "the legacy function calls (use tool_calls)"}
 
 
 def check_body(body: SamplingFields, route: str) -> None:
@@ -151,20 +149,27 @@ def check_prompt_logprobs(body: SamplingFields) -> None:
 
 
 def check_messages(body: ChatCompletionRequest) -> None:
-    """400 for a message that carries tool or function calls (not implemented), or a
+    """400 for a message that carries the legacy function calls (not implemented), content null
+    outside an assistant message with tool calls, tool calls outside an assistant message, or a
     conversation in which every message is empty: there is nothing to answer."""
     for i, message in enumerate(body.messages):
         for name, feature in _MESSAGE_UNIMPLEMENTED.items():
             if (message.model_extra or {}).get(name) not in (None, []):
                 raise bad_request(f"messages[{i}].{name} is not supported: tandem does not implement "
                                   f"{feature}", "messages")
-    if not any(_has_text(m.content) for m in body.messages):
+        if message.tool_calls and message.role != "assistant":
+            raise bad_request(f"messages[{i}].tool_calls: only an assistant message has tool calls",
+                              "messages")
+        if message.content is None and not message.tool_calls:
+            raise bad_request(f"messages[{i}].content is required (null only in an assistant "
+                              "message with tool_calls)", "messages")
+    if not any(_has_text(m.content) or m.tool_calls for m in body.messages):
         raise bad_request("messages holds no text: at least one message needs non-empty content, "
                           "or there is nothing to answer", "messages")
 
 
-def _has_text(content: str | list) -> bool:
-    return bool(content) if isinstance(content, str) else any(part.text for part in content)
+def _has_text(content: str | list | None) -> bool:
+    return bool(content) if not isinstance(content, list) else any(part.text for part in content)
 
 
 class UnknownFieldLog:

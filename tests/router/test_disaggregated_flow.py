@@ -244,3 +244,32 @@ def test_compat_mismatch_through_router_is_a_clear_error(model_dir, log_dir, set
         assert all_blocks_free(other.url)
     finally:
         other.stop()
+
+
+@pytest.mark.timeout(180)
+def test_structured_outputs_through_router_follow_the_grammar_and_equal_colocated(setup):
+    """The prefill instance samples the first token under the same grammar as the decode
+    instance, which takes the hand-over and goes on: the greedy answer is the colocated one."""
+    import re
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                                               "tag": {"enum": ["a", "b", "c"]}},
+              "required": ["id", "tag"], "additionalProperties": False}
+    prompt = _prompts(45, [2 * BLOCK + 5])[0]
+    before = dispatched(setup.router_url, "disaggregated")
+    for spec, check in [({"json": schema}, lambda t: jsonschema.validate(json.loads(t), schema) is None),
+                        ({"regex": r"[a-f]{3}\d{2}"}, lambda t: re.fullmatch(r"[a-f]{3}\d{2}", t))]:
+        extra = {"structured_outputs": spec, "max_tokens": 100, "ignore_eos": False, "logprobs": None}
+        routed = httpx.post(f"{setup.router_url}/v1/completions", json=body(prompt, **extra), timeout=120)
+        direct = httpx.post(f"{setup.oracle.url}/v1/completions", json=body(prompt, **extra), timeout=120)
+        assert routed.status_code == 200, routed.text
+        text = routed.json()["choices"][0]["text"]
+        assert check(text), text
+        assert text == direct.json()["choices"][0]["text"]
+    assert dispatched(setup.router_url, "disaggregated") - before == 2
+    refused = httpx.post(f"{setup.router_url}/v1/completions", timeout=60,
+                         json=body(prompt, structured_outputs={"regex": "(x"}))
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "structured_outputs"
+    assert all_blocks_free(setup.prefill.url, setup.decode.url)

@@ -230,3 +230,25 @@ def test_prompt_logprob_requests_are_served_whole_by_one_instance(cluster, route
     assert got.usage.completion_tokens == want["usage"]["completion_tokens"]
     assert generated(cluster.prefill.url) == before  # no prefill step
     assert dispatched(router.url, "needs_prompt") == routed + 1
+
+
+def test_response_format_and_structured_outputs_pass_through(cluster, router):
+    import json
+    import re
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 50}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    answer = client(router).chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": LONG_PROMPT}], max_tokens=100, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}})
+    jsonschema.validate(json.loads(answer.choices[0].message.content), schema)
+    stream = client(router).completions.create(model=MODEL_NAME, prompt=LONG_PROMPT, max_tokens=50, temperature=1,
+                                               seed=4, stream=True, extra_body={"structured_outputs": {"choice": ["up", "down"]}})
+    assert "".join(c.choices[0].text for c in stream if c.choices) in ("up", "down")
+    with pytest.raises(openai.BadRequestError) as info:
+        client(router).completions.create(model=MODEL_NAME, prompt="x", max_tokens=5,
+                                          extra_body={"structured_outputs": {"regex": "(x"}})
+    assert info.value.body["param"] == "structured_outputs"
+    assert re.search("parenthesis", info.value.body["message"])

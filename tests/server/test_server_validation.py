@@ -60,7 +60,7 @@ CASES = [
     ("chat/completions", {**CHAT, "logprobs": 3}, 400, "logprobs", "valid boolean"),
     ("chat/completions", {**CHAT, "model": "other"}, 404, "model", "does not exist"),
     ("chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-     400, "response_format", "'json_schema' is not supported"),
+     400, "response_format", "needs json_schema.schema"),
 ]
 
 

@@ -94,7 +94,7 @@ def test_removed_guided_fields_point_to_structured_outputs(name):
         check_body(body, "/v1/chat/completions")
     assert (info.value.status, info.value.param) == (400, name)
     assert info.value.message.startswith(f"{name} is not supported: vLLM removed")
-    assert "structured_outputs" in info.value.message and "not implement" in info.value.message
+    assert "send structured_outputs instead" in info.value.message
 
 
 @pytest.mark.parametrize("extra", [
@@ -126,8 +126,22 @@ def test_a_lone_surrogate_in_kv_transfer_params_is_refused_where_it_is_parsed(pa
     assert refused.value.errors()[0]["loc"] == loc
 
 
-def test_tool_calls_in_history_are_refused():
-    chat = ChatCompletionRequest.model_validate({"messages": [
-        {"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]})
-    with pytest.raises(APIError, match="tool_calls"):
-        check_messages(chat)
+CALL = {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize("messages, match", [
+    ([{"role": "user", "content": None}], r"messages\[0\].content is required"),
+    ([{"role": "user"}], r"messages\[0\].content is required"),
+    ([{"role": "user", "content": "x", "tool_calls": [CALL]}], r"messages\[0\].tool_calls: only an assistant"),
+    ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "function_call": {"name": "f"}}],
+     r"messages\[1\].function_call is not supported"),
+])
+def test_malformed_tool_history_is_refused(messages, match):
+    with pytest.raises(APIError, match=match):
+        check_messages(ChatCompletionRequest.model_validate({"messages": messages}))
+
+
+def test_an_assistant_tool_call_may_have_null_content():
+    check_messages(ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "content": "42", "tool_call_id": "1"}]}))
