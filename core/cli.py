@@ -48,6 +48,7 @@ CONFIG_FLAGS = [
     ConfigFlag("--quantization", "model.quantization", metavar="NAME"),
     ConfigFlag("--max-model-len", "model.max_model_len", metavar="N|auto"),
     ConfigFlag("--seed", "model.seed", int, "N"),
+    ConfigFlag("--generation-config", "model.generation_config", metavar="auto|vllm|FOLDER"),
     ConfigFlag("--device", "engine.device", metavar="DEVICE"),
     ConfigFlag("--block-size", "engine.block_size", int, "N"),
     ConfigFlag("--num-kv-blocks", "engine.num_kv_blocks", int, "N"),

@@ -114,6 +114,10 @@ class ModelConfig(_Section):
     """Longest prompt plus output in tokens; auto = from config.json."""
     seed: int = 0
     """Seed of the random sampling of requests that give none."""
+    generation_config: str = "auto"
+    """Sampling defaults for requests that leave them out: auto = the temperature, top_p, top_k,
+    min_p and repetition_penalty of the model folder's generation_config.json; vllm = tandem's
+    own (ignore the file); or a folder holding a generation_config.json."""
 
     @field_validator("max_model_len", mode="before")
     @classmethod

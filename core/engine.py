@@ -97,6 +97,8 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.model.dtype, self.device, self.arch.torch_dtype)
         self.tokenizer = load_tokenizer(config.model.tokenizer or path)
         self.eos_token_ids = frozenset(load_generation_config(path)["eos_token_ids"])
+        self.default_sampling = self._default_sampling()
+        """Sampling fields a request leaves out take these (the model's generation_config.json)."""
         self.executor = self._build_executor()
         self.max_model_len = self.executor.max_model_len
         self.scheduler = self._build_scheduler()
@@ -113,6 +115,24 @@ class LLMEngine:
         call_observers("tandem_engine_started", config=config)
 
     # ----------------------------------------------------------------------------- start-up
+
+    def _default_sampling(self) -> dict[str, Any]:
+        """The model's sampling defaults (``tandem.models.loader.sampling_defaults``), checked by
+        ``SamplingParams`` and logged; ConfigError when the file or its values are refused."""
+        from tandem.models.loader import sampling_defaults
+
+        setting = self.config.model.generation_config
+        try:
+            defaults = sampling_defaults(setting, self.config.model.path)
+            SamplingParams(**defaults)
+        except ValueError as exc:
+            raise ConfigError(f"model.generation_config ({setting}): {exc}") from exc
+        if defaults:
+            logger.info("sampling defaults from generation_config.json (model.generation_config = %s): "
+                        "%s; requests that set these fields keep their own; --generation-config vllm "
+                        "ignores the file", setting,
+                        ", ".join(f"{k}={v}" for k, v in defaults.items()))
+        return defaults
 
     def _build_executor(self):
         name = self.config.engine.distributed_executor_backend
@@ -240,6 +260,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             check_text("prompt", prompt)
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        params = params.tokenize_bad_words(self.tokenizer)
         check_request(token_ids, params, self.request_limits)
         if params.structured_outputs is not None:
             self.structured.validate(params.structured_outputs)
@@ -386,6 +407,7 @@ class LLMEngine:
             except Exception as exc:  # noqa: BLE001 - this request alone fails
                 failed.setdefault(root, exc)
             changed[root] = None
+        self._take_chunk_prompt_logprobs(updates, runner_out, changed)
         self._record_step(sched_out, runner_out, time.perf_counter() - t0)
         outputs = [o for rid in changed if rid not in failed and (o := self._output(rid, failed))]
         outputs += [self._fail(rid, exc, "post-processing its tokens") for rid, exc in failed.items()]
@@ -418,6 +440,15 @@ class LLMEngine:
             self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
         if req.is_finished:
             self._on_finished(req)
+
+    def _take_chunk_prompt_logprobs(self, updates: list, runner_out: Any, changed: dict[str, None]) -> None:
+        """The prompt logprobs of the requests that computed a chunk of their prompt this step
+        without sampling (the others took theirs with their tokens)."""
+        sampled = {update.request.request_id for update in updates}
+        for request_id in runner_out.prompt_logprobs.keys() - sampled:
+            request = self.scheduler.get_request(request_id)
+            if request is not None and self.outputs.add_prompt_logprobs(request, runner_out):
+                changed[request.parent_id or request_id] = None
 
     def _output(self, request_id: str, failed: dict[str, BaseException]) -> RequestOutput | None:
         try:

@@ -4,12 +4,14 @@
     llm = LLM(model="/path/to/hf-folder", max_num_seqs=32)
     for out in llm.generate(["Hello", "The capital of"], SamplingParams(temperature=0, max_tokens=32)):
         print(out.outputs[0].text)
+    llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(max_tokens=32))
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from tandem.chat_template import apply_chat_template, content_text
 from tandem.config import load_config
 from tandem.engine import LLMEngine
 from tandem.outputs import RequestOutput
@@ -39,6 +41,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The params a prompt gets when none are given: ``SamplingParams()`` with the model's
+        sampling defaults (generation_config.json; ``model.generation_config``), as vLLM's."""
+        return SamplingParams(**self.engine.default_sampling)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -50,12 +57,14 @@ class LLM:
         """Generate for every prompt; returns one finished RequestOutput per prompt, in input order.
 
         ``prompts``: a string, a list of token ids, or a list of either. ``sampling_params``: one
-        for all prompts or one per prompt. A prompt that can never be served raises ValueError
+        for all prompts or one per prompt; None: ``get_default_sampling_params()``. A prompt that can never be served raises ValueError
         before anything runs. A request the engine fails alone (see ``tandem.engine``) is
         returned finished with ``finish_reason`` "error" and its ``error`` message; an engine
         that cannot go on raises ``EngineDeadError``.
         """
         prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _as_params_list(sampling_params, len(prompt_list))
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(priorities) != len(prompt_list):
@@ -68,6 +77,26 @@ class LLM:
             self.engine.abort_request(ids)
             raise
         return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate a reply to each conversation, as vLLM's ``LLM.chat``: ``messages`` is one
+        conversation (a list of ``{"role", "content"}`` dicts, content a string or text parts)
+        or a list of them; each goes through the tokenizer's chat template (with the assistant's
+        generation prompt unless ``add_generation_prompt`` is false) and is generated for as by
+        ``generate`` on its token ids — one output per conversation, in order. ValueError when
+        the tokenizer has no chat template or a message is malformed."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        tokenizer = self.get_tokenizer()
+        prompts = [apply_chat_template(tokenizer, [_turn(m) for m in conversation], add_generation_prompt)
+                   for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
@@ -87,6 +116,12 @@ class LLM:
         return [done[i] for i in ids]
 
 
+def _turn(message: Mapping[str, Any]) -> dict[str, str]:
+    if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
+        raise ValueError(f"a chat message is a dict with 'role' and 'content' (got {message!r:.80})")
+    return {"role": message["role"], "content": content_text(message["content"])}
+
+
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, str):
         return [prompts]
@@ -100,8 +135,6 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
 
 
 def _as_params_list(params, n: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams() for _ in range(n)]
     if isinstance(params, SamplingParams):
         return [params] * n
     params = list(params)

@@ -91,11 +91,7 @@ class OutputProcessor:
             return None
         seq = state.sequences[request.sample_index]
         self._record_metrics(state, request)
-        if runner_out is not None and request.request_id in runner_out.prompt_logprobs:
-            state.prompt_logprobs.extend(
-                self._logprob_dict(e) if e is not None else None
-                for e in runner_out.prompt_logprobs[request.request_id]
-            )
+        self.add_prompt_logprobs(request, runner_out)
         stop_str = None
         logprobs = runner_out.logprobs.get(request.request_id, ()) if runner_out is not None else ()
         for i, token in enumerate(new_token_ids):
@@ -111,6 +107,19 @@ class OutputProcessor:
         elif request.status.is_finished:
             self._finish_sequence(seq, request)
         return stop_str
+
+    def add_prompt_logprobs(self, request: Request, runner_out: ModelRunnerOutput | None) -> bool:
+        """Take ``request``'s prompt logprobs of this step, if any (whether there were). Entries
+        that start at the first prompt token (None) replace those held: the prompt is being
+        computed again (after a preemption), at the same positions."""
+        state = self.states.get(request.parent_id or request.request_id)
+        if state is None or runner_out is None or request.request_id not in runner_out.prompt_logprobs:
+            return False
+        entries = runner_out.prompt_logprobs[request.request_id]
+        if entries and entries[0] is None:
+            state.prompt_logprobs.clear()
+        state.prompt_logprobs.extend(self._logprob_dict(e) if e is not None else None for e in entries)
+        return True
 
     def finish(self, request: Request) -> None:
         """Mark the sequence of ``request`` finished with the request's own final status."""

@@ -218,6 +218,7 @@ def test_every_serve_flag_maps_to_its_config_field():
         "--quantization", "gptq", "--api-key", "secret", "--served-model-name", "m1",
         "--role", "decode", "--block-size", "32", "--max-model-len", "1024",
         "--kv-cache-memory", "2GiB", "--enable-prefix-caching", "--no-enable-chunked-prefill",
+        "--generation-config", "vllm",
     ]
     assert flags_to_overrides(parse(argv)) == {
         "model.path": "/m", "server.host": "0.0.0.0", "server.port": 8080,
@@ -227,7 +228,7 @@ def test_every_serve_flag_maps_to_its_config_field():
         "model.quantization": "gptq", "server.api_key": "secret", "model.served_model_name": "m1",
         "disaggregation.role": "decode", "engine.block_size": 32, "model.max_model_len": "1024",
         "engine.kv_cache_memory": "2GiB", "engine.enable_prefix_caching": True,
-        "engine.enable_chunked_prefill": False,
+        "engine.enable_chunked_prefill": False, "model.generation_config": "vllm",
     }
 
 

@@ -24,7 +24,7 @@ EXAMPLE_CONFIG = Path(__file__).resolve().parents[1] / "examples" / "config.toml
 DEFAULTS = {
     "model": {
         "path": None, "served_model_name": None, "tokenizer": None, "dtype": "auto",
-        "quantization": "auto", "max_model_len": "auto", "seed": 0,
+        "quantization": "auto", "max_model_len": "auto", "seed": 0, "generation_config": "auto",
     },
     "engine": {
         "device": "auto", "block_size": 16, "num_kv_blocks": None, "kv_cache_memory": None,

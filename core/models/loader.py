@@ -163,6 +163,26 @@ def load_generation_config(path: str | Path) -> dict[str, Any]:
     return {**gen, "eos_token_ids": eos_ids}
 
 
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+"""What ``sampling_defaults`` takes from generation_config.json, as vLLM does."""
+
+
+def sampling_defaults(setting: str, model_path: str | Path) -> dict[str, Any]:
+    """The sampling defaults a model's requests get where they set none, as vLLM's
+    ``--generation-config``: ``"vllm"`` none (tandem's ``SamplingParams`` defaults); ``"auto"``
+    the ``GENERATION_DEFAULT_FIELDS`` that the model folder's generation_config.json sets (none
+    without the file); any other value is a folder whose generation_config.json is read so
+    (ValueError when it has none). HF's ``do_sample`` is ignored, as vLLM does."""
+    if setting == "vllm":
+        return {}
+    folder = Path(model_path if setting == "auto" else setting)
+    if setting != "auto" and not (folder / "generation_config.json").is_file():
+        raise ValueError(f"model.generation_config: {folder} holds no generation_config.json "
+                         "(use auto, vllm or a folder that has one)")
+    gen = load_generation_config(folder)
+    return {name: gen[name] for name in GENERATION_DEFAULT_FIELDS if gen.get(name) is not None}
+
+
 def load_tokenizer(path: str | Path) -> Any:
     """The folder's tokenizer through ``transformers.AutoTokenizer``; ValueError naming the folder
     (and what to install or add) when it cannot be loaded."""

@@ -2,6 +2,8 @@
 
     plan      no instance of role "prefill" registered, several prompts, or an unreadable
               body                                                        → decode step ("direct")
+              prompt logprobs asked for, or max_tokens 0 (prompts.needs_prompt_computed)
+                                                                     → decode step ("needs_prompt")
               estimated prompt tokens < min_disaggregated_prompt_tokens   → decode step ("short_prompt")
               otherwise                                     → prefill step, then decode step
     prefill   the prefill policy picks among the healthy prefill-capable instances not yet
@@ -52,7 +54,13 @@ from fastapi.responses import Response
 from tandem.interfaces import RoutingPolicy
 from tandem.router.errors import RouterError
 from tandem.router.metrics import RouterMetrics
-from tandem.router.prompts import KV_TRANSFER_PARAMS, PromptInfo, decode_body, prefill_body
+from tandem.router.prompts import (
+    KV_TRANSFER_PARAMS,
+    PromptInfo,
+    decode_body,
+    needs_prompt_computed,
+    prefill_body,
+)
 from tandem.router.proxy import (
     SSE_DONE,
     Answer,
@@ -167,6 +175,8 @@ class Dispatcher:
         estimate = request.prompt.estimated_tokens
         if estimate is None or not self.registry.has_role("prefill"):
             return "direct"
+        if needs_prompt_computed(request.body):
+            return "needs_prompt"
         if estimate < self.min_disaggregated_prompt_tokens:
             return "short_prompt"
         return "disaggregated"

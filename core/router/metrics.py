@@ -15,7 +15,8 @@ client), ``busy`` (429: the next instance is tried), ``unavailable`` (503: out o
 its first token). The "release" step is the router telling a prefill instance to free the
 blocks of a hand-over that no decode instance took (ok, error, unreachable). Paths: ``disaggregated`` (prefill instance, then decode instance),
 ``local_prefill`` (no prefill instance could take it: the decode instance computed the prompt),
-``short_prompt`` (under ``min_disaggregated_prompt_tokens``), ``direct`` (no prefill instance
+``short_prompt`` (under ``min_disaggregated_prompt_tokens``), ``needs_prompt`` (prompt logprobs
+or max_tokens 0: the decode instance computes the prompt), ``direct`` (no prefill instance
 registered, several prompts in one request, or a body the router cannot read).
 
 Time to first token runs from the moment the router receives the request to the moment it
@@ -33,7 +34,7 @@ from prometheus_client.registry import Collector
 from tandem.router.registry import InstanceRegistry
 
 OUTCOMES = ("ok", "error", "busy", "unavailable", "unreachable", "broken")
-PATHS = ("disaggregated", "local_prefill", "short_prompt", "direct")
+PATHS = ("disaggregated", "local_prefill", "short_prompt", "needs_prompt", "direct")
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                       1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)

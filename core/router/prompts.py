@@ -17,6 +17,11 @@ one output token (``max_tokens = 1``, not streamed, one sequence, no logprobs, n
 ``kv_transfer_params = {"do_remote_decode": true}``; the decode instance gets the client's
 request plus the prefill answer's ``kv_transfer_params`` with ``"do_remote_prefill": true``.
 ``kv_transfer_params`` are the router's to set: the field is dropped from the client's body.
+
+A request whose answer is about the prompt itself (``needs_prompt_computed``: vLLM's
+``prompt_logprobs``, ``echo`` with ``logprobs``, ``max_tokens`` 0) is never disaggregated: a
+decode instance that loads the prompt's KV computes no prompt logprobs, so one instance computes
+the prompt and answers.
 """
 from __future__ import annotations
 
@@ -85,6 +90,13 @@ def _message_text(message: Any) -> str | None:
     if isinstance(content, list) and all(isinstance(p, dict) for p in content):
         return "".join(str(p.get("text", "")) for p in content)
     return None
+
+
+def needs_prompt_computed(body: dict[str, Any]) -> bool:
+    """Whether the answer needs the prompt computed where it is answered (module docstring)."""
+    return (body.get("prompt_logprobs") is not None
+            or (body.get("echo") is True and body.get("logprobs") is not None)
+            or body.get("max_tokens") == 0)
 
 
 def client_body(body: dict[str, Any]) -> dict[str, Any]:

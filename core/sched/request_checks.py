@@ -47,7 +47,8 @@ class RequestLimits:
 
 def check_request(token_ids: Sequence[int], params: SamplingParams, limits: RequestLimits) -> None:
     """Raise ``InvalidRequest`` unless the engine of ``limits`` can serve ``token_ids`` (the
-    prompt) with ``params``: prompt and ``stop_token_ids`` inside the vocabulary, ``n`` at most
+    prompt) with ``params``: prompt, ``stop_token_ids``, ``allowed_token_ids``, the keys of
+    ``logit_bias`` and the tokens of the bad words inside the vocabulary, ``n`` at most
     ``max_num_seqs``, ``logprobs``/``prompt_logprobs`` at most ``max_logprobs`` (and the
     vocabulary), room in the context for ``max_tokens`` — or for at least one token when it is
     None — and for ``min_tokens``. The KV pool's own limit is the scheduler's to check."""
@@ -56,6 +57,10 @@ def check_request(token_ids: Sequence[int], params: SamplingParams, limits: Requ
     if not token_ids:
         raise InvalidRequest("prompt", "is empty")
     _check_ids("stop_token_ids", params.stop_token_ids, limits.vocab_size)
+    _check_ids("allowed_token_ids", params.allowed_token_ids or (), limits.vocab_size)
+    _check_ids("logit_bias", list(params.logit_bias or ()), limits.vocab_size)
+    for ids in params.bad_words_token_ids or ():
+        _check_ids("bad_words", ids, limits.vocab_size)
     if params.n > limits.max_num_seqs:
         raise InvalidRequest("n", f"must be at most max_num_seqs ({limits.max_num_seqs}): the n "
                                   f"sequences of a request run in one batch; got {params.n}")

@@ -18,6 +18,12 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 """Generous bounds on what every step checks for each sequence (OpenAI allows 4 stop strings)."""
+LOGIT_BIAS_MAX = 100.0
+"""A logit bias lies in [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX], as in OpenAI's API."""
+MAX_TOKEN_ID_ENTRIES = 65536
+"""At most this many ``logit_bias`` entries, and as many ``allowed_token_ids``."""
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 1024
 MAX_GRAMMAR_CHARS = 65_536
 """Longest structured-output grammar (its canonical text: a schema's JSON, a regex, the choices
 as a JSON list): compiles run one at a time, so one huge grammar would delay all others."""
@@ -112,12 +118,22 @@ class SamplingParams:
     ``temperature == 0`` means greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
     ``max_tokens=None`` generates until EOS/stop or the model's context length. ``stop`` strings are
     matched on the detokenized text across token boundaries and are not part of the output.
-    ``logprobs=k`` returns the sampled token's logprob plus the top-k alternatives per step.
+    ``logprobs=k`` returns the sampled token's logprob plus the top-k alternatives per step;
+    ``prompt_logprobs=k`` the same for every prompt token (None for the first). ``max_tokens=0``
+    computes the prompt and generates nothing (finish reason "length"): prompt logprobs only.
+
+    Token constraints, as vLLM's: ``logit_bias`` maps token ids to a bias in [-100, 100] added
+    to their logits before sampling; ``allowed_token_ids`` (non-empty) are the only tokens that
+    may be sampled; ``bad_words`` are strings whose token sequences may not be completed (see
+    ``tokenize_bad_words``). Logprobs describe the model's raw distribution, before any of them.
+
     Invalid values raise ``InvalidRequest`` (a ValueError) naming the field and the values it
     accepts, at construction: every float must be finite, ``seed`` a signed 64-bit integer, at most
     ``MAX_STOP_STRINGS`` stop strings of ``MAX_STOP_STRING_CHARS`` characters each, valid Unicode,
-    and at most ``MAX_STOP_TOKEN_IDS`` stop token ids. What depends on the engine (vocabulary,
-    context length, ``max_logprobs``) is checked when a request is added (``check_request``).
+    at most ``MAX_STOP_TOKEN_IDS`` stop token ids, ``MAX_TOKEN_ID_ENTRIES`` logit biases and
+    allowed token ids, ``MAX_BAD_WORDS`` bad words of ``MAX_BAD_WORD_CHARS`` characters (not
+    blank). What depends on the engine (vocabulary, context length, ``max_logprobs``) is checked
+    when a request is added (``check_request``).
     """
 
     n: int = 1
@@ -138,6 +154,12 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    """The token sequences of ``bad_words``: set by the engine with its tokenizer when a request
+    is added (``tokenize_bad_words``); None until then."""
     structured_outputs: StructuredOutputsParams | None = None
     """Constrained decoding: every token keeps the output a prefix of a string the grammar
     accepts, and the sequence may end (EOS) only once it is complete (a dict is read with
@@ -148,6 +170,10 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self.validate()
@@ -164,10 +190,39 @@ class SamplingParams:
                                                f"(got {self.min_tokens})", "SamplingParams")
         for stop in self.stop:
             check_text("stop", stop, "SamplingParams")
+        for word in self.bad_words or ():
+            check_text("bad_words", word, "SamplingParams")
+        _check_logit_bias(self.logit_bias)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def constrains_tokens(self) -> bool:
+        """Whether ``logit_bias``, ``allowed_token_ids`` or bad words change the logits."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
+
+    def tokenize_bad_words(self, tokenizer) -> SamplingParams:
+        """These params with ``bad_words_token_ids`` set from ``bad_words`` (itself when there is
+        nothing to do), as vLLM does: each word, stripped of leading whitespace, is encoded
+        without special tokens as is and after one space (``" " + word``: the same word inside a
+        text); both sequences are banned, once each. A word that encodes to no token is an
+        ``InvalidRequest``."""
+        if not self.bad_words or self.bad_words_token_ids is not None:
+            return self
+        from dataclasses import replace
+
+        sequences: list[list[int]] = []
+        for word in self.bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = list(tokenizer.encode(text, add_special_tokens=False))
+                if not ids:
+                    raise InvalidRequest("bad_words", f"holds {_shown(word)}, which encodes to no token",
+                                         "SamplingParams")
+                if ids not in sequences:
+                    sequences.append(ids)
+        return replace(self, bad_words_token_ids=sequences)
 
     def child(self) -> SamplingParams:
         """The params of one of the ``n`` sequences of this request: the same, with ``n=1``."""
@@ -206,6 +261,22 @@ def _shown(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def _check_logit_bias(bias: dict[int, float] | None) -> None:
+    if bias is None:
+        return
+    if len(bias) > MAX_TOKEN_ID_ENTRIES:
+        raise InvalidRequest("logit_bias", f"must have at most {MAX_TOKEN_ID_ENTRIES} entries (got "
+                             f"{len(bias)})", "SamplingParams")
+    for token_id, value in bias.items():
+        if not (_is_int(token_id) and token_id >= 0):
+            raise InvalidRequest("logit_bias", f"keys must be token ids, non-negative integers (got "
+                                 f"{_shown(token_id)})", "SamplingParams")
+        if not (_finite(value) and -LOGIT_BIAS_MAX <= value <= LOGIT_BIAS_MAX):
+            raise InvalidRequest("logit_bias", f"values must be finite numbers in [-{LOGIT_BIAS_MAX:g}, "
+                                 f"{LOGIT_BIAS_MAX:g}] (got {_shown(value)} for token {token_id})",
+                                 "SamplingParams")
+
+
 # (field, check, what it accepts)
 _CHECKS = (
     ("n", lambda v: _is_int(v) and v >= 1, "an integer of at least 1"),
@@ -218,7 +289,8 @@ _CHECKS = (
     ("repetition_penalty", lambda v: _finite(v) and v > 0.0, "a finite number > 0 (1 = none)"),
     ("seed", _optional(lambda v: _is_int(v) and SEED_MIN <= v <= SEED_MAX),
      f"None or an integer in [{SEED_MIN}, {SEED_MAX}] (signed 64 bits)"),
-    ("max_tokens", _optional(lambda v: _is_int(v) and v >= 1), "None or an integer of at least 1"),
+    ("max_tokens", _optional(lambda v: _is_int(v) and v >= 0),
+     "None or a non-negative integer (0: compute the prompt only)"),
     ("min_tokens", lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
     ("logprobs", _optional(lambda v: _is_int(v) and v >= 0), "None or a non-negative integer"),
     ("prompt_logprobs", _optional(lambda v: _is_int(v) and v >= 0), "None or a non-negative integer"),
@@ -228,6 +300,19 @@ _CHECKS = (
      f"strings of at most {MAX_STOP_STRING_CHARS} characters"),
     ("stop_token_ids", lambda v: len(v) <= MAX_STOP_TOKEN_IDS, f"at most {MAX_STOP_TOKEN_IDS} token ids"),
     ("stop_token_ids", lambda v: all(_is_int(t) and t >= 0 for t in v), "non-negative integers"),
+    ("allowed_token_ids", _optional(lambda v: 0 < len(v) <= MAX_TOKEN_ID_ENTRIES),
+     f"None or a non-empty list of at most {MAX_TOKEN_ID_ENTRIES} token ids"),
+    ("allowed_token_ids", _optional(lambda v: all(_is_int(t) and t >= 0 for t in v)),
+     "non-negative integers"),
+    ("bad_words", _optional(lambda v: len(v) <= MAX_BAD_WORDS), f"None or at most {MAX_BAD_WORDS} strings"),
+    ("bad_words", _optional(lambda v: all(isinstance(w, str) and w.strip() for w in v)),
+     "strings with a non-whitespace character"),
+    ("bad_words", _optional(lambda v: all(len(w) <= MAX_BAD_WORD_CHARS for w in v)),
+     f"strings of at most {MAX_BAD_WORD_CHARS} characters"),
+    ("bad_words_token_ids", _optional(lambda v: all(
+        isinstance(ids, list) and ids and all(_is_int(t) and t >= 0 for t in ids) for ids in v)),
+     "None or lists of non-negative token ids, none empty"),
+    ("logit_bias", lambda v: v is None or isinstance(v, dict), "None or a dict of token id to bias"),
     ("structured_outputs", lambda v: v is None or isinstance(v, StructuredOutputsParams),
      "None or a StructuredOutputsParams (or its dict)"),
 )

@@ -664,7 +664,9 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
         """Append each sampled token, then check, in order: EOS, stop token ids (both only once
         ``min_tokens`` are out), ``max_tokens``, the context length. A finished request frees
-        its blocks at once. Tokens for requests aborted meanwhile are dropped."""
+        its blocks at once. Tokens for requests aborted meanwhile are dropped, and so is the
+        token of a request with ``max_tokens == 0``, which finishes ("length") once its prompt
+        is computed."""
         self._in_flight = {}
         self._step = None
         now = time.monotonic()
@@ -680,6 +682,10 @@ class Scheduler:
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             request.metrics.last_token_time = now
+            if request.max_tokens == 0:  # the prompt alone was asked for: its token is dropped
+                self._finish(request, RequestStatus.FINISHED_LENGTH)
+                updates.append(RequestUpdate(request, [], True))
+                continue
             status, appended = None, []
             for token_id in token_ids:
                 request.append_output_token(token_id)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from tandem.chat_template import NoChatTemplate, apply_chat_template, content_text
 from tandem.outputs import CompletionOutput, Logprob, RequestOutput
 from tandem.server.disagg import check_kv_secret, dump, hand_over, kv_transfer_args
 from tandem.server.errors import APIError, bad_request
@@ -40,7 +41,8 @@ from tandem.server.serving import (
     check_prompt,
     log_unknown_fields,
     merged,
-    sampling_params,
+    prompt_logprobs_body,
+    request_params,
     sse,
     sse_error,
     until_disconnect,
@@ -48,7 +50,7 @@ from tandem.server.serving import (
 from tandem.server.structured import prepare_grammar
 from tandem.server.tools.choice import ToolUse, tool_use
 from tandem.server.tools.stream import ToolCallStream, new_tool_call_id
-from tandem.server.validation import check_body, check_messages, message_text
+from tandem.server.validation import check_body, check_messages, check_prompt_logprobs
 
 ROUTE = "/v1/chat/completions"
 
@@ -64,10 +66,12 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     ctx.check_ready()
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs = true", "top_logprobs")
+    check_prompt_logprobs(body)
     tools = tool_use(body, ctx.tool_parser)
     max_tokens = body.max_completion_tokens or body.max_tokens
-    params = tools.constrain(sampling_params(body, max_tokens,
-                                             (body.top_logprobs or 0) if body.logprobs else None))
+    params = tools.constrain(request_params(ctx, body, max_tokens,
+                                            (body.top_logprobs or 0) if body.logprobs else None,
+                                            body.prompt_logprobs))
     token_ids = render_chat(ctx, body)
     max_tokens_name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     check_prompt(ctx, token_ids, params, {"prompt": "messages", "logprobs": "top_logprobs",
@@ -96,17 +100,15 @@ def chat_token_ids(ctx: ServingContext, messages: list[ChatMessage], add_generat
                    tools: list[ChatCompletionTool] | None = None) -> list[int]:
     """The token ids of ``messages`` (and ``tools``) rendered by the tokenizer's chat template
     (a 400 when the model has none or the template refuses them)."""
-    tokenizer = ctx.tokenizer
-    if not getattr(tokenizer, "chat_template", None):
-        raise bad_request(f"the model {ctx.model_name!r} has no chat template, so it cannot serve "
-                          "/v1/chat/completions; use /v1/completions", "messages")
     turns = [template_turn(i, m) for i, m in enumerate(messages)]
     try:
-        text = tokenizer.apply_chat_template(turns, tools=[t.template_dict() for t in tools or []] or None,
-                                             tokenize=False, add_generation_prompt=add_generation_prompt)
-    except Exception as exc:  # noqa: BLE001 — a template may raise anything on bad input
-        raise bad_request(f"the chat template refused the messages: {exc}", "messages") from exc
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return apply_chat_template(ctx.tokenizer, turns, add_generation_prompt, add_special_tokens,
+                                   tools=[t.template_dict() for t in tools or []] or None)
+    except NoChatTemplate as exc:
+        raise bad_request(f"the model {ctx.model_name!r} has no chat template, so it cannot serve "
+                          "/v1/chat/completions; use /v1/completions", "messages") from exc
+    except ValueError as exc:
+        raise bad_request(str(exc), "messages") from exc
 
 
 def template_turn(index: int, message: ChatMessage) -> dict:
@@ -114,7 +116,7 @@ def template_turn(index: int, message: ChatMessage) -> dict:
     when given, an assistant's ``tool_calls`` (none when empty) with their arguments parsed from
     JSON text into values (templates render them with ``tojson``; empty means ``{}``), a tool
     message's ``tool_call_id``. A 400 when arguments are not JSON."""
-    turn: dict = {"role": message.role, "content": message_text(message.content)}
+    turn: dict = {"role": message.role, "content": content_text(message.content)}
     if message.name is not None:
         turn["name"] = message.name
     if message.tool_calls:
@@ -169,7 +171,8 @@ class _ChatView:
                 finish_reason=self.tools.finish_reason(seq.finish_reason, bool(message.tool_calls)),
                 stop_reason=seq.stop_reason))
         return ChatCompletionResponse(id=self.request_id, model=self.ctx.model_name, choices=choices,
-                                      usage=self._usage(out))
+                                      usage=self._usage(out),
+                                      prompt_logprobs=prompt_logprobs_body(out.prompt_logprobs))
 
     def _message(self, text: str) -> AssistantMessage:
         """The answer ``text`` as a message: content, and the tool calls the parser finds (when

@@ -28,13 +28,14 @@ from tandem.server.serving import (
     check_prompt,
     log_unknown_fields,
     merged,
-    sampling_params,
+    prompt_logprobs_body,
+    request_params,
     sse,
     sse_error,
     until_disconnect,
 )
 from tandem.server.structured import prepare_grammar
-from tandem.server.validation import check_body
+from tandem.server.validation import check_body, check_prompt_logprobs
 
 ROUTE = "/v1/completions"
 
@@ -46,11 +47,12 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     check_body(body, ROUTE)
     ctx.check_model(body.model)
     ctx.check_ready()
-    echo_logprobs = body.logprobs if body.echo else None
-    params = sampling_params(body, body.max_tokens, body.logprobs, echo_logprobs)
+    check_prompt_logprobs(body)
+    prompt_logprobs, prompt_logprobs_name = _prompt_logprobs(body)
+    params = request_params(ctx, body, body.max_tokens, body.logprobs, prompt_logprobs)
     prompts, texts = _prompts(ctx, body.prompt)
     for token_ids in prompts:
-        check_prompt(ctx, token_ids, params, {"prompt_logprobs": "logprobs"})
+        check_prompt(ctx, token_ids, params, {"prompt_logprobs": prompt_logprobs_name})
     await prepare_grammar(ctx.engine.engine, params, body)
     kv_transfer = await kv_transfer_args(ctx.engine.engine, ctx.handshakes, body, len(prompts))
     view = _CompletionView(ctx, body, f"cmpl-{uuid.uuid4().hex}", prompts, texts)
@@ -62,6 +64,15 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     if kv_transfer.remote_decode:
         response.kv_transfer_params = hand_over(finals[0], request)
     return JSONResponse(dump(response))
+
+
+def _prompt_logprobs(body: CompletionRequest) -> tuple[int | None, str]:
+    """How many alternatives the prompt's logprobs need, and the request field that asks for
+    the most: vLLM's ``prompt_logprobs``, or ``logprobs`` with ``echo`` (the echoed prompt's)."""
+    echoed = body.logprobs if body.echo else None
+    if echoed is not None and (body.prompt_logprobs is None or echoed > body.prompt_logprobs):
+        return echoed, "logprobs"
+    return body.prompt_logprobs, "prompt_logprobs"
 
 
 def _prompts(ctx: ServingContext, prompt) -> tuple[list[list[int]], list[str | None]]:
@@ -117,7 +128,9 @@ class _CompletionView:
         for index, out in enumerate(finals):
             for seq in out.outputs:
                 st = _ChoiceState()
-                choices.append(self._choice(index, out, seq, st, first=True, last=True))
+                choice = self._choice(index, out, seq, st, first=True, last=True)
+                choice.prompt_logprobs = prompt_logprobs_body(out.prompt_logprobs)
+                choices.append(choice)
         return CompletionResponse(id=self.request_id, model=self.ctx.model_name, choices=choices,
                                   usage=self._usage(finals))
 
@@ -189,14 +202,21 @@ class _CompletionView:
             if entry is None:
                 self._append(lp, tokenizer.decode([token_id]), None, None, st)
             else:
-                chosen = entry[token_id]
-                self._append(lp, chosen.decoded_token or "", chosen.logprob, _top(entry), st)
+                self._append_entry(lp, token_id, entry, st)
 
     def _add_logprobs(self, lp: CompletionLogprobs, token_ids: list[int],
                       entries: list[dict[int, Logprob]], st: _ChoiceState) -> None:
         for token_id, entry in zip(token_ids, entries):
-            chosen = entry[token_id]
-            self._append(lp, chosen.decoded_token or "", chosen.logprob, _top(entry), st)
+            self._append_entry(lp, token_id, entry, st)
+
+    def _append_entry(self, lp: CompletionLogprobs, token_id: int, entry: dict[int, Logprob],
+                      st: _ChoiceState) -> None:
+        """The token and its ``logprobs`` most likely alternatives (an echoed prompt's entry may
+        hold more, for ``prompt_logprobs``)."""
+        chosen = entry[token_id]
+        top = {lp.decoded_token or "": lp.logprob for lp in sorted(entry.values(), key=lambda lp: lp.rank)
+               if lp.rank <= self.body.logprobs or lp is chosen}
+        self._append(lp, chosen.decoded_token or "", chosen.logprob, top, st)
 
     @staticmethod
     def _append(lp: CompletionLogprobs, token: str, logprob: float | None,
@@ -206,7 +226,3 @@ class _CompletionView:
         lp.top_logprobs.append(top)
         lp.text_offset.append(st.text_offset)
         st.text_offset += len(token)
-
-
-def _top(entry: dict[int, Logprob]) -> dict[str, float]:
-    return {lp.decoded_token or "": lp.logprob for lp in sorted(entry.values(), key=lambda lp: lp.rank)}

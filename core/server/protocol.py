@@ -19,7 +19,12 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from tandem.sched.sampling_params import SEED_MAX, SEED_MIN
+from tandem.sched.sampling_params import (
+    MAX_BAD_WORDS,
+    MAX_TOKEN_ID_ENTRIES,
+    SEED_MAX,
+    SEED_MIN,
+)
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 """The chat roles of OpenAI's API (its deprecated "function" role belongs to the legacy
@@ -177,6 +182,15 @@ class SamplingFields(_Request):
     """vLLM's constrained decoding: exactly one of ``json`` (a schema), ``regex``, ``choice``,
     ``grammar`` (EBNF), ``json_object``, ``structural_tag`` (see
     ``tandem.sched.sampling_params.StructuredOutputsParams``)."""
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_TOKEN_ID_ENTRIES)
+    """OpenAI's: token id (a decimal string) → bias in [-100, 100], added to its logit."""
+    allowed_token_ids: list[int] | None = Field(None, max_length=MAX_TOKEN_ID_ENTRIES)
+    """vLLM's: the only tokens that may be sampled (non-empty)."""
+    bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
+    """vLLM's: words whose tokens may not be completed (``SamplingParams.tokenize_bad_words``)."""
+    prompt_logprobs: int | None = Field(None, ge=0)
+    """vLLM's: logprobs of every prompt token with this many alternatives (at most
+    ``engine.max_logprobs``); not with ``stream`` unless 0."""
     kv_transfer_params: KVTransferParams | None = None
     """Disaggregated prefill/decode, set by the router: ``{"do_remote_decode": true}`` on a
     prefill instance; the prefill answer's params plus ``"do_remote_prefill": true`` on a decode
@@ -188,7 +202,8 @@ class CompletionRequest(SamplingFields):
     list of token-id lists; each prompt is one engine request with ``n`` sequences."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)
+    """0 computes the prompt only: with ``echo`` and ``logprobs``, the prompt's logprobs."""
     logprobs: int | None = Field(None, ge=0)
     """At most ``engine.max_logprobs`` (20 by default)."""
     echo: bool = False
@@ -326,12 +341,27 @@ class CompletionLogprobs(_Response):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(_Response):
+    """One token of vLLM's ``prompt_logprobs``: its logprob, its rank in the vocabulary (1 =
+    the most likely) and its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+"""vLLM's shape: per prompt token, None for the first, else token id → ``PromptLogprob`` for the
+prompt's token and the ``prompt_logprobs`` most likely ones."""
+
+
 class CompletionChoice(_Response):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 def _now() -> int:
@@ -396,6 +426,7 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
     kv_transfer_params: dict[str, Any] | None = None
 
 

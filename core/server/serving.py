@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 from starlette.responses import StreamingResponse
@@ -17,12 +19,12 @@ from starlette.responses import StreamingResponse
 from tandem.async_engine import AsyncEngine, EngineUnavailable, RequestStream
 from tandem.interfaces import ToolParser
 from tandem.server.disagg import HandshakeCache, KVTransferArgs
-from tandem.outputs import RequestOutput
+from tandem.outputs import Logprob, RequestOutput
 from tandem.sched.request_checks import InvalidRequest, check_request
 from tandem.sched.sampling_params import SamplingParams
 from tandem.server.errors import APIError, api_error_from, bad_request
 from tandem.server.metrics import RequestTimer, ServerMetrics
-from tandem.server.protocol import SamplingFields
+from tandem.server.protocol import PromptLogprob, PromptLogprobs, SamplingFields
 from tandem.server.structured import structured_outputs_of
 from tandem.server.validation import UNKNOWN_FIELDS, unknown_fields
 
@@ -71,14 +73,30 @@ def log_unknown_fields(body: SamplingFields, route: str) -> None:
         UNKNOWN_FIELDS.log(route, names)
 
 
+def request_params(ctx: ServingContext, body: SamplingFields, max_tokens: int | None,
+                   logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+    """``sampling_params`` with this model's defaults (``LLMEngine.default_sampling``: its
+    generation_config.json) for the fields the body leaves out, and the bad words tokenized
+    with the event loop's tokenizer; a value refused is a 400."""
+    params = sampling_params(body, max_tokens, logprobs, prompt_logprobs,
+                             defaults=ctx.engine.engine.default_sampling)
+    try:
+        return params.tokenize_bad_words(ctx.tokenizer)
+    except ValueError as exc:
+        raise api_error_from(exc) from exc
+
+
 def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
-    """The engine's parameters for ``body``; a value SamplingParams refuses is a 400."""
+                    prompt_logprobs: int | None = None,
+                    defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+    """The engine's parameters for ``body``, ``defaults`` standing in for the sampling fields it
+    leaves out; a value SamplingParams refuses is a 400."""
     fields = {
         "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
         "min_p": body.min_p, "presence_penalty": body.presence_penalty,
         "frequency_penalty": body.frequency_penalty, "repetition_penalty": body.repetition_penalty,
     }
+    fields = {k: v if v is not None else (defaults or {}).get(k) for k, v in fields.items()}
     structured = structured_outputs_of(body)
     try:
         return SamplingParams(
@@ -93,11 +111,39 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
+            logit_bias=_logit_bias(body.logit_bias),
+            allowed_token_ids=body.allowed_token_ids,
+            bad_words=body.bad_words,
             structured_outputs=structured,
             **{k: v for k, v in fields.items() if v is not None},
         )
     except ValueError as exc:
         raise api_error_from(exc) from exc
+
+
+def prompt_logprobs_body(entries: list[dict[int, Logprob] | None] | None) -> PromptLogprobs | None:
+    """An output's prompt logprobs in vLLM's response shape (token ids as JSON keys)."""
+    if entries is None:
+        return None
+    return [None if entry is None else
+            {str(token_id): PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+             for token_id, lp in entry.items()}
+            for entry in entries]
+
+
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,12}")
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as JSON keys: decimal strings) keyed by int; another key
+    is a 400."""
+    if bias is None:
+        return None
+    bad = next((key for key in bias if not _TOKEN_ID_KEY.fullmatch(key)), None)
+    if bad is not None:
+        raise bad_request(f"logit_bias keys must be token ids written in decimal, like \"42\" (got "
+                          f"{ascii(bad[:32])})", "logit_bias")
+    return {int(key): value for key, value in bias.items()}
 
 
 def check_prompt(ctx: ServingContext, token_ids: list[int], params: SamplingParams,

@@ -3,10 +3,10 @@ tokenizes anything: fields of OpenAI's or vLLM's API that tandem does not implem
 with their neutral value), text that is not valid Unicode, chat messages with nothing to answer;
 and the log of unknown fields, at most one line per name a minute.
 
-A field tandem does not implement would change the output (tools, a logit bias, a grammar…);
-answering 200 without it would silently drop a constraint the client relies on, so it is a 400
-naming the field. Its neutral value (``tools: []``, ``logit_bias: {}``, ``best_of`` equal to
-``n``…) asks for nothing and is accepted. Any other name is ignored, as vLLM does.
+A field tandem does not implement would change the output (tools, a grammar…); answering 200
+without it would silently drop a constraint the client relies on, so it is a 400 naming the
+field. Its neutral value (``tools: []``, ``best_of`` equal to ``n``…) asks for nothing and is
+accepted. Any other name is ignored, as vLLM does.
 """
 from __future__ import annotations
 
@@ -46,16 +46,11 @@ def _best_of(value: Any, body: SamplingFields) -> bool:
 _NULL = _one_of()
 _GUIDED = "guided decoding"
 _COMMON = {
-    "logit_bias": Unimplemented("logit biases", _one_of({}), "null or {}"),
     "best_of": Unimplemented("best-of sampling (best_of > n)", _best_of, "null or equal to n"),
-    "prompt_logprobs": Unimplemented("vLLM's prompt_logprobs (use echo with logprobs on "
-                                     "/v1/completions)", _NULL, "null"),
     **{name: Unimplemented(_GUIDED, _NULL, "null") for name in (
         "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
         "guided_whitespace_pattern")},
     "logits_processors": Unimplemented("logits processors", _one_of([]), "null or []"),
-    "bad_words": Unimplemented("bad words", _one_of([]), "null or []"),
-    "allowed_token_ids": Unimplemented("allowed token ids", _one_of([]), "null or []"),
     "use_beam_search": Unimplemented("beam search", _one_of(False), "null or false"),
     "truncate_prompt_tokens": Unimplemented("prompt truncation", _NULL, "null"),
     "return_tokens_as_token_ids": Unimplemented("token ids as tokens", _one_of(False), "null or false"),
@@ -145,6 +140,14 @@ def _first_bad(pairs) -> tuple[str, str, int] | None:
     return None
 
 
+def check_prompt_logprobs(body: SamplingFields) -> None:
+    """400 for ``prompt_logprobs`` above 0 with ``stream``, as vLLM: streams carry no prompt
+    logprobs."""
+    if body.stream and body.prompt_logprobs:
+        raise bad_request("prompt_logprobs are not available when stream is true (only 0 is "
+                          "accepted, and not streamed)", "prompt_logprobs")
+
+
 def check_messages(body: ChatCompletionRequest) -> None:
     """400 for a message that carries the legacy function calls (not implemented), content null
     outside an assistant message with tool calls, tool calls outside an assistant message, or a
@@ -167,16 +170,6 @@ def check_messages(body: ChatCompletionRequest) -> None:
 
 def _has_text(content: str | list | None) -> bool:
     return bool(content) if not isinstance(content, list) else any(part.text for part in content)
-
-
-def message_text(content: str | list | None) -> str:
-    """The text of a message's content (a string or text parts, joined by newlines; "" for
-    null, as vLLM gives the chat template)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "\n".join(part.text for part in content)
 
 
 class UnknownFieldLog:

@@ -1,19 +1,22 @@
 """Logits processing: the bans, penalties, temperature and filters each row gets before its draw.
 
-Per row, in this order (``process_logits``; greedy rows get steps 1-3 only):
+Per row, in this order (``process_logits``; greedy rows get steps 1-5 only), as vLLM's sampler:
 
-1. ``min_tokens``: while fewer outputs than that exist, EOS ids (unless ``ignore_eos``) and
+1. ``allowed_token_ids``: every other token gets logit -inf;
+2. bans: the last token of each bad word whose other tokens end the outputs (``bad_word_bans``),
+   and while fewer outputs than ``min_tokens`` exist, EOS ids (unless ``ignore_eos``) and
    ``stop_token_ids`` get logit -inf;
-2. repetition penalty over prompt + output tokens (HF semantics: a positive logit is divided by the
-   penalty, a negative one multiplied);
-3. presence and frequency penalties over output tokens only (OpenAI semantics:
-   ``logit -= presence * (count > 0) + frequency * count``);
-4. the rows that sample are divided by the temperature and filtered by top-k, top-p and min-p
+3. ``logit_bias`` is added to its tokens' logits;
+4. repetition penalty over prompt + output tokens (HF semantics: a positive logit is divided by the
+   penalty, a negative one multiplied), then presence and frequency penalties over output tokens
+   only (OpenAI semantics: ``logit -= presence * (count > 0) + frequency * count``);
+5. the rows that sample are divided by the temperature and filtered by top-k, top-p and min-p
    (filtered logits become -inf).
 
 Safe for every admitted value. Given logits without NaN or +inf (tandem.worker.sampler sanitizes
 them), no step makes one; -inf (excluded) stays -inf through every step, arithmetic that
-overflows float32 saturates, and a row that has a finite logit after the bans keeps one:
+overflows float32 saturates (a bias of ±100 leaves float32's largest finite logits finite), and a
+row that has a finite logit after steps 1-2 keeps one:
 
 - the repetition penalty is computed in float64 and a finite logit stays within float32's finite
   range (a seen logit of 1.0 under a penalty of 5e-324 becomes float32's max, one of -2.0 under
@@ -51,15 +54,16 @@ _F32_TINY = torch.finfo(torch.float32).tiny  # smallest normal float32
 
 
 def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    """Applies, in place, steps 1–4 of the module docstring.
+    """Applies, in place, steps 1–5 of the module docstring.
 
-    Greedy rows get the bans and penalties only (temperature and the filters cannot change their
-    argmax). Filtered tokens of the other rows are -inf, so ``softmax`` of a row is the
+    Greedy rows get steps 1-4 only (temperature and the filters cannot change their argmax). Filtered tokens of the other rows are -inf, so ``softmax`` of a row is the
     distribution it is drawn from. Given logits without NaN or +inf
     (tandem.worker.sampler.sanitize_logits), no step makes one, and a row that has a finite logit
     after the bans keeps one through every step.
     """
-    _ban_before_min_tokens(logits, rows)
+    _keep_allowed_token_ids(logits, rows)
+    _ban_tokens(logits, rows)
+    _apply_logit_bias(logits, rows)
     _apply_repetition_penalty(logits, rows)
     _apply_presence_frequency_penalties(logits, rows)
     sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
@@ -92,15 +96,40 @@ def _on_rows(
         logits.index_copy_(0, torch.tensor(row_ids, device=logits.device), rows)
 
 
-def _ban_before_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+def bad_word_bans(bad_words_token_ids: Sequence[Sequence[int]], output_token_ids: Sequence[int]) -> list[int]:
+    """The tokens that would complete a bad word now: the last token of each sequence whose
+    other tokens are the last outputs (a one-token word is always banned)."""
+    num_outputs = len(output_token_ids)
+    bans = []
+    for ids in bad_words_token_ids:
+        num_prefix = len(ids) - 1
+        if num_prefix == 0 or (num_prefix <= num_outputs
+                               and list(output_token_ids[num_outputs - num_prefix:]) == list(ids[:-1])):
+            bans.append(ids[-1])
+    return bans
+
+
+def _keep_allowed_token_ids(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    for i, row in enumerate(rows):
+        allowed = row.params.allowed_token_ids
+        if allowed is None:
+            continue
+        ids = torch.tensor(allowed, dtype=torch.long, device=logits.device)
+        ids = ids[ids < logits.shape[1]]
+        kept = logits[i, ids]
+        logits[i].fill_(-math.inf)
+        logits[i, ids] = kept
+
+
+def _ban_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     row_idx: list[int] = []
     token_idx: list[int] = []
     vocab_size = logits.shape[1]
     for i, row in enumerate(rows):
         p = row.params
-        if not row.before_min_tokens:
-            continue
-        banned = set(p.stop_token_ids) if p.ignore_eos else row.eos_token_ids.union(p.stop_token_ids)
+        banned = set(bad_word_bans(p.bad_words_token_ids or (), row.output_token_ids))
+        if row.before_min_tokens:
+            banned |= set(p.stop_token_ids) if p.ignore_eos else row.eos_token_ids.union(p.stop_token_ids)
         banned = {t for t in banned if 0 <= t < vocab_size}  # an id outside it can never come
         row_idx += [i] * len(banned)
         token_idx += banned
@@ -108,6 +137,23 @@ def _ban_before_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) ->
         device = logits.device
         index = (torch.tensor(row_idx, device=device), torch.tensor(token_idx, device=device))
         logits[index] = -math.inf
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    row_idx: list[int] = []
+    token_idx: list[int] = []
+    biases: list[float] = []
+    vocab_size = logits.shape[1]
+    for i, row in enumerate(rows):
+        for token_id, bias in (row.params.logit_bias or {}).items():
+            if token_id < vocab_size:
+                row_idx.append(i)
+                token_idx.append(token_id)
+                biases.append(bias)
+    if row_idx:
+        device = logits.device
+        index = (torch.tensor(row_idx, device=device), torch.tensor(token_idx, device=device))
+        logits.index_put_(index, torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
 
 
 def _flat_token_index(

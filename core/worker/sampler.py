@@ -1,14 +1,15 @@
 """The sampler: one step's logits in, one token per row out.
 
 Runs in the engine thread on the model's device, once per step, over every row that samples this
-step. Per row: its logits are sanitized (below); a constrained row's ``allowed`` mask (structured outputs) sets the
-tokens it excludes to -inf; tandem.worker.logits_processing applies the ``min_tokens`` bans, the
-repetition, presence and frequency penalties and, for the rows that sample, the temperature and
-the top-k, top-p and min-p filters; greedy rows (``temperature == 0``) then take the argmax and
+step. Per row: its logits are sanitized (below); a constrained row's ``allowed`` mask (structured
+outputs) sets the tokens it excludes to -inf; tandem.worker.logits_processing applies
+``allowed_token_ids``, the bad-word and ``min_tokens`` bans, ``logit_bias``, the repetition,
+presence and frequency penalties and, for the rows that sample, the temperature and the top-k,
+top-p and min-p filters; greedy rows (``temperature == 0``) then take the argmax and
 the others are drawn from.
 
 Logprobs describe the RAW model distribution (``log_softmax`` of the sanitized logits, before the
-mask, the bans, the penalties and the filters).
+mask, the allowed ids, the bans, the logit bias, the penalties and the filters), as vLLM's default.
 
 Safety. Whatever the logits (``+inf``, ``-inf`` and NaN included) and whatever the admitted
 parameters (penalties down to 5e-324 or up to 1e308, temperatures from 1e-300 to 1e300, ``top_p``
@@ -22,10 +23,10 @@ every row gets a token in ``[0, vocab)`` and every logprob is a finite float:
   keeps one through every step (tandem.worker.logits_processing says how extreme values saturate:
   a temperature so small it overflows is effectively greedy, a penalty that overflows takes a
   token to float32's largest finite value or its negative, never to NaN or -inf).
-- Fallback. A row left with no finite logit (its JSON mask or its ``min_tokens`` bans exclude every
-  token with a finite logit, or the model gave none) takes the argmax of its sanitized raw logits,
-  the model's own greedy choice ignoring bans, mask and penalties; token 0 where those are all -inf
-  too. It still consumes its uniform number, so a seeded stream stays aligned.
+- Fallback. A row left with no finite logit (its structured-output mask, ``allowed_token_ids``,
+  bad-word and ``min_tokens`` bans exclude every token with a finite logit, or the model gave
+  none) takes the argmax of its sanitized raw logits, the model's own greedy choice ignoring
+  bans, mask and penalties; token 0 where those are all -inf too. It still consumes its uniform number, so a seeded stream stays aligned.
 - Logprobs are those of the sanitized raw logits. A logprob of -inf, and every logprob of a row
   with no finite logit (whose distribution is undefined), is reported as float32's lowest value
   ``-3.4028234663852886e38``: JSON cannot carry infinity, and it sorts below every real logprob.
@@ -72,6 +73,13 @@ class SamplingRow:
     def before_min_tokens(self) -> bool:
         """Whether ``min_tokens`` still bans EOS and the stop token ids."""
         return len(self.output_token_ids) < self.params.min_tokens
+
+    @property
+    def may_exclude_all(self) -> bool:
+        """Whether its mask, ``allowed_token_ids`` and bans together may exclude every token."""
+        p = self.params
+        return (self.allowed is not None or self.before_min_tokens or p.allowed_token_ids is not None
+                or bool(p.bad_words_token_ids))
 
 
 @dataclass(slots=True)
@@ -179,7 +187,7 @@ def _fallback_tokens(
     with no finite logit (a mask, min_tokens bans, a logit that is not finite); 0 for the others,
     which always keep one (see process_logits)."""
     fallback = torch.zeros(len(rows), dtype=torch.long, device=logits.device)
-    masked = {i for i, row in enumerate(rows) if row.allowed is not None or row.before_min_tokens}
+    masked = {i for i, row in enumerate(rows) if row.may_exclude_all}
     row_ids = sorted(masked.union(non_finite))
     if row_ids:
         index = torch.tensor(row_ids, device=logits.device)
@@ -210,6 +218,7 @@ def _is_plain_greedy(row: SamplingRow) -> bool:
         and p.presence_penalty == 0.0
         and p.frequency_penalty == 0.0
         and not row.before_min_tokens
+        and not p.constrains_tokens
     )
 
 

@@ -10,7 +10,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tandem.models.llama import LlamaForCausalLM
-from tandem.models.loader import checkpoint_files, estimate_weight_bytes, load_generation_config, load_tokenizer
+from tandem.models.loader import (
+    checkpoint_files,
+    estimate_weight_bytes,
+    load_generation_config,
+    load_tokenizer,
+    sampling_defaults,
+)
 from tandem.models.qwen2 import Qwen2ForCausalLM
 from tandem.plugins.attention_torch import TorchAttentionBackend
 from tandem.quant.unquantized import UnquantizedLinearMethod
@@ -155,3 +161,27 @@ def test_a_folder_without_tokenizer_files_says_so(tiny_llama_dir, tmp_path):
 def test_weight_bytes_are_estimated_from_the_headers(tiny_llama_dir, dtype):
     numel = sum(t.numel() for t in load_file(tiny_llama_dir / "model.safetensors").values())
     assert estimate_weight_bytes(tiny_llama_dir, dtype) == numel * dtype.itemsize
+
+
+def _write_generation_config(folder, fields):
+    folder.mkdir(exist_ok=True)
+    (folder / "generation_config.json").write_text(json.dumps(fields))
+    return folder
+
+
+def test_sampling_defaults_take_the_files_five_sampling_fields(tmp_path):
+    # Qwen2.5's generation_config.json, plus fields that are not sampling defaults.
+    model = _write_generation_config(tmp_path / "model", {
+        "do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05,
+        "min_p": None, "max_new_tokens": 2048, "eos_token_id": [1, 2], "bos_token_id": 0})
+    assert sampling_defaults("auto", model) == {"temperature": 0.7, "top_p": 0.8, "top_k": 20,
+                                                "repetition_penalty": 1.05}
+    assert sampling_defaults("vllm", model) == {}
+    other = _write_generation_config(tmp_path / "other", {"min_p": 0.05, "top_k": 1})
+    assert sampling_defaults(str(other), model) == {"min_p": 0.05, "top_k": 1}
+
+
+def test_sampling_defaults_without_a_file(tmp_path):
+    assert sampling_defaults("auto", tmp_path) == {}
+    with pytest.raises(ValueError, match="holds no generation_config.json"):
+        sampling_defaults(str(tmp_path), tmp_path)

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
+import openai
 import pytest
 
 from tests.engine.test_greedy_vs_hf import _prompts
@@ -100,6 +101,30 @@ def test_greedy_answers_through_router_equal_colocated(setup):
     shared = long_prompt[:3 * BLOCK] + _prompts(43, [BLOCK + 7])[0]
     assert answer_tokens(setup.router_url, shared) == answer_tokens(setup.oracle.url, shared)
     assert scrape(setup.decode.url)["tandem:prefix_cache_hits_total"] - hits >= 3 * BLOCK
+    assert all_blocks_free(setup.prefill.url, setup.decode.url)
+
+
+@pytest.mark.timeout(180)
+def test_logit_bias_and_a_log_likelihood_request_through_the_router_equal_colocated(setup):
+    """With the official client: a biased request goes through the hand-over; echo with
+    max_tokens 0 (lm-evaluation-harness) is served whole by the decode instance, its prompt's
+    logprobs as the oracle's."""
+    router = openai.OpenAI(base_url=f"{setup.router_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    prompt = _prompts(46, [3 * BLOCK + 5])[0]
+    biased = {"max_tokens": 6, "temperature": 0, "logit_bias": {"299": 100, "17": -100}}
+    before = dispatched(setup.router_url, "disaggregated")
+    got = router.completions.create(model=MODEL_NAME, prompt=prompt, **biased)
+    want = httpx.post(f"{setup.oracle.url}/v1/completions", json={"prompt": prompt, **biased}, timeout=120).json()
+    assert got.choices[0].text == want["choices"][0]["text"]
+    assert dispatched(setup.router_url, "disaggregated") == before + 1
+    likelihood = {"max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0}
+    routed = dispatched(setup.router_url, "needs_prompt")
+    got = router.completions.create(model=MODEL_NAME, prompt=prompt, **likelihood).choices[0]
+    want = httpx.post(f"{setup.oracle.url}/v1/completions", json={"prompt": prompt, **likelihood},
+                      timeout=120).json()["choices"][0]
+    assert got.logprobs.model_dump() == want["logprobs"] and got.finish_reason == "length"
+    assert len(got.logprobs.token_logprobs) == len(prompt) and got.logprobs.token_logprobs[0] is None
+    assert dispatched(setup.router_url, "needs_prompt") == routed + 1
     assert all_blocks_free(setup.prefill.url, setup.decode.url)
 
 

@@ -11,6 +11,7 @@ from tandem.router.prompts import (
     client_body,
     completion_prompt,
     decode_body,
+    needs_prompt_computed,
     prefill_body,
 )
 
@@ -80,3 +81,18 @@ def test_the_decode_body_is_the_client_body_plus_the_hand_over():
     assert decode_body(body, None) == {"prompt": "x", "max_tokens": 50, "stream": True}
     assert client_body(body) == {"prompt": "x", "max_tokens": 50, "stream": True}
     assert body["kv_transfer_params"] == {"forged": True}  # the client's dict is not changed
+
+
+@pytest.mark.parametrize("body, needed", [
+    ({"prompt": "x", "max_tokens": 0}, True),
+    ({"prompt": "x", "max_tokens": 0, "echo": True, "logprobs": 5}, True),
+    ({"prompt": "x", "echo": True, "logprobs": 0}, True),
+    ({"prompt": "x", "prompt_logprobs": 0}, True),
+    ({"messages": [], "prompt_logprobs": 3}, True),
+    ({"prompt": "x", "echo": True}, False),          # the text alone: the decode instance has it
+    ({"prompt": "x", "logprobs": 3}, False),         # generated tokens' logprobs only
+    ({"prompt": "x", "max_tokens": 1, "logit_bias": {"5": 100}, "bad_words": ["a"]}, False),
+    ({"prompt": "x", "prompt_logprobs": None, "max_tokens": None}, False),
+])
+def test_requests_about_the_prompt_itself_need_it_computed_where_answered(body, needed):
+    assert needs_prompt_computed(body) is needed

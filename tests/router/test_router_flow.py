@@ -195,6 +195,43 @@ def test_the_router_api_key_guards_the_v1_routes(cluster):
         assert keyed.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2).choices[0].text
 
 
+def test_logit_bias_and_token_constraints_reach_the_instance(cluster, router):
+    """Through prefill and decode: the biased answer equals a direct biased request, and differs
+    from the unbiased one (the field was not dropped on the way)."""
+    prompt = list(range(40, 90))
+    plain = direct_text(cluster, prompt, 6)
+    fields = {"logit_bias": {"299": 100},
+              "extra_body": {"bad_words": ["zzz"], "allowed_token_ids": list(range(300))}}
+    before = dispatched(router.url, "disaggregated")
+    got = client(router).completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=6, temperature=0,
+                                            **fields)
+    direct = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "logit_bias": fields["logit_bias"],
+              **fields["extra_body"]}
+    assert got.choices[0].text == completion(cluster.decode[1].url, direct)["choices"][0]["text"]
+    assert got.choices[0].text != plain
+    assert dispatched(router.url, "disaggregated") == before + 1
+
+
+@pytest.mark.parametrize("extra", [{"max_tokens": 0, "echo": True, "logprobs": 2},
+                                   {"max_tokens": 3, "echo": True, "logprobs": 1},
+                                   {"max_tokens": 2, "extra_body": {"prompt_logprobs": 2}}],
+                         ids=["echo-max_tokens-0", "echo-logprobs", "prompt_logprobs"])
+def test_prompt_logprob_requests_are_served_whole_by_one_instance(cluster, router, extra):
+    prompt = list(range(40, 90))
+    body = {"prompt": prompt, "temperature": 0, **{k: v for k, v in extra.items() if k != "extra_body"},
+            **extra.get("extra_body", {})}
+    want = completion(cluster.decode[0].url, body)
+    before, routed = generated(cluster.prefill.url), dispatched(router.url, "needs_prompt")
+    got = client(router).completions.create(model=MODEL_NAME, prompt=prompt, temperature=0, **extra)
+    choice, expected = got.choices[0].model_dump(), want["choices"][0]
+    assert choice["text"] == expected["text"]
+    assert choice["logprobs"] == expected["logprobs"]
+    assert choice["prompt_logprobs"] == expected["prompt_logprobs"]
+    assert got.usage.completion_tokens == want["usage"]["completion_tokens"]
+    assert generated(cluster.prefill.url) == before  # no prefill step
+    assert dispatched(router.url, "needs_prompt") == routed + 1
+
+
 def test_response_format_and_structured_outputs_pass_through(cluster, router):
     import json
     import re

@@ -40,12 +40,20 @@ def test_values_vllm_accepts_are_accepted(kwargs):
     ({"repetition_penalty": math.inf}, "repetition_penalty"),
     ({"repetition_penalty": math.nan}, "repetition_penalty"), ({"seed": 2**63}, "seed"),
     ({"seed": -(2**63) - 1}, "seed"), ({"seed": 1.0}, "seed"), ({"n": 0}, "n"), ({"n": True}, "n"),
-    ({"max_tokens": 0}, "max_tokens"), ({"min_tokens": -1}, "min_tokens"),
+    ({"max_tokens": -1}, "max_tokens"), ({"min_tokens": -1}, "min_tokens"),
     ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"), ({"logprobs": -1}, "logprobs"),
     ({"prompt_logprobs": -1}, "prompt_logprobs"), ({"stop": [""]}, "stop"), ({"stop": [5]}, "stop"),
     ({"stop": ["s"] * 65}, "stop"), ({"stop": ["z" * 1025]}, "stop"), ({"stop": ["\ud800"]}, "stop"),
     ({"stop": "a\udfff"}, "stop"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"stop_token_ids": [0] * 1025}, "stop_token_ids"), ({"structured_outputs": "regex"}, "structured_outputs"),
+    ({"logit_bias": {1: 100.5}}, "logit_bias"), ({"logit_bias": {1: math.nan}}, "logit_bias"),
+    ({"logit_bias": {1: 10**400}}, "logit_bias"), ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+    ({"logit_bias": {"1": 1.0}}, "logit_bias"), ({"logit_bias": dict.fromkeys(range(65537), 1.0)}, "logit_bias"),
+    ({"logit_bias": [1]}, "logit_bias"), ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"allowed_token_ids": [-1]}, "allowed_token_ids"), ({"allowed_token_ids": [0] * 65537}, "allowed_token_ids"),
+    ({"bad_words": [""]}, "bad_words"), ({"bad_words": ["  "]}, "bad_words"), ({"bad_words": [5]}, "bad_words"),
+    ({"bad_words": ["w"] * 129}, "bad_words"), ({"bad_words": ["z" * 1025]}, "bad_words"),
+    ({"bad_words": ["\ud800"]}, "bad_words"), ({"bad_words_token_ids": [[]]}, "bad_words_token_ids"),
 ])
 def test_out_of_range_values_name_the_field(kwargs, field):
     with pytest.raises(InvalidRequest, match=rf"^SamplingParams\.{field} ") as info:
@@ -70,6 +78,9 @@ def test_a_huge_integer_is_refused_without_printing_it():
     ([1] * 40, {"max_tokens": 11}, "max_tokens", "at most 10"),
     ([1] * 50, {"max_tokens": None}, "prompt", "no room for output"),
     ([1] * 40, {"max_tokens": None, "min_tokens": 11}, "min_tokens", "is 10"),
+    ([1], {"allowed_token_ids": [3, 100]}, "allowed_token_ids", "[100] outside the vocabulary"),
+    ([1], {"logit_bias": {100: 1.0}}, "logit_bias", "[100] outside the vocabulary"),
+    ([1], {"bad_words_token_ids": [[5, 100]]}, "bad_words", "[100] outside the vocabulary"),
 ])
 def test_check_request_refuses_what_the_engine_cannot_serve(token_ids, kwargs, field, fragment):
     with pytest.raises(InvalidRequest) as info:
@@ -83,6 +94,8 @@ def test_check_request_refuses_what_the_engine_cannot_serve(token_ids, kwargs, f
     ([0, 99], {"stop_token_ids": [99], "n": 4, "logprobs": 20, "max_tokens": 48}),
     ([1] * 49, {"max_tokens": None, "min_tokens": 1}),
     ([1] * 40, {"max_tokens": 10, "min_tokens": 10}),
+    ([1] * 50, {"max_tokens": 0, "prompt_logprobs": 20}),
+    ([1], {"allowed_token_ids": [0, 99], "logit_bias": {99: -100, 0: 100}, "bad_words_token_ids": [[99]]}),
 ])
 def test_check_request_lets_through_what_fits_exactly(token_ids, kwargs):
     check_request(token_ids, SamplingParams(**kwargs), LIMITS)

@@ -1,14 +1,15 @@
-"""Fixtures of the server tests: the tiny Llama, a shared server and the offline oracle."""
+"""Fixtures of the server tests: the tiny Llama, a shared server, its clients and the oracles."""
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.helpers.tiny_models import tiny_model_dir
+from tests.helpers.tiny_models import hf_model, tiny_model_dir
 from tests.server.server_helpers import ENGINE, ServerThread, running_server, server_config
 
 
@@ -43,3 +44,15 @@ def http(server) -> httpx.Client:
 def hf_tokenizer(model_dir):
     """The checkpoint's tokenizer through HF transformers: the oracle of token counts."""
     return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    """The official ``openai`` client of the shared server."""
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    """The checkpoint through HF transformers: the oracle of outputs and logprobs."""
+    return hf_model(model_dir)

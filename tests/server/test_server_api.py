@@ -13,21 +13,10 @@ import pytest
 import torch
 
 from tandem import SamplingParams
-from tests.helpers.tiny_models import hf_model
 
 PROMPTS = ["def main():", "import os\nimport sys"]
 MESSAGES = [{"role": "system", "content": "You write Python."},
             {"role": "user", "content": "Print hello."}]
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir):
-    return hf_model(model_dir)
 
 
 def _hf_logprobs(hf, token_ids: list[int]) -> torch.Tensor:

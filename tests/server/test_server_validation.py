@@ -33,7 +33,7 @@ CASES = [
     ("completions", {"prompt": "x", "max_tokens": 600}, 400, "max_tokens", "context length (512"),
     ("completions", {"prompt": [7] * 500, "max_tokens": 20}, 400, "max_tokens", "context length"),
     ("completions", {"prompt": [7] * 512, "max_tokens": None}, 400, "prompt", "no room"),
-    ("completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
+    ("completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens", "greater than or equal to 0"),
     ("completions", {"prompt": "x", "n": 0}, 400, "n", "greater than or equal to 1"),
     ("completions", {"prompt": "x", "n": 8, "max_tokens": 500}, 400, None, "KV"),
     ("completions", {"prompt": "x", "logprobs": -1}, 400, "logprobs", "greater than or equal to 0"),
@@ -43,6 +43,14 @@ CASES = [
     ("completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p", "less than or equal to 1"),
     ("completions", {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty", "less than or equal"),
     ("completions", {"prompt": "x", "stop": [""]}, 400, "stop", "non-empty"),
+    ("completions", {"prompt": "x", "prompt_logprobs": 2, "stream": True}, 400, "prompt_logprobs",
+     "not available when stream"),
+    ("completions", {"prompt": "x", "logit_bias": {"512": 1}}, 400, "logit_bias", "outside the vocabulary"),
+    ("completions", {"prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias", "token ids written in decimal"),
+    ("completions", {"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids", "non-empty"),
+    ("completions", {"prompt": "x", "bad_words": [" "]}, 400, "bad_words", "non-whitespace"),
+    ("chat/completions", {**CHAT, "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs",
+     "not available when stream"),
     ("chat/completions", {"messages": []}, 400, "messages", "at least 1"),
     ("chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages", "role"),
     ("chat/completions", {**CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens", "greater"),
@@ -89,11 +97,11 @@ def test_unknown_fields_are_ignored_and_logged_once_per_name(server, caplog):
     with caplog.at_level(logging.WARNING, logger="tandem.server"):
         for _ in range(3):
             response = httpx.post(f"{server.url}/v1/completions", timeout=30,
-                                  json={"prompt": "x", "max_tokens": 2, name: 1, "logit_bias": {}})
+                                  json={"prompt": "x", "max_tokens": 2, name: 1, "best_of": 1})
             assert response.status_code == 200, response.text
     lines = [r.getMessage() for r in caplog.records if name in r.getMessage()]
     assert len(lines) == 1, lines
-    assert not any("logit_bias" in r.getMessage() for r in caplog.records)  # known and neutral
+    assert not any("best_of" in r.getMessage() for r in caplog.records)  # known and neutral
 
 
 def test_bad_requests_do_not_disturb_a_running_request(server, offline):

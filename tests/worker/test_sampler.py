@@ -321,3 +321,38 @@ def test_compute_logprobs_over_many_rows(device):
         assert [t for t, _, _ in entries[i].top] == [t for t, _ in top]
     assert len(entries) == 700
     assert all(math.isfinite(e.logprob) for e in entries)
+
+
+def test_logit_bias_is_added_before_the_argmax_hand_computed(device):
+    # Token 2 (5.0) wins unbiased; -100 drops it to -95, +1.5 lifts token 4 (4.0) to 5.5.
+    logits = torch.tensor([[1.0, 0.0, 5.0, -1.0, 4.0]], device=device).repeat(3, 1)
+    rows = [row(SamplingParams(temperature=0.0)),
+            row(SamplingParams(temperature=0.0, logit_bias={2: -100.0})),
+            row(SamplingParams(temperature=0.0, logit_bias={4: 1.5}))]
+    assert Sampler()(logits, rows).token_ids == [2, 4, 4]
+    biased = logits[:1].clone()
+    process_logits(biased, [row(SamplingParams(temperature=0.0, logit_bias={2: -100.0, 0: 100.0}))])
+    assert biased[0].tolist() == [101.0, 0.0, -95.0, -1.0, 4.0]
+
+
+def test_allowed_token_ids_are_the_only_tokens_drawn(device):
+    torch.manual_seed(4)
+    logits = (torch.randn(1, 300) * 3).repeat(400, 1).to(device)
+    params = SamplingParams(temperature=1.5, allowed_token_ids=[3, 77, 299])
+    tokens = Sampler()(logits, [row(params) for _ in range(400)]).token_ids
+    assert set(tokens) == {3, 77, 299}
+    greedy = SamplingParams(temperature=0.0, allowed_token_ids=[3, 77, 299])
+    best = max([3, 77, 299], key=lambda t: logits[0, t].item())
+    assert Sampler()(logits[:1].clone(), [row(greedy)]).token_ids == [best]
+
+
+def test_bad_words_ban_the_token_that_would_complete_them(device):
+    # Greedy order: 2 (5.0), 4 (4.0), 0 (1.0). Words [2] (always banned), [7, 4] (4 banned after
+    # 7), [9, 8, 4] (4 banned after 9, 8).
+    logits = torch.tensor([[1.0, 0.0, 5.0, -1.0, 4.0, -2.0, -2.0, -2.0, -2.0, -2.0]], device=device)
+    words = [[2], [7, 4], [9, 8, 4]]
+    cases = [([], 4), ([7], 0), ([9], 4), ([8, 9], 4), ([9, 8], 0), ([9, 8, 7], 0), ([8, 9, 8], 0),
+             ([7, 9], 4)]
+    rows = [row(SamplingParams(temperature=0.0, bad_words=["x"], bad_words_token_ids=words), output=o)
+            for o, _ in cases]
+    assert Sampler()(logits.repeat(len(cases), 1), rows).token_ids == [want for _, want in cases]

@@ -89,9 +89,16 @@ def sampling_rows(draw, vocab: int):
         stop_token_ids=stop_ids,
         ignore_eos=draw(st.booleans()),
         logprobs=draw(st.one_of(st.none(), st.integers(0, 20))),
+        logit_bias=draw(st.one_of(st.none(), st.dictionaries(
+            st.integers(0, vocab - 1), either([-100.0, -1e-30, 0.0, 100.0], st.floats(-100.0, 100.0)),
+            max_size=8))),
+        allowed_token_ids=draw(st.one_of(st.none(), st.lists(st.integers(0, vocab - 1), min_size=1,
+                                                             max_size=6))),
     )
     prompt = draw(st.lists(st.integers(0, vocab - 1), max_size=12))
     output = draw(st.lists(st.integers(0, vocab - 1), max_size=4))
+    params.bad_words_token_ids = draw(st.one_of(st.none(), st.lists(_bad_word(output, vocab), min_size=1,
+                                                                    max_size=4)))
     logits = _raw_logits(draw, vocab)
     allowed = draw(st.one_of(st.none(), st.sampled_from(["none", "all", "some", "few"])))
     if allowed is not None:
@@ -99,6 +106,15 @@ def sampling_rows(draw, vocab: int):
         gen = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1)))
         allowed = torch.rand(vocab, generator=gen) < density
     return params, prompt, output, logits, allowed
+
+
+def _bad_word(output: list[int], vocab: int):
+    """A token sequence that the outputs end with its prefix of (so its last token is banned),
+    or any sequence."""
+    token = st.integers(0, vocab - 1)
+    suffixes = [output[len(output) - k:] for k in range(len(output) + 1)]
+    completed = st.tuples(st.sampled_from(suffixes), token).map(lambda pair: pair[0] + [pair[1]])
+    return st.one_of(completed, st.lists(token, min_size=1, max_size=3))
 
 
 def _raw_logits(draw, vocab: int) -> torch.Tensor:
@@ -161,13 +177,21 @@ def reference_fallback(raw: torch.Tensor) -> int:
 
 def permitted(params, output, raw, allowed) -> set[int]:
     """Tokens a row may take while anything is left: finite after sanitizing, allowed by the
-    mask, not banned by min_tokens. Penalties, temperature and the filters never empty it."""
+    mask and ``allowed_token_ids``, not banned by a bad word (the outputs end with all of it but
+    its last token) or min_tokens. The logit bias, penalties, temperature and the filters never
+    empty it."""
     ok = sanitized(raw).isfinite()
     if allowed is not None:
         ok &= allowed
+    if params.allowed_token_ids is not None:
+        only = torch.zeros_like(ok)
+        only[params.allowed_token_ids] = True
+        ok &= only
+    banned = {ids[-1] for ids in params.bad_words_token_ids or ()
+              if len(ids) - 1 <= len(output) and output[len(output) - len(ids) + 1:] == ids[:-1]}
     if len(output) < params.min_tokens:
-        banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(EOS))
-        ok[list(banned)] = False
+        banned |= set(params.stop_token_ids) | (set() if params.ignore_eos else set(EOS))
+    ok[list(banned)] = False
     return set(torch.nonzero(ok).flatten().tolist())
 
 
