@@ -26,7 +26,10 @@ every row gets a token in ``[0, vocab)`` and every logprob is a finite float:
 - Fallback. A row left with no finite logit (its structured-output mask, ``allowed_token_ids``,
   bad-word and ``min_tokens`` bans exclude every token with a finite logit, or the model gave
   none) takes the argmax of its sanitized raw logits, the model's own greedy choice ignoring
-  bans, mask and penalties; token 0 where those are all -inf too. It still consumes its uniform number, so a seeded stream stays aligned.
+  bans, mask and penalties; token 0 where those are all -inf too. A row with a
+  structured-output mask takes the argmax among the tokens its mask allows instead (its first
+  allowed token where all of them are -inf): the grammar wins over every ban, so the output
+  stays valid (a grammar that allows only EOS ends the sequence under ``min_tokens`` too). It still consumes its uniform number, so a seeded stream stays aligned.
 - Logprobs are those of the sanitized raw logits. A logprob of -inf, and every logprob of a row
   with no finite logit (whose distribution is undefined), is reported as float32's lowest value
   ``-3.4028234663852886e38``: JSON cannot carry infinity, and it sorts below every real logprob.
@@ -192,6 +195,10 @@ def _fallback_tokens(
     if row_ids:
         index = torch.tensor(row_ids, device=logits.device)
         fallback[index] = select_rows(logits, row_ids).argmax(dim=-1)
+    lowest = torch.finfo(logits.dtype).min
+    for i, row in enumerate(rows):
+        if row.allowed is not None and row.allowed.any():
+            fallback[i] = torch.where(row.allowed, logits[i].clamp(min=lowest), -math.inf).argmax()
     return fallback
 
 

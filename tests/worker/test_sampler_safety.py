@@ -166,9 +166,17 @@ def sanitized(raw: torch.Tensor) -> torch.Tensor:
     return row
 
 
-def reference_fallback(raw: torch.Tensor) -> int:
-    """The argmax of the sanitized raw logits (first of ties), token 0 where all are -inf."""
+def reference_fallback(raw: torch.Tensor, allowed: torch.Tensor | None = None) -> int:
+    """The argmax of the sanitized raw logits (first of ties), token 0 where all are -inf; with
+    a structured-output mask that allows something, the same among the allowed tokens (the
+    first allowed one where all of them are -inf)."""
     row = sanitized(raw)
+    if allowed is not None and bool(allowed.any()):
+        candidates = torch.nonzero(allowed).flatten()
+        finite = candidates[row[candidates].isfinite()]
+        if not len(finite):
+            return int(candidates[0])
+        return int(finite[row[finite] == row[finite].max()][0])
     finite = row.isfinite()
     if not bool(finite.any()):
         return 0
@@ -202,7 +210,7 @@ def check_invariants(batch, out, vocab):
         if left:
             assert token in left, (token, sorted(left)[:10], params)
         else:
-            assert token == reference_fallback(raw), params
+            assert token == reference_fallback(raw, allowed), params
         if params.logprobs is None:
             assert entry is None
             continue
@@ -381,7 +389,8 @@ def test_infinite_and_nan_logits(device):
 
 
 def test_a_row_with_nothing_left_takes_the_raw_argmax(device):
-    # The fallback ignores the mask, the bans and the penalties: token 1 (3.0) each time.
+    # The fallback ignores the bans and the penalties (and an empty mask): token 1 (3.0) each
+    # time; a mask that allows something keeps the fallback inside it (the grammar wins).
     nothing = torch.zeros(6, dtype=torch.bool)
     only_minus_inf = torch.tensor([False, False, True, False, False, False])
     everything = list(range(6))
@@ -389,9 +398,11 @@ def test_a_row_with_nothing_left_takes_the_raw_argmax(device):
         params = SamplingParams(temperature=temperature, repetition_penalty=1e308, logprobs=1)
         assert set(draw_many(LOGITS, params, device, prompt=[1], allowed=nothing).token_ids) == {1}
         minus_inf = [1.0, 3.0, -math.inf, 2.5, 0.0, -1.0]
-        assert set(draw_many(minus_inf, params, device, allowed=only_minus_inf).token_ids) == {1}
+        assert set(draw_many(minus_inf, params, device, allowed=only_minus_inf).token_ids) == {2}
         banned = SamplingParams(temperature=temperature, min_tokens=2, stop_token_ids=everything)
         assert set(draw_many(LOGITS, banned, device).token_ids) == {1}
+        grammar_end = torch.tensor([False, False, False, True, False, True])  # 2.5 and -1.0 allowed
+        assert set(draw_many(LOGITS, banned, device, allowed=grammar_end).token_ids) == {3}
 
 
 def test_compute_logprobs_are_finite_for_non_finite_logits(device):
