@@ -9,7 +9,9 @@ lengths, greedy, EOS ignored) and only the tokens each request asked for count:
   ``max_new_tokens``;
 - ``tandem``: ``tandem.LLM.generate`` over all requests.
 
-It prints tokens/s per mode and tandem's ratio to each baseline. With ``-tp``/``-pp`` above 1 the
+It prints tokens/s per mode and tandem's ratio to each baseline, then (unless ``--no-roofline``)
+tandem's median pure decode step against this machine's floor for it, measured in the same run
+(tandem.bench.roofline). With ``-tp``/``-pp`` above 1 the
 baseline is tandem itself on one rank instead (tandem.bench.offline_parallel).
 """
 from __future__ import annotations
@@ -18,7 +20,7 @@ import argparse
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MODES = ("hf-sequential", "hf-static", "hf-continuous", "tandem")
 
@@ -38,6 +40,8 @@ class ModeResult:
     mode: str
     seconds: float
     outputs: list[list[int]]
+    steps: list = field(default_factory=list)
+    """tandem's engine steps (``tandem.bench.roofline.RecordedStep``); empty for the HF modes."""
 
     def tokens_per_s(self, wl: Workload) -> float:
         return wl.num_output_tokens / self.seconds
@@ -109,28 +113,19 @@ def run_hf_continuous(model, wl: Workload) -> ModeResult:
 
 def run_tandem(llm, wl: Workload) -> ModeResult:
     from tandem import SamplingParams
+    from tandem.bench.roofline import recording_steps
 
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in wl.max_tokens]
-    engine = llm.engine
-    step, counts = engine.step, [0, 0]
-
-    def counting_step():
-        outputs = step()
-        counts[0] += engine.last_step.num_draft_tokens
-        counts[1] += engine.last_step.num_accepted_draft_tokens
-        return outputs
-
-    engine.step = counting_step
     t0 = time.perf_counter()
-    try:
+    with recording_steps(llm.engine) as steps:
         outs = llm.generate(wl.prompts, params)
-    finally:
-        engine.step = step
     seconds = time.perf_counter() - t0
-    if counts[0]:
-        print(f"  speculative decoding: {counts[1]} of {counts[0]} draft tokens accepted "
-              f"({counts[1] / counts[0]:.0%})")
-    return ModeResult("tandem", seconds, [o.outputs[0].token_ids for o in outs])
+    drafted = sum(s.stats.num_draft_tokens for s in steps)
+    accepted = sum(s.stats.num_accepted_draft_tokens for s in steps)
+    if drafted:
+        print(f"  speculative decoding: {accepted} of {drafted} draft tokens accepted "
+              f"({accepted / drafted:.0%})")
+    return ModeResult("tandem", seconds, [o.outputs[0].token_ids for o in outs], steps)
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -163,6 +158,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tandem's n-gram speculative decoding: drafts per step (0 = off)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="dtype of both tandem and HF (bfloat16 pays off on CPUs with AVX512-BF16/AMX)")
+    p.add_argument("--no-roofline", dest="roofline", action="store_false",
+                   help="skip measuring this machine's floor for tandem's decode steps (about 2 s)")
 
 
 def _positive(text: str) -> int:
@@ -225,6 +222,10 @@ def run(args: argparse.Namespace) -> int:
         r = results[mode]
         print(f"  {mode:<14} {r.seconds:8.1f} s  {r.tokens_per_s(wl):8.1f} tok/s", flush=True)
     _print_summary(results, wl)
+    if args.roofline and "tandem" in results:
+        from tandem.bench.roofline import report
+
+        report(llm.engine.arch, results["tandem"].steps, args.dtype, args.max_num_seqs)
     return 0
 
 

@@ -1,0 +1,228 @@
+"""The roofline of a decode step: this machine's floor for the model at a batch, measured in the
+same run as the step it is compared with (``tandem bench offline``).
+
+A decode step at batch B (B sequences, one new token each, sequence i attending to ``c_i`` KV
+positions, its own included) cannot take less than either of
+
+- **memory time** = bytes / read bandwidth, where bytes = weights + KV::
+
+      weights = dtype_bytes × (every parameter − V·H + min(B, V)·H)     untied embeddings
+              = dtype_bytes × every parameter                            tied (the LM head reads the table)
+      KV      = dtype_bytes × Σ_layers Σ_i 2 · kv_heads · head_dim · min(c_i, window_layer)
+
+  (a lookup reads only the batch's rows of the V × H embedding table; the LM head is read whole);
+- **compute time** = FLOPs / GEMM rate at B rows, where::
+
+      FLOPs = 2 · B · (L · (q + k + v + o + gate + up + down) + V·H)     every matmul's parameters
+            + Σ_layers Σ_i 4 · heads · head_dim · min(c_i, window_layer)  QK^T and PV
+
+The floor is the larger of the two; which one names the bound. Parameters are counted from the
+architecture for Llama-shaped layers (q/k/v/o with a bias when ``attention_bias``, a gated MLP
+with one when ``mlp_bias``, two RMSNorms per layer, a final norm): the few small extra tensors of
+other families (Qwen2's q/k/v biases, Qwen3's and Gemma 3's q/k norms, Gemma 3's extra norms) are
+left out, well below the measurements' noise. Weights are assumed unquantized, in the bench's dtype.
+
+Read bandwidth: ``x.sum()`` over a float32 buffer several times the last-level cache; GEMM rate:
+``torch.matmul`` of [B, hidden] × [hidden, intermediate] in the bench's dtype, the weight in the
+model's layout (a weight that fits in cache, so it measures arithmetic, not memory). Each is the median of several timed runs.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tandem.models.config import ModelArchConfig
+
+if TYPE_CHECKING:
+    from tandem.engine import StepStats
+
+BANDWIDTH_BUFFER_BYTES = 512 * 2**20
+REPEATS = 7
+GEMM_CALLS_PER_RUN = 10
+
+
+@dataclass(slots=True, frozen=True)
+class RecordedStep:
+    """One engine step of the run: its ``StepStats`` and the KV positions each of its sequences
+    attends to (``num_computed_tokens`` once scheduled, the new tokens included)."""
+
+    stats: StepStats
+    contexts: tuple[int, ...]
+
+    @property
+    def is_pure_decode(self) -> bool:
+        """No prompt token and no draft: one new token per sequence."""
+        return self.stats.num_prompt_tokens == 0 and self.stats.num_tokens == self.stats.num_seqs
+
+
+@dataclass(slots=True, frozen=True)
+class DecodeCost:
+    """What one decode step must move and compute (see the module docstring)."""
+
+    weight_bytes: float
+    kv_bytes: float
+    flops: float
+
+
+@dataclass(slots=True, frozen=True)
+class Machine:
+    """This machine's measured rates: bytes/s read, FLOP/s of the GEMM at each batch measured."""
+
+    read_bytes_per_s: float
+    gemm_flops_per_s: dict[int, float]
+
+
+@contextmanager
+def recording_steps(engine) -> Iterator[list[RecordedStep]]:
+    """Record every step of ``engine`` while the block runs (wraps ``engine.step`` and, for the
+    contexts, ``engine.executor.execute``, during which the scheduled requests are all alive)."""
+    step, executor, records = engine.step, engine.executor, []
+    execute, contexts = executor.execute, []
+
+    def recorded_execute(sched_out):
+        requests = (engine.scheduler.get_request(rid) for rid in sched_out.num_scheduled_tokens)
+        contexts.append(tuple(r.num_computed_tokens for r in requests if r is not None))
+        return execute(sched_out)
+
+    def recorded_step():
+        contexts.clear()
+        outputs = step()
+        if engine.last_step is not None and contexts:
+            records.append(RecordedStep(engine.last_step, contexts[-1]))
+        return outputs
+
+    engine.step, executor.execute = recorded_step, recorded_execute
+    try:
+        yield records
+    finally:
+        engine.step, executor.execute = step, execute
+
+
+def layer_matmul_params(arch: ModelArchConfig) -> int:
+    """Weights of one layer's matmuls: q, k, v, o, gate, up, down."""
+    h, i = arch.hidden_size, arch.intermediate_size
+    q = arch.num_attention_heads * arch.head_dim
+    kv = arch.num_key_value_heads * arch.head_dim
+    return h * q + 2 * h * kv + q * h + 3 * h * i
+
+
+def num_parameters(arch: ModelArchConfig) -> int:
+    """Every parameter of the model, a tied embedding table counted once."""
+    h = arch.hidden_size
+    q = arch.num_attention_heads * arch.head_dim
+    kv = arch.num_key_value_heads * arch.head_dim
+    bias = (q + 2 * kv + h if arch.attention_bias else 0) + (2 * arch.intermediate_size + h if arch.mlp_bias else 0)
+    layer = layer_matmul_params(arch) + bias + 2 * h
+    table = arch.vocab_size * h
+    return arch.num_hidden_layers * layer + h + table * (1 if arch.tie_word_embeddings else 2)
+
+
+def decode_cost(arch: ModelArchConfig, contexts: Sequence[int], dtype_bytes: int) -> DecodeCost:
+    """The cost of one decode step whose sequences attend to ``contexts`` KV positions each."""
+    batch, h, table = len(contexts), arch.hidden_size, arch.vocab_size * arch.hidden_size
+    unread_rows = 0 if arch.tie_word_embeddings else table - min(batch, arch.vocab_size) * h
+    attended = sum(_attended(arch, layer, contexts) for layer in range(arch.num_hidden_layers))
+    return DecodeCost(
+        weight_bytes=float(dtype_bytes * (num_parameters(arch) - unread_rows)),
+        kv_bytes=float(dtype_bytes * 2 * arch.num_key_value_heads * arch.head_dim * attended),
+        flops=float(2 * batch * (arch.num_hidden_layers * layer_matmul_params(arch) + table)
+                    + 4 * arch.num_attention_heads * arch.head_dim * attended),
+    )
+
+
+def _attended(arch: ModelArchConfig, layer: int, contexts: Sequence[int]) -> int:
+    window = arch.sliding_window_for(layer)
+    return sum(contexts) if window is None else sum(min(c, window) for c in contexts)
+
+
+def measure_read_bandwidth(num_bytes: int = BANDWIDTH_BUFFER_BYTES, repeats: int = REPEATS) -> float:
+    """Bytes per second that ``x.sum()`` reads from a float32 buffer of ``num_bytes`` (median)."""
+    import torch
+
+    x = torch.ones(num_bytes // 4, dtype=torch.float32)
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return x.numel() * 4 / statistics.median(times)
+
+
+def measure_gemm_rate(rows: int, inner: int, outer: int, dtype: str, repeats: int = REPEATS) -> float:
+    """FLOP/s of ``torch.matmul`` of [rows, inner] × [inner, outer] in ``dtype`` (median of
+    ``repeats`` runs of ``GEMM_CALLS_PER_RUN`` calls each). The right operand is the transpose of
+    an [outer, inner] weight, the layout of the model's linear layers (``F.linear``): CPU torch
+    multiplies a row-major [inner, outer] bfloat16 operand some 20x slower."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, inner, generator=gen).to(getattr(torch, dtype))
+    weight = torch.randn(outer, inner, generator=gen).to(getattr(torch, dtype))
+    out = torch.matmul(x, weight.t())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(GEMM_CALLS_PER_RUN):
+            torch.matmul(x, weight.t(), out=out)
+        times.append((time.perf_counter() - t0) / GEMM_CALLS_PER_RUN)
+    return 2 * rows * inner * outer / statistics.median(times)
+
+
+def decode_batches(records: Sequence[RecordedStep], full_batch: int) -> list[int]:
+    """The batch sizes to report: the median (low) of the pure decode steps' batch sizes, and
+    ``full_batch`` too when some pure decode step ran at it."""
+    sizes = [r.stats.num_seqs for r in records if r.is_pure_decode]
+    if not sizes:
+        return []
+    median = statistics.median_low(sizes)
+    return [median] + ([full_batch] if full_batch != median and full_batch in sizes else [])
+
+
+def roofline_line(arch: ModelArchConfig, records: Sequence[RecordedStep], batch: int, dtype: str,
+                  machine: Machine) -> str:
+    """One line: the median measured pure decode step at ``batch`` against its floor, the cost
+    averaged over those steps (their own context lengths)."""
+    steps = [r for r in records if r.is_pure_decode and r.stats.num_seqs == batch]
+    costs = [decode_cost(arch, r.contexts, _dtype_bytes(dtype)) for r in steps]
+    weights, kv, flops = (statistics.fmean(getattr(c, f) for c in costs)
+                          for f in ("weight_bytes", "kv_bytes", "flops"))
+    gemm = machine.gemm_flops_per_s[batch]
+    compute_s, memory_s = flops / gemm, (weights + kv) / machine.read_bytes_per_s
+    measured_s = statistics.median(r.stats.duration_s for r in steps)
+    mean_context = statistics.fmean(c for r in steps for c in r.contexts)
+    compute = f"{flops / 1e9:.3g} GFLOP at {gemm / 1e9:.3g} GFLOP/s = {1e3 * compute_s:.1f} ms"
+    memory = (f"weights {weights / 1e6:.3g} MB + KV {kv / 1e6:.3g} MB at "
+              f"{machine.read_bytes_per_s / 1e9:.1f} GB/s = {1e3 * memory_s:.1f} ms")
+    first, second = (("compute", compute), ("memory", memory)) if compute_s >= memory_s else \
+        (("memory", memory), ("compute", compute))
+    floor_s = max(compute_s, memory_s)
+    return (f"decode step at batch {batch}: {1e3 * measured_s:.1f} ms measured (median of "
+            f"{len(steps)} steps, mean context {mean_context:.0f}), floor {1e3 * floor_s:.1f} ms "
+            f"({first[0]}-bound: {first[1]}; {second[0]}: {second[1]}) → "
+            f"{measured_s / floor_s:.1f}x the floor")
+
+
+def report(arch: ModelArchConfig, records: Sequence[RecordedStep], dtype: str, full_batch: int) -> None:
+    """Measure this machine and print the roofline lines for the run's decode batches."""
+    batches = decode_batches(records, full_batch)
+    if not batches:
+        print("roofline: the run had no pure decode step")
+        return
+    bandwidth = measure_read_bandwidth()
+    shape = (arch.hidden_size, arch.intermediate_size)
+    machine = Machine(bandwidth, {b: measure_gemm_rate(b, *shape, dtype) for b in batches})
+    print(f"\nroofline, measured now: read bandwidth {bandwidth / 1e9:.1f} GB/s (float32 sum over "
+          f"{BANDWIDTH_BUFFER_BYTES // 2**20} MiB), GEMM [B, {shape[0]}] x {list(shape)} {dtype} "
+          + ", ".join(f"{machine.gemm_flops_per_s[b] / 1e9:.3g} GFLOP/s at B={b}" for b in batches)
+          + f" (medians of {REPEATS}); KV reads and attention FLOPs from the steps' own contexts")
+    for batch in batches:
+        print(roofline_line(arch, records, batch, dtype, machine))
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]

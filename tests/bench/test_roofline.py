@@ -1,0 +1,127 @@
+"""The decode-step roofline (tandem.bench.roofline): parameter, byte and FLOP counts against
+hand-computed cases and HF transformers' own parameter count; the machine measurements return
+rates (no timing is asserted); the recorded contexts against the requests' lengths; and a smoke
+run of `tandem bench offline --modes tandem` that prints the roofline lines."""
+from __future__ import annotations
+
+import argparse
+import math
+import re
+
+import pytest
+
+from tandem import LLM, SamplingParams
+from tandem.bench.offline import add_arguments, run
+from tandem.bench.roofline import (
+    RecordedStep,
+    decode_batches,
+    decode_cost,
+    layer_matmul_params,
+    measure_gemm_rate,
+    measure_read_bandwidth,
+    num_parameters,
+    recording_steps,
+)
+from tandem.engine import StepStats
+from tandem.models.config import ModelArchConfig
+from tests.helpers.tiny_models import hf_model, tiny_model_dir
+
+NUMBER = r"[0-9]+(?:\.[0-9]+)?"
+# hidden 8, intermediate 16, 2 layers, 2 heads of 4, 1 KV head, vocab 10
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8,
+        "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "vocab_size": 10}
+
+
+def test_hand_computed_parameter_counts():
+    arch = ModelArchConfig.from_dict(TINY)
+    # q 8x8 + k 8x4 + v 8x4 + o 8x8 + gate/up/down 3 x 8x16 = 64 + 32 + 32 + 64 + 384
+    assert layer_matmul_params(arch) == 576
+    # 2 layers x (576 + two norms of 8) + final norm 8 + embeddings 80 + LM head 80
+    assert num_parameters(arch) == 1352
+    tied = ModelArchConfig.from_dict({**TINY, "tie_word_embeddings": True})
+    assert num_parameters(tied) == 1272
+    biased = ModelArchConfig.from_dict({**TINY, "attention_bias": True, "mlp_bias": True})
+    # + per layer q 8, k 4, v 4, o 8 and gate 16, up 16, down 8
+    assert num_parameters(biased) == 1352 + 2 * (24 + 40)
+
+
+def test_hand_computed_decode_cost_at_batch_3():
+    cost = decode_cost(ModelArchConfig.from_dict(TINY), (5, 7, 9), dtype_bytes=2)
+    # every parameter but the 7 unread rows of the embedding table: (1352 - 80 + 3 x 8) x 2 bytes
+    assert cost.weight_bytes == 2592
+    # 2 layers x K and V x 1 KV head x 4 x (5 + 7 + 9) positions x 2 bytes
+    assert cost.kv_bytes == 672
+    # 2 x 3 rows x (2 x 576 + LM head 80) + 2 layers x 4 x 2 heads x 4 x 21 positions
+    assert cost.flops == 7392 + 1344
+
+
+def test_tied_lm_head_reads_the_whole_table():
+    cost = decode_cost(ModelArchConfig.from_dict({**TINY, "tie_word_embeddings": True}), (5,), 4)
+    assert cost.weight_bytes == 1272 * 4
+
+
+def test_sliding_layers_attend_to_their_window_only():
+    arch = ModelArchConfig.from_dict({**TINY, "model_type": "mistral", "sliding_window": 6})
+    cost = decode_cost(arch, (5, 7, 9), dtype_bytes=2)
+    # both layers slide: 5 + 6 + 6 positions each
+    assert cost.kv_bytes == 2 * 2 * 1 * 4 * 17 * 2
+    assert cost.flops == 7392 + 2 * 4 * 2 * 4 * 17
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama_tied"])
+def test_parameter_count_matches_transformers(kind):
+    path = tiny_model_dir(kind)
+    expected = sum(p.numel() for p in hf_model(path).parameters())
+    assert num_parameters(ModelArchConfig.from_pretrained_dir(path)) == expected
+
+
+def test_measurements_return_positive_finite_rates():
+    bandwidth = measure_read_bandwidth(num_bytes=4 * 2**20, repeats=3)
+    assert math.isfinite(bandwidth) and bandwidth > 0
+    for dtype in ("float32", "bfloat16"):
+        rate = measure_gemm_rate(4, 64, 128, dtype, repeats=3)
+        assert math.isfinite(rate) and rate > 0
+
+
+def _step(num_seqs: int, num_prompt_tokens: int = 0) -> RecordedStep:
+    stats = StepStats(num_tokens=num_seqs + num_prompt_tokens, num_seqs=num_seqs,
+                      num_prompt_tokens=num_prompt_tokens, num_generation_tokens=num_seqs, duration_s=0.01)
+    return RecordedStep(stats, (10,) * num_seqs)
+
+
+def test_decode_batches_are_the_median_and_the_full_batch_when_seen():
+    steps = [_step(64, num_prompt_tokens=200), _step(64), _step(40), _step(30), _step(30)]
+    assert decode_batches(steps, full_batch=64) == [30, 64]
+    assert decode_batches(steps, full_batch=48) == [30]
+    assert decode_batches([_step(8, num_prompt_tokens=3)], full_batch=8) == []
+
+
+@pytest.mark.timeout(120)
+def test_recorded_contexts_follow_the_request_lengths():
+    llm = LLM(model=str(tiny_model_dir("llama")), max_num_seqs=4)
+    with recording_steps(llm.engine) as steps:
+        llm.generate([[5, 6, 7, 8, 9], [5, 6, 7]], [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                                                     SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)])
+    # one prompt step of 5 + 3 tokens, then one decode token per sequence still running
+    assert [sorted(s.contexts) for s in steps] == [[3, 5], [4, 6], [7], [8]]
+    assert [s.is_pure_decode for s in steps] == [False, True, True, True]
+
+
+@pytest.mark.timeout(180)
+def test_bench_offline_prints_the_roofline(capsys):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", str(tiny_model_dir("llama")), "--modes", "tandem",
+                              "--num-requests", "4", "--prompt-len", "4", "12", "--output-len", "6", "10",
+                              "--max-num-seqs", "4"])
+    assert run(args) == 0
+    report = capsys.readouterr().out
+    expected = [
+        rf"^roofline, measured now: read bandwidth {NUMBER} GB/s .* GEMM \[B, 64\] x \[64, 128\] float32 "
+        rf"{NUMBER} GFLOP/s at B=[0-9]+",
+        rf"^decode step at batch [0-9]+: {NUMBER} ms measured \(median of [0-9]+ steps, mean context [0-9]+\), "
+        rf"floor {NUMBER} ms \((compute|memory)-bound: .* → {NUMBER}x the floor$",
+    ]
+    for line in expected:
+        assert re.search(line, report, re.MULTILINE), f"no line matching {line!r} in:\n{report}"
