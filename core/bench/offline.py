@@ -7,7 +7,9 @@ lengths, greedy, EOS ignored) and only the tokens each request asked for count:
 - ``hf-static``: left-padded batches in arrival order, each run until its longest request is done;
 - ``hf-continuous``: transformers' own continuous-batching manager, each request with its own
   ``max_new_tokens``;
-- ``tandem``: ``tandem.LLM.generate`` over all requests.
+- ``tandem``: ``tandem.LLM.generate`` over all requests;
+- with ``--baseline vllm``, ``vllm``: vLLM's ``LLM.generate`` over the same requests, in vLLM's own
+  venv (tandem.bench.vllm_baseline).
 
 It prints tokens/s per mode and tandem's ratio to each baseline, then (unless ``--no-roofline``)
 tandem's median pure decode step against this machine's floor for it, measured in the same run
@@ -160,6 +162,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="dtype of both tandem and HF (bfloat16 pays off on CPUs with AVX512-BF16/AMX)")
     p.add_argument("--no-roofline", dest="roofline", action="store_false",
                    help="skip measuring this machine's floor for tandem's decode steps (about 2 s)")
+    from tandem.bench import vllm_baseline
+
+    vllm_baseline.add_arguments(p)
 
 
 def _positive(text: str) -> int:
@@ -180,10 +185,12 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM
 
     from tandem import LLM
+    from tandem.bench import vllm_baseline
     from tandem.config import ConfigError
     from tandem.models.config import ModelArchConfig
     from tandem.models.loader import load_generation_config
 
+    vllm_baseline.check_arguments(args)
     path = args.model
     if path is None:
         from tandem.models.presets import default_model_path
@@ -193,6 +200,8 @@ def run(args: argparse.Namespace) -> int:
     if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
         from tandem.bench.offline_parallel import run_comparison
 
+        if args.baseline is not None:
+            raise ConfigError("--baseline compares tandem on one rank with its peer: drop it with -tp/-pp")
         if args.modes is not None:
             raise ConfigError("--modes chooses the one-rank modes; with -tp/-pp the bench compares "
                               "tandem's parallel run with tandem on one rank: drop --modes")
@@ -209,6 +218,8 @@ def run(args: argparse.Namespace) -> int:
               max_num_batched_tokens=args.max_num_batched_tokens) if "tandem" in args.modes else None
     wl = _workload(args, llm.engine.arch.vocab_size if llm else hf.config.vocab_size, eos)
     print(f"{describe_workload(path, wl, args)}, torch threads {torch.get_num_threads()}")
+    if args.baseline and llm:
+        vllm_baseline.warm_up_tandem(llm, wl)
     results: dict[str, ModeResult] = {}
     for mode in args.modes:
         if mode == "hf-sequential":
@@ -219,8 +230,10 @@ def run(args: argparse.Namespace) -> int:
             results[mode] = run_hf_continuous(hf, wl)
         else:
             results[mode] = run_tandem(llm, wl)
-        r = results[mode]
-        print(f"  {mode:<14} {r.seconds:8.1f} s  {r.tokens_per_s(wl):8.1f} tok/s", flush=True)
+        _print_mode(results[mode], wl)
+    if args.baseline == "vllm":
+        results["vllm"] = vllm_baseline.run_vllm(args, path, wl)
+        _print_mode(results["vllm"], wl)
     _print_summary(results, wl)
     if args.roofline and "tandem" in results:
         from tandem.bench.roofline import report
@@ -234,6 +247,10 @@ def _workload(args: argparse.Namespace, vocab_size: int, eos: set[int]) -> Workl
                          eos, args.seed)
 
 
+def _print_mode(r: ModeResult, wl: Workload) -> None:
+    print(f"  {r.mode:<14} {r.seconds:8.1f} s  {r.tokens_per_s(wl):8.1f} tok/s", flush=True)
+
+
 def _print_summary(results: dict[str, ModeResult], wl: Workload) -> None:
     print("\nmode            tok/s   tandem ratio   greedy agreement with tandem")
     ours = results.get("tandem")
@@ -241,7 +258,13 @@ def _print_summary(results: dict[str, ModeResult], wl: Workload) -> None:
         ratio = f"{ours.tokens_per_s(wl) / r.tokens_per_s(wl):10.2f}x" if ours else "-"
         agree = f"{agreement(ours.outputs, r.outputs):6.0%}" if ours and mode != "tandem" else ""
         print(f"{mode:<14} {r.tokens_per_s(wl):7.1f}   {ratio:>12}   {agree}")
-    baselines = [r.tokens_per_s(wl) for m, r in results.items() if m != "tandem"]
+    baselines = [r.tokens_per_s(wl) for m, r in results.items() if m.startswith("hf")]
     if ours and baselines:
         print(f"\ntandem / best HF mode: {ours.tokens_per_s(wl) / max(baselines):.2f}x; "
-              f"median baseline {statistics.median(baselines):.1f} tok/s")
+              f"median HF mode {statistics.median(baselines):.1f} tok/s")
+    peer = results.get("vllm")
+    if ours and peer:
+        from tandem.bench.vllm_baseline import token_agreement
+
+        print(f"tandem / vllm: {ours.tokens_per_s(wl) / peer.tokens_per_s(wl):.2f}x; greedy agreement "
+              f"{token_agreement(ours.outputs, peer.outputs):.1%} of output tokens")
