@@ -79,7 +79,7 @@ def test_speculative_decoding_json_schema_and_prompt_logprobs_at_tp2():
 
         # the grammar's bitmask reaches the rank that samples, over both vocabulary shards
         prompt = tiny_tokenizer().encode("Answer in JSON:")
-        params = [SamplingParams(temperature=3.0, max_tokens=200, seed=s, structured_outputs={"json": SCHEMA})
+        params = [SamplingParams(temperature=1.0, max_tokens=450, seed=s, structured_outputs={"json": SCHEMA})
                   for s in range(8)]
         for out in llm.generate([prompt] * len(params), params):
             assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
