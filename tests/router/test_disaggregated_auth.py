@@ -91,17 +91,19 @@ def test_hand_overs_with_the_secret_equal_colocated(cluster):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("refused", [{"logprobs": 50}, {"min_tokens": 9}, {"echo": True, "logprobs": 50}],
-                         ids=["logprobs above max_logprobs", "min_tokens above max_tokens", "echo"])
-def test_a_body_the_decode_instance_refuses_leaves_no_pin_on_the_prefill_instance(cluster, refused):
+@pytest.mark.parametrize("refused, num_prefills", [
+    ({"logprobs": 50}, 1), ({"min_tokens": 9}, 1), ({"echo": True, "logprobs": 50}, 0),
+], ids=["logprobs above max_logprobs", "min_tokens above max_tokens", "echo"])
+def test_a_body_the_decode_instance_refuses_leaves_no_pin_on_the_prefill_instance(cluster, refused, num_prefills):
     """The router drops these fields from the prefill step, so the prefill instance accepts the
     request and pins its blocks; the decode instance refuses it (400). Before the router released
-    such hand-overs, the blocks stayed pinned for kv_expiry_s (120 s)."""
+    such hand-overs, the blocks stayed pinned for kv_expiry_s (120 s). A request about its prompt
+    itself (echo) is never split: it goes to the decode instance alone, which refuses it."""
     prompt = _prompts(71 + len(str(refused)), [4 * BLOCK + 2])[0]
     prefilled = upstream(cluster.router_url, cluster.prefill.url, "prefill", "ok")
     answer = httpx.post(f"{cluster.router_url}/v1/completions", json=body(prompt, **refused), timeout=120)
     assert answer.status_code == 400, answer.text
-    assert upstream(cluster.router_url, cluster.prefill.url, "prefill", "ok") - prefilled == 1
+    assert upstream(cluster.router_url, cluster.prefill.url, "prefill", "ok") - prefilled == num_prefills
     assert pinned(cluster.prefill.url) == (0, 0)  # right after the answer: no wait for an expiry
     assert scrape(cluster.decode.url)["tandem:kv_blocks_used"] == 0
 
