@@ -251,7 +251,7 @@ def plot(results: list[RequestResult], path: str) -> None:
 # ----------------------------------------------------------------------------- its own server
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -259,10 +259,17 @@ def _free_port() -> int:
 
 def start_server(model: str, server_args: list[str],
                  timeout_s: float = 600.0) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "tandem.server.launch", model, "--host", "127.0.0.1",
            "--port", str(port), *server_args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    return start_process(cmd, port, timeout_s, stdout=subprocess.DEVNULL)
+
+
+def start_process(cmd: list[str], port: int, timeout_s: float,
+                  stdout: int | None = None) -> tuple[subprocess.Popen, str]:
+    """Starts the server ``cmd`` listening on 127.0.0.1:``port``; returns once its /health
+    answers 200. A server that exits or is not ready within ``timeout_s`` raises."""
+    proc = subprocess.Popen(cmd, stdout=stdout)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -309,37 +316,61 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-tpot-ms", type=float, default=None)
     p.add_argument("--plot", metavar="FILE.png", help="draw the latency distributions")
     p.add_argument("--result-json", metavar="FILE", help="write the summary as JSON")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="dtype of the servers it starts (default: tandem's auto; float32 for both "
+                        "with --baseline)")
+    from tandem.bench import vllm_baseline
+
+    vllm_baseline.add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.url is None and args.model is None:
         print("tandem bench serve: give --url of a running server or --model to start one", file=sys.stderr)
         return 2
+    if args.baseline is not None:
+        from tandem.bench.vllm_serve_baseline import run_side_by_side
+
+        return run_side_by_side(args)
+    if args.dtype:
+        args.server_args += f" --dtype {args.dtype}"
     proc = None
     url = args.url
     if url is None:
         proc, url = start_server(args.model, shlex.split(args.server_args))
     try:
-        return _bench(args, url.rstrip("/"))
+        summary = bench(args, url.rstrip("/"))
     finally:
         if proc is not None:
             stop_server(proc)
+    return 0 if summary and summary["completed"] else 1
 
 
-def _bench(args: argparse.Namespace, url: str) -> int:
-    card = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]
+def workload_requests(args: argparse.Namespace, model_path: str) -> list[BenchRequest]:
+    """The requests ``args`` ask for: ``--dataset``'s lines or random token ids."""
+    if args.dataset:
+        return file_requests(args.dataset, model_path, args.num_prompts, args.seed)
+    return random_requests(model_path, args.num_prompts or 32, tuple(args.prompt_len),
+                           tuple(args.output_len), args.seed)
+
+
+def model_card(url: str) -> dict:
+    """The first model the server at ``url`` lists in /v1/models."""
+    return httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]
+
+
+def bench(args: argparse.Namespace, url: str) -> dict | None:
+    """The benchmark against ``url``: prints the report, returns the summary (None when the
+    warm-up request failed)."""
+    card = model_card(url)
     model_name = args.served_model_name or card["id"]
     model_path = args.model or card["root"]
-    if args.dataset:
-        requests = file_requests(args.dataset, model_path, args.num_prompts, args.seed)
-    else:
-        requests = random_requests(model_path, args.num_prompts or 32, tuple(args.prompt_len),
-                                   tuple(args.output_len), args.seed)
+    requests = workload_requests(args, model_path)
     warmup = asyncio.run(run_benchmark(url, model_name, [BenchRequest(requests[0].prompt, 2)],
                                        float("inf"), 1, args.seed))[0][0]
     if not warmup.ok:
         print(f"tandem bench serve: the warm-up request failed: {warmup.error}", file=sys.stderr)
-        return 1
+        return None
     print(f"{len(requests)} requests to {url} ({model_name}), rate {args.request_rate}/s, "
           f"max concurrency {args.max_concurrency or 'unlimited'}", flush=True)
     results, duration = asyncio.run(run_benchmark(url, model_name, requests, args.request_rate,
@@ -354,7 +385,7 @@ def _bench(args: argparse.Namespace, url: str) -> int:
     if args.plot:
         plot(results, args.plot)
         print(f"plot: {args.plot}")
-    return 0 if summary["completed"] else 1
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:

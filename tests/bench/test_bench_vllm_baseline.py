@@ -11,6 +11,7 @@ import pytest
 from tandem.bench import vllm_offline_driver as driver
 from tandem.bench.offline import Workload
 from tandem.bench.vllm_baseline import read_result, token_agreement, write_workload
+from tandem.bench.vllm_serve_baseline import format_ratios
 from tandem.cli import main
 
 
@@ -74,3 +75,27 @@ def test_warmup_prompts_keep_lengths_but_not_prefixes():
     prompts = [[1, 2, 3], [4, 5, 6, 7]]
     assert driver.warmup_prompts(prompts) == [[3, 2, 1], [7, 6, 5, 4]]
 
+
+def test_serve_baseline_without_vllm_python_names_the_flag(capsys):
+    assert main(["bench", "serve", "--model", "/nonexistent", "--baseline", "vllm"]) == 2
+    assert "--baseline vllm needs --vllm-python PATH" in capsys.readouterr().err
+
+
+def test_serve_baseline_refuses_a_running_server(capsys):
+    assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--baseline", "vllm"]) == 2
+    assert "give --model, not --url" in capsys.readouterr().err
+
+
+def test_ratio_table_divides_tandem_by_vllm():
+    ours = {"output_throughput": 300.0, "ttft_ms": {"p50": 50.0}, "tpot_ms": {"p50": 20.0},
+            "e2e_ms": {"p50": 1000.0}}
+    theirs = {"output_throughput": 600.0, "ttft_ms": {"p50": 100.0}, "tpot_ms": {"p50": 10.0},
+              "e2e_ms": {"p50": 500.0}}
+    table = format_ratios(ours, theirs)
+    assert [line.split()[-1] for line in table.splitlines()[2:]] == ["0.50x", "0.50x", "2.00x", "2.00x"]
+
+
+def test_serve_baseline_refuses_one_server_outputs(capsys):
+    assert main(["bench", "serve", "--model", "/nonexistent", "--baseline", "vllm",
+                 "--result-json", "out.json"]) == 2
+    assert "not with --baseline" in capsys.readouterr().err
