@@ -286,7 +286,7 @@ class LLMEngine:
             if params.structured_outputs is not None:
                 compiled = self.structured.submit(params.structured_outputs)
                 self._awaiting_grammar[request_id] = _AwaitingGrammar(request, compiled, load, remote_decode)
-                self._admit_compiled([request_id])
+                self._admit_compiled([request_id], adding=True)
             else:
                 self._schedule(request, load, remote_decode)
             self.outputs.add_request(request_id, prompt if isinstance(prompt, str) else None,
@@ -307,11 +307,10 @@ class LLMEngine:
         if request.status == RequestStatus.FINISHED_REJECTED:
             raise RequestRejected(request.reject_reason)
 
-    def _admit_compiled(self, request_ids: list[str]) -> list[RequestOutput]:
+    def _admit_compiled(self, request_ids: list[str], adding: bool = False) -> list[RequestOutput]:
         """Move the requests of ``request_ids`` whose grammar has compiled into the scheduler;
-        a compile that failed, or a request the scheduler rejects, fails the request. Raises
-        for the request being added (a single id, from ``add_request``) instead."""
-        adding = len(request_ids) == 1 and request_ids[0] not in self.outputs.states
+        a compile that failed, or a request the scheduler rejects, fails the request. With
+        ``adding`` (``add_request``'s own request) it raises instead."""
         outputs = []
         for rid in request_ids:
             waiting = self._awaiting_grammar[rid]

@@ -57,8 +57,6 @@ class StructuredOutputManager:
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._lock = threading.Lock()
         self._grammars: dict[str, StructuredOutputGrammar] = {}
-        self.compile_seconds: list[float] = []
-        """Wall time of each compile (cache misses), for metrics and benchmarks."""
 
     @property
     def backend(self) -> StructuredOutputBackend:
@@ -95,9 +93,7 @@ class StructuredOutputManager:
         try:
             return self.backend.compile(params)
         finally:
-            seconds = time.perf_counter() - t0
-            self.compile_seconds.append(seconds)
-            logger.debug("compiled a %s grammar in %.1f ms", params.kind, seconds * 1e3)
+            logger.debug("compiled a %s grammar in %.1f ms", params.kind, (time.perf_counter() - t0) * 1e3)
 
     # ----------------------------------------------------------------------------- sequences
 
@@ -107,9 +103,6 @@ class StructuredOutputManager:
         grammar = self.backend.grammar(compiled)
         self._grammars[request_id] = grammar
         return grammar.accept_tokens(list(output_token_ids))
-
-    def has(self, request_id: str) -> bool:
-        return request_id in self._grammars
 
     def accept(self, request_id: str, token_ids: list[int]) -> bool:
         """Advance ``request_id``'s grammar (True for a request without one); False when a token
