@@ -162,9 +162,17 @@ class EngineConfig(_Section):
     kv_allocator: str = "paged"
     """KV allocator plugin name."""
     attention_backend: str = "auto"
-    """Attention backend plugin name; auto = triton on CUDA, torch on CPU."""
+    """Attention backend plugin name; auto = triton on CUDA, cpu on CPU (torch: the reference)."""
     num_threads: int | None = Field(None, ge=1)
     """torch threads on CPU; unset = torch's default."""
+    cpu_kernels: Literal["auto", "tandem", "onednn", "torch"] = "auto"
+    """On CPU: the kernels of the model's unquantized linear layers, LM head and element-wise
+    steps. tandem: tandem's own C++ kernels (built on first use): linear layers on weights
+    packed once (16-bit weights stay 16-bit), residual add + RMSNorm, SiLU-and-mul and rotary
+    each in one pass; onednn: linear layers on oneDNN's packed weights (16-bit weights on a CPU
+    without instructions for them are kept in float32, twice their memory), torch for the
+    rest; torch: torch everywhere (``F.linear``; the reference); auto: tandem when its kernels
+    build, else onednn, else torch. Decode attention is the attention backend's (cpu)."""
     num_speculative_tokens: int = Field(0, ge=0, le=16)
     """Speculative decoding with n-gram (prompt lookup) drafts: up to this many drafts per
     decoding request (n = 1) and step, checked in one forward pass; 0 = off. Greedy output is

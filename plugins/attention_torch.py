@@ -188,7 +188,7 @@ class TorchAttentionBackend(AttentionBackend):
         self._write(key, value, kv_cache, plan)
         out = torch.zeros_like(query) if plan.padded else torch.empty_like(query)
         if plan.decode is not None:
-            out[plan.decode.rows] = self._decode(query, kv_cache, plan)
+            self._decode_into(out, query, kv_cache, plan)
         for i, seq in enumerate(plan.prefills):
             out[seq.start : seq.end] = self._prefill(query, key, value, kv_cache, plan, i)
         return out
@@ -206,6 +206,10 @@ class TorchAttentionBackend(AttentionBackend):
         slots = plan.write_blocks * (block_stride // slot_stride) + plan.write_offsets
         rows.index_copy_(0, slots, key.to(kv_cache.dtype))
         rows.index_copy_(0, slots + kv_stride // slot_stride, value.to(kv_cache.dtype))
+
+    def _decode_into(self, out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan) -> None:
+        """Write the attention of the plan's one-query rows into their rows of ``out``."""
+        out[plan.decode.rows] = self._decode(query, kv_cache, plan)
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan) -> torch.Tensor:
         d = plan.decode

@@ -4,7 +4,8 @@ model's dtype, fused shards stacked along the output dimension::
     weight rows: [ shard 0 (e.g. q) | shard 1 (k) | shard 2 (v) ]
                    0 .. o0-1          o0 .. o0+o1-1   ...
 
-``apply`` is ``F.linear``.
+``apply`` is ``F.linear``, or on the CPU the packed weight's kernel once
+``tandem.models.cpu_linear`` has packed the layer (``layer.packed``; the dense weight is gone).
 """
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ class UnquantizedLinearMethod(QuantMethod):
         target.copy_(tensor)
 
     def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if layer.packed is not None:
+            return layer.packed(x, bias)
         return F.linear(x, layer.weight, bias)
 
     def split_axis(self, name: str, dim: str) -> tuple[int, int] | None:

@@ -31,7 +31,7 @@ DEFAULTS = {
         "gpu_memory_utilization": 0.9, "cpu_kv_cache_memory": 1024**3, "max_num_seqs": 64,
         "max_num_batched_tokens": 2048, "enable_prefix_caching": True,
         "enable_chunked_prefill": True, "scheduler": "fcfs", "kv_allocator": "paged",
-        "attention_backend": "auto", "num_threads": None, "num_speculative_tokens": 0,
+        "attention_backend": "auto", "num_threads": None, "cpu_kernels": "auto", "num_speculative_tokens": 0,
         "speculative_ngram_min": 2, "speculative_ngram_max": 4, "enforce_eager": False,
         "cuda_graph_max_batch_size": 256, "max_logprobs": 20, "distributed_executor_backend": "auto",
         "structured_output_backend": "xgrammar",

@@ -23,8 +23,10 @@ other families (Qwen2's q/k/v biases, Qwen3's and Gemma 3's q/k norms, Gemma 3's
 left out, well below the measurements' noise. Weights are assumed unquantized, in the bench's dtype.
 
 Read bandwidth: ``x.sum()`` over a float32 buffer several times the last-level cache; GEMM rate:
-``torch.matmul`` of [B, hidden] × [hidden, intermediate] in the bench's dtype, the weight in the
-model's layout (a weight that fits in cache, so it measures arithmetic, not memory). Each is the median of several timed runs.
+the fastest of ``torch.matmul`` and (on the CPU) tandem's packed kernels of
+``tandem.models.cpu_linear`` for [B, hidden] × [hidden, intermediate] in the bench's dtype, the
+weight in the model's layout (a weight that fits in cache, so it measures arithmetic, not
+memory). Each is the median of several timed runs.
 """
 from __future__ import annotations
 
@@ -154,23 +156,38 @@ def measure_read_bandwidth(num_bytes: int = BANDWIDTH_BUFFER_BYTES, repeats: int
 
 
 def measure_gemm_rate(rows: int, inner: int, outer: int, dtype: str, repeats: int = REPEATS) -> float:
-    """FLOP/s of ``torch.matmul`` of [rows, inner] × [inner, outer] in ``dtype`` (median of
-    ``repeats`` runs of ``GEMM_CALLS_PER_RUN`` calls each). The right operand is the transpose of
-    an [outer, inner] weight, the layout of the model's linear layers (``F.linear``): CPU torch
-    multiplies a row-major [inner, outer] bfloat16 operand some 20x slower."""
+    """FLOP/s of the fastest GEMM this machine offers tandem for [rows, inner] x [inner, outer]
+    in ``dtype`` (median of ``repeats`` runs of ``GEMM_CALLS_PER_RUN`` calls each): torch's
+    ``matmul`` against an [outer, inner] weight transposed (the layout of ``F.linear``; CPU torch
+    multiplies a row-major [inner, outer] bfloat16 operand some 20x slower) and, on the CPU, each
+    packed kernel of ``tandem.models.cpu_linear`` that is available here."""
     import torch
+
+    from tandem.models.cpu_linear import PackedLinear, resolve_kind
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(rows, inner, generator=gen).to(getattr(torch, dtype))
     weight = torch.randn(outer, inner, generator=gen).to(getattr(torch, dtype))
     out = torch.matmul(x, weight.t())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(GEMM_CALLS_PER_RUN):
-            torch.matmul(x, weight.t(), out=out)
-        times.append((time.perf_counter() - t0) / GEMM_CALLS_PER_RUN)
-    return 2 * rows * inner * outer / statistics.median(times)
+    candidates = {"torch": lambda: torch.matmul(x, weight.t(), out=out)}
+    for kind in ("tandem", "onednn"):
+        try:
+            if resolve_kind(kind, torch.device("cpu")) == kind:
+                packed = PackedLinear.pack(kind, weight)
+                candidates[kind] = lambda packed=packed: packed(x)
+        except (ValueError, RuntimeError):
+            continue
+    best = 0.0
+    for call in candidates.values():
+        call()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(GEMM_CALLS_PER_RUN):
+                call()
+            times.append((time.perf_counter() - t0) / GEMM_CALLS_PER_RUN)
+        best = max(best, 2 * rows * inner * outer / statistics.median(times))
+    return best
 
 
 def decode_batches(records: Sequence[RecordedStep], full_batch: int) -> list[int]:
@@ -217,7 +234,7 @@ def report(arch: ModelArchConfig, records: Sequence[RecordedStep], dtype: str, f
     shape = (arch.hidden_size, arch.intermediate_size)
     machine = Machine(bandwidth, {b: measure_gemm_rate(b, *shape, dtype) for b in batches})
     print(f"\nroofline, measured now: read bandwidth {bandwidth / 1e9:.1f} GB/s (float32 sum over "
-          f"{BANDWIDTH_BUFFER_BYTES // 2**20} MiB), GEMM [B, {shape[0]}] x {list(shape)} {dtype} "
+          f"{BANDWIDTH_BUFFER_BYTES // 2**20} MiB), best GEMM [B, {shape[0]}] x {list(shape)} {dtype} "
           + ", ".join(f"{machine.gemm_flops_per_s[b] / 1e9:.3g} GFLOP/s at B={b}" for b in batches)
           + f" (medians of {REPEATS}); KV reads and attention FLOPs from the steps' own contexts")
     for batch in batches:

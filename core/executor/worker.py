@@ -77,6 +77,8 @@ class Worker:
     them before ``min_tokens``)."""
 
     def __init__(self, config: TandemConfig, eos_token_ids: frozenset[int]) -> None:
+        from tandem.models.cpu_fusion import enable_cpu_fusion
+        from tandem.models.cpu_linear import pack_cpu_linears
         from tandem.models.loader import estimate_weight_bytes, load_model
         from tandem.worker.model_runner import ModelRunner
 
@@ -91,7 +93,7 @@ class Worker:
         self.dtype = resolve_dtype(config.model.dtype, self.device, checkpoint.torch_dtype)
         backend = eng.attention_backend
         if backend == "auto":
-            backend = "triton" if self.device.type == "cuda" else "torch"
+            backend = "triton" if self.device.type == "cuda" else "cpu"
         registry = get_registry()
         self.attn_backend_cls = registry.get("attention_backend", backend)
         self.quant_method = quant_method = quant_method_for(config, checkpoint)
@@ -104,6 +106,8 @@ class Worker:
                                            attn_backend_cls=self.attn_backend_cls, quant_method=quant_method)
         logger.info("loaded %s (%s) on %s in %s in %.1f s", path, self.arch.architectures[0], self.device,
                     str(self.dtype).removeprefix("torch."), time.perf_counter() - t0)
+        if pack_cpu_linears(self.model, eng.cpu_kernels, self.device) == "tandem":
+            enable_cpu_fusion(self.model)
         self.eos_token_ids = eos_token_ids
         self.kv_cache = self._allocate_kv_pool()
         self.info = WorkerInfo(self.kv_cache.shape[0], resolve_max_model_len(

@@ -28,6 +28,7 @@ from torch import nn
 
 from tandem.executor.parallel import ParallelContext, check_tensor_parallel, current
 from tandem.interfaces import AttentionBackend, AttentionMetadata, QuantMethod, TensorSplit
+from tandem.models import cpu_fusion
 from tandem.models.rotary import rotate
 
 if TYPE_CHECKING:
@@ -52,10 +53,16 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = _empty_param(hidden_size)
         self.eps = eps
+        self.fused = False
+        """Set by ``tandem.models.cpu_fusion`` on the CPU: one C++ pass (which overwrites ``x``
+        when a residual is given: the layer's own fresh output)."""
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused and x.dtype == self.weight.dtype and x.is_contiguous() \
+                and (residual is None or residual.is_contiguous()):
+            return cpu_fusion.rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
         normed = F.rms_norm(x.to(torch.float32), x.shape[-1:], eps=self.eps)
@@ -103,6 +110,8 @@ class LinearLayer(nn.Module):
         self.input_size = input_size
         self.output_sizes = list(output_sizes)
         self.quant_method = quant_method
+        self.packed = None
+        """On the CPU, the unquantized weight packed for a CPU kernel (``tandem.models.cpu_linear``)."""
         quant_method.create_weights(self, input_size, self.output_sizes, torch.get_default_dtype())
         self.bias = _empty_param(sum(output_sizes)) if bias else None
 
@@ -189,11 +198,17 @@ class LMHead(nn.Module):
         self.rows = -(-vocab_size // self.parallel.tp_size)
         self.vocab_start = self.parallel.tp_rank * self.rows
         self.weight = tied_to.weight if tied_to is not None else _empty_param(self.rows, hidden_size)
+        self.packed = None
+        """On the CPU, the weight packed for a CPU kernel (``tandem.models.cpu_linear``); the
+        matmul uses it instead of ``weight``."""
 
     load = Embedding.load
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = F.linear(hidden, self.weight).float()
+        if self.packed is not None:
+            logits = self.packed(hidden).float()
+        else:
+            logits = F.linear(hidden, self.weight).float()
         if self.parallel.tp_size == 1:
             return logits
         logits = self.parallel.gather_last_dim(logits)
@@ -227,8 +242,12 @@ class GatedMLP(nn.Module):
                                         column_splits(parallel, 2), parallel)
         self.down_proj = LinearLayer(intermediate_size, [hidden_size], bias, quant_method,
                                      row_split(parallel), parallel)
+        self.fused = False
+        """Set by ``tandem.models.cpu_fusion`` on the CPU (SiLU only): one C++ pass for the act."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return self.down_proj(cpu_fusion.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
@@ -286,6 +305,8 @@ class Attention(nn.Module):
         norm = options.qk_norm
         self.q_norm = norm(self.head_dim, config.rms_norm_eps) if norm is not None else None
         self.k_norm = norm(self.head_dim, config.rms_norm_eps) if norm is not None else None
+        self.fused = False
+        """Set by ``tandem.models.cpu_fusion`` on the CPU (full-width rotary): rotary in place."""
         self.attn = attn_backend_cls(
             self.num_heads,
             self.num_kv_heads,
@@ -304,7 +325,9 @@ class Attention(nn.Module):
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q)[0], self.k_norm(k)[0]), dim=1)
         # q and k sit side by side in the fused output: rotate them as one tensor (half the ops).
-        if self.use_rope and self.rotary_dim == self.head_dim:
+        if self.use_rope and self.fused and self.q_norm is None:
+            qk = cpu_fusion.rotate_(qk, cos, sin)  # in place on the projection's fresh output
+        elif self.use_rope and self.rotary_dim == self.head_dim:
             qk = rotate(qk, cos, sin)
         elif self.use_rope:  # partial rotary: the leading rotary_dim dimensions turn, the rest pass
             qk = torch.cat((rotate(qk[..., : self.rotary_dim], cos, sin), qk[..., self.rotary_dim :]), dim=-1)

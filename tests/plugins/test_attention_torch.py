@@ -1,16 +1,26 @@
-"""TorchAttentionBackend against a naive reference: per sequence, contiguous K/V, one query row
-at a time, GQA by repeat_interleave, causal and sliding-window masks written out by hand."""
+"""The torch attention backend and the cpu one (its decode rows in a C++ kernel) against a naive
+reference: per sequence, contiguous K/V, one query row at a time, GQA by repeat_interleave,
+causal and sliding-window masks written out by hand. Every test runs with both backends."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tandem.plugins.attention_cpu import CpuAttentionBackend
 from tandem.plugins.attention_torch import TorchAttentionBackend
 from tests.helpers.paged_batch import SeqSpec, build_metadata, scattered_tables, slot_of
 
 NUM_BLOCKS = 48
 NUM_LAYERS = 2
 LAYER = 1
+BACKENDS = {"torch": TorchAttentionBackend, "cpu": CpuAttentionBackend}
+
+
+@pytest.fixture(params=list(BACKENDS), autouse=True)
+def backend_cls(request, monkeypatch):
+    """Every test of this file runs once per backend (Case.run reads it)."""
+    monkeypatch.setattr(Case, "backend_cls", BACKENDS[request.param])
+    return BACKENDS[request.param]
 
 
 def reference_attention(q, k, v, context_len, scale, window=None):
@@ -30,6 +40,8 @@ def reference_attention(q, k, v, context_len, scale, window=None):
 class Case:
     """A paged pool filled with noise, sequences with known full K/V whose prefixes are already
     cached, and the new tokens' q/k/v in flattened batch order."""
+
+    backend_cls: type = TorchAttentionBackend
 
     def __init__(self, context_and_query, *, heads=4, kv_heads=2, head_dim=16, block_size=4, seed=0,
                  dtype=torch.float32, num_padding_tokens=0, device="cpu"):
@@ -66,11 +78,11 @@ class Case:
         return (t.to(self.device, self.dtype) for t in (q, k, v))
 
     def run(self, window=None, prepare=True):
-        backend = TorchAttentionBackend(self.heads, self.kv_heads, self.head_dim, self.head_dim**-0.5, window)
+        backend = self.backend_cls(self.heads, self.kv_heads, self.head_dim, self.head_dim**-0.5, window)
         md = build_metadata(self.seqs, self.block_size, num_padding_tokens=self.num_padding_tokens,
                             device=self.device)
         if prepare:
-            TorchAttentionBackend.prepare_metadata(md)
+            self.backend_cls.prepare_metadata(md)
         q, k, v = self.inputs()
         return backend.forward(q, k, v, self.pool[:, LAYER], md)
 

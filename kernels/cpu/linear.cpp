@@ -1,0 +1,177 @@
+// Dense linear layers on the CPU: y = x @ W.T (+ bias), W packed once into 16-column panels
+// (tandem.models.cpu_linear). Built into the tandem_cpu extension with the decode attention.
+//
+//   x      [M, K] float32, rows contiguous
+//   panels [ceil(N / 16), K, 16] float32, bfloat16 or float16: panel p, row k holds
+//          W[16p .. 16p + 15, k] (columns past N are zero)
+//   out    [M, N] float32
+//
+// The weight streams from memory once per block of rows (kRowBlock of them, whose x stays in
+// L2 while every panel goes by), a slice of K at a time (kKBlock rows of the panel, which stay in
+// L1 for every tile of the row block); a 6 x 16 register tile accumulates, so each weight element
+// loaded feeds up to 12 FMAs. 16-bit weights widen to float32 as they load: half
+// the bytes of a float32 copy, float32 products and sums. Threads split the panels (and, for long
+// inputs, the row blocks). Without AVX2 (builds for other CPUs) the same loops run in plain C++.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define TANDEM_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t kPanel = 16;
+constexpr int64_t kTile = 6;
+constexpr int64_t kRowBlock = 96;
+constexpr int64_t kKBlock = 256;
+
+#ifdef TANDEM_AVX2
+inline void load16(const float* w, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(w);
+  hi = _mm256_loadu_ps(w + 8);
+}
+inline void load16(const c10::BFloat16* w, __m256& lo, __m256& hi) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(raw)), 16));
+  hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(raw, 1)), 16));
+}
+inline void load16(const c10::Half* w, __m256& lo, __m256& hi) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  lo = _mm256_cvtph_ps(_mm256_castsi256_si128(raw));
+  hi = _mm256_cvtph_ps(_mm256_extracti128_si256(raw, 1));
+}
+
+// rows x 16 outputs of one panel: tile[r * 16 + c] = sum_k x[r, k] * panel[k, c]
+template <typename W, int rows>
+inline void tile_kernel(const float* x, int64_t ldx, const W* panel, int64_t k_size, float* tile, bool accumulate) {
+  __m256 acc[rows][2];
+  for (int r = 0; r < rows; ++r) {
+    acc[r][0] = accumulate ? _mm256_loadu_ps(tile + r * kPanel) : _mm256_setzero_ps();
+    acc[r][1] = accumulate ? _mm256_loadu_ps(tile + r * kPanel + 8) : _mm256_setzero_ps();
+  }
+  for (int64_t k = 0; k < k_size; ++k) {
+    __m256 w0, w1;
+    load16(panel + k * kPanel, w0, w1);
+    for (int r = 0; r < rows; ++r) {
+      const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
+      acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    _mm256_storeu_ps(tile + r * kPanel, acc[r][0]);
+    _mm256_storeu_ps(tile + r * kPanel + 8, acc[r][1]);
+  }
+}
+#else
+template <typename W, int rows>
+inline void tile_kernel(const float* x, int64_t ldx, const W* panel, int64_t k_size, float* tile, bool accumulate) {
+  float acc[rows][kPanel] = {};
+  if (accumulate) std::memcpy(acc, tile, sizeof(acc));
+  for (int64_t k = 0; k < k_size; ++k) {
+    const W* w = panel + k * kPanel;
+    for (int r = 0; r < rows; ++r) {
+      const float xv = x[r * ldx + k];
+      for (int c = 0; c < kPanel; ++c) acc[r][c] += xv * static_cast<float>(w[c]);
+    }
+  }
+  std::memcpy(tile, acc, sizeof(acc));
+}
+#endif
+
+template <typename W>
+void run_tile(int64_t rows, const float* x, int64_t ldx, const W* panel, int64_t k_size, float* tile, bool accumulate) {
+  switch (rows) {
+    case 1: return tile_kernel<W, 1>(x, ldx, panel, k_size, tile, accumulate);
+    case 2: return tile_kernel<W, 2>(x, ldx, panel, k_size, tile, accumulate);
+    case 3: return tile_kernel<W, 3>(x, ldx, panel, k_size, tile, accumulate);
+    case 4: return tile_kernel<W, 4>(x, ldx, panel, k_size, tile, accumulate);
+    case 5: return tile_kernel<W, 5>(x, ldx, panel, k_size, tile, accumulate);
+    default: return tile_kernel<W, 6>(x, ldx, panel, k_size, tile, accumulate);
+  }
+}
+
+template <typename W>
+void linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels, const float* bias) {
+  const int64_t m_size = x.size(0), k_size = x.size(1), n_size = out.size(1);
+  const int64_t n_panels = panels.size(0), ldx = x.stride(0), ldo = out.stride(0);
+  const float* xp = x.data_ptr<float>();
+  const W* wp = panels.data_ptr<W>();
+  float* op = out.data_ptr<float>();
+  const int64_t row_block = kRowBlock;
+  const int64_t row_blocks = (m_size + row_block - 1) / row_block;
+  at::parallel_for(0, row_blocks * n_panels, 1, [&](int64_t begin, int64_t end) {
+    alignas(32) float acc[kRowBlock * kPanel];  // the row block's sums for one panel
+    for (int64_t work = begin; work < end; ++work) {
+      // consecutive work items walk the panels of one row block: each thread streams a
+      // contiguous range of the weight
+      const int64_t rb = work / n_panels, p = work % n_panels;
+      const W* panel = wp + p * k_size * kPanel;
+      const int64_t col0 = p * kPanel, cols = std::min(kPanel, n_size - col0);
+      const int64_t row0 = rb * row_block, row_end = std::min(m_size, row0 + row_block);
+      // K in slices whose part of the panel (kKBlock x 16) stays in L1 for every tile
+      for (int64_t k0 = 0; k0 < k_size; k0 += kKBlock) {
+        const int64_t kc = std::min(kKBlock, k_size - k0);
+        for (int64_t r0 = row0; r0 < row_end; r0 += kTile) {
+          run_tile<W>(std::min(kTile, row_end - r0), xp + r0 * ldx + k0, ldx, panel + k0 * kPanel, kc,
+                      acc + (r0 - row0) * kPanel, k0 > 0);
+        }
+      }
+      for (int64_t r0 = row0; r0 < row_end; r0 += kTile) {
+        const int64_t rows = std::min(kTile, row_end - r0);
+        const float* tile = acc + (r0 - row0) * kPanel;
+        for (int64_t r = 0; r < rows; ++r) {
+          float* dst = op + (r0 + r) * ldo + col0;
+          const float* src = tile + r * kPanel;
+          if (bias != nullptr) {
+            for (int64_t c = 0; c < cols; ++c) dst[c] = src[c] + bias[col0 + c];
+          } else {
+            std::memcpy(dst, src, cols * sizeof(float));
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void panel_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu() && out.device().is_cpu(), "panel_linear runs on the CPU");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "panel_linear: x must be float32 [M, K] with contiguous rows");
+  TORCH_CHECK(panels.dim() == 3 && panels.size(1) == x.size(1) && panels.size(2) == kPanel && panels.is_contiguous(),
+              "panel_linear: panels must be contiguous [P, K, 16] with K = x.size(1)");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.scalar_type() == at::kFloat && out.stride(1) == 1 &&
+                  out.size(1) <= panels.size(0) * kPanel && out.size(1) > (panels.size(0) - 1) * kPanel,
+              "panel_linear: out must be float32 [M, N] with N filling the panels");
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out.size(1),
+                "panel_linear: bias must be float32 [N]");
+    bp = bias->data_ptr<float>();
+  }
+  if (x.size(0) == 0) return;
+  switch (panels.scalar_type()) {
+    case at::kFloat: return linear_impl<float>(out, x, panels, bp);
+    case at::kBFloat16: return linear_impl<c10::BFloat16>(out, x, panels, bp);
+    case at::kHalf: return linear_impl<c10::Half>(out, x, panels, bp);
+    default: TORCH_CHECK(false, "panel_linear: unsupported weight dtype ", panels.scalar_type());
+  }
+}
+
+TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
+  m.def("panel_linear(Tensor(a!) out, Tensor x, Tensor panels, Tensor? bias) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("panel_linear", &panel_linear); }

@@ -1,0 +1,173 @@
+// Paged decode attention on the CPU, reading the KV pool in place (tandem.kernels.cpu_ops).
+//
+// One query row attends to the first seq_len keys of its own sequence (the last `window` of
+// them when window > 0), which live in the blocks its block-table row names. Work items are
+// rows (or, with few rows, (row, KV head) pairs), shared out over torch's OpenMP threads; each
+// walks its blocks once, front to back: the scores of all its query heads against every key of
+// the block, then the block folded into a running (max, sum, weighted V) softmax, in float32.
+//
+//   q, out   [T, H, D]                    rows[i] is the token row of query row i
+//   kv       [num_blocks, 2, bs, Hkv, D]  one layer of the pool (index 0: K, 1: V), D contiguous
+//   tables   [N, max_blocks] int64        block ids of query row i's sequence
+//   seq_lens [N] int64                    keys visible to query row i
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+// The running max before any key: finite (the file is built with -ffast-math), low enough that
+// exp(kNoScore - any real score) is 0.
+constexpr float kNoScore = -1e30f;
+
+template <typename cache_t>
+inline float dot(const float* q, const cache_t* k, int64_t d) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < d; ++i) s += q[i] * static_cast<float>(k[i]);
+  return s;
+}
+
+template <typename cache_t>
+inline void axpy(float* acc, float p, const cache_t* v, int64_t d) {
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) acc[i] += p * static_cast<float>(v[i]);
+}
+
+template <typename scalar_t, typename cache_t>
+void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& rows,
+            const at::Tensor& tables, const at::Tensor& seq_lens, double scale, int64_t window) {
+  const int64_t n_rows = rows.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t bs = kv.size(2), kv_heads = kv.size(3), groups = heads / kv_heads;
+  const int64_t max_blocks = tables.size(1);
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+  const int64_t ks0 = kv.stride(0), ks1 = kv.stride(1), ks2 = kv.stride(2), ks3 = kv.stride(3);
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const cache_t* kvp = kv.data_ptr<cache_t>();
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = seq_lens.data_ptr<int64_t>();
+  const float fscale = static_cast<float>(scale);
+  // Few rows: split each row's KV heads over the threads too; many: a row per work item, so that
+  // each block is read front to back (every head of a token is one contiguous run).
+  const int64_t head_parts = n_rows >= 4 * at::get_num_threads() ? 1 : kv_heads;
+  const int64_t part_heads = kv_heads / head_parts;
+
+  at::parallel_for(0, n_rows * head_parts, 1, [&](int64_t begin, int64_t end) {
+    const int64_t nq = part_heads * groups;  // query heads of one work item
+    std::vector<float> qf(nq * d), acc(nq * d), scores(bs * nq), m(nq), l(nq), keep(nq);
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t i = work / head_parts, h0 = (work % head_parts) * part_heads;
+      const int64_t row = rp[i], len = lp[i];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      for (int64_t j = 0; j < nq; ++j) {
+        const scalar_t* src = qp + row * qs0 + (h0 * groups + j) * qs1;
+        for (int64_t x = 0; x < d; ++x) qf[j * d + x] = static_cast<float>(src[x]) * fscale;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), kNoScore);
+      std::fill(l.begin(), l.end(), 0.f);
+      for (int64_t b = first / bs; b * bs < len; ++b) {
+        const int64_t t0 = std::max(b * bs, first) - b * bs, t1 = std::min(bs, len - b * bs);
+        const cache_t* kb = kvp + tp[i * max_blocks + b] * ks0 + h0 * ks3;
+        const cache_t* vb = kb + ks1;
+        if (b * bs + bs < len) {  // the next block: start its first lines on their way
+          const cache_t* next = kvp + tp[i * max_blocks + b + 1] * ks0 + h0 * ks3;
+          __builtin_prefetch(next);
+          __builtin_prefetch(next + ks1);
+        }
+        // scores[t * nq + j] of query head j against key t
+        for (int64_t t = t0; t < t1; ++t) {
+          for (int64_t hh = 0; hh < part_heads; ++hh) {
+            const cache_t* krow = kb + t * ks2 + hh * ks3;
+            for (int64_t g = 0; g < groups; ++g) {
+              const int64_t j = hh * groups + g;
+              scores[t * nq + j] = dot(qf.data() + j * d, krow, d);
+            }
+          }
+        }
+        for (int64_t j = 0; j < nq; ++j) {
+          float block_max = kNoScore;
+          for (int64_t t = t0; t < t1; ++t) block_max = std::max(block_max, scores[t * nq + j]);
+          const float m_new = std::max(m[j], block_max);
+          keep[j] = std::exp(m[j] - m_new);  // 0 before the first block
+          m[j] = m_new;
+        }
+        for (int64_t t = t0; t < t1; ++t) {
+          float* st = scores.data() + t * nq;
+#pragma omp simd
+          for (int64_t j = 0; j < nq; ++j) st[j] = std::exp(st[j] - m[j]);
+        }
+        for (int64_t j = 0; j < nq; ++j) {
+          float sum = l[j] * keep[j];
+          for (int64_t t = t0; t < t1; ++t) sum += scores[t * nq + j];
+          l[j] = sum;
+          float* a = acc.data() + j * d;
+          const float k = keep[j];
+#pragma omp simd
+          for (int64_t x = 0; x < d; ++x) a[x] *= k;
+        }
+        for (int64_t t = t0; t < t1; ++t) {
+          for (int64_t hh = 0; hh < part_heads; ++hh) {
+            const cache_t* vrow = vb + t * ks2 + hh * ks3;
+            for (int64_t g = 0; g < groups; ++g) {
+              const int64_t j = hh * groups + g;
+              axpy(acc.data() + j * d, scores[t * nq + j], vrow, d);
+            }
+          }
+        }
+      }
+      for (int64_t j = 0; j < nq; ++j) {
+        scalar_t* dst = op + row * os0 + (h0 * groups + j) * os1;
+        const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
+        for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<scalar_t>(acc[j * d + x] * inv);
+      }
+    }
+  });
+}
+
+template <typename scalar_t>
+void dispatch_cache(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& rows,
+                    const at::Tensor& tables, const at::Tensor& seq_lens, double scale, int64_t window) {
+  switch (kv.scalar_type()) {
+    case at::kFloat: return decode<scalar_t, float>(out, q, kv, rows, tables, seq_lens, scale, window);
+    case at::kBFloat16: return decode<scalar_t, at::BFloat16>(out, q, kv, rows, tables, seq_lens, scale, window);
+    case at::kHalf: return decode<scalar_t, at::Half>(out, q, kv, rows, tables, seq_lens, scale, window);
+    default: TORCH_CHECK(false, "paged_decode: unsupported KV dtype ", kv.scalar_type());
+  }
+}
+
+}  // namespace
+
+void paged_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& rows,
+                  const at::Tensor& tables, const at::Tensor& seq_lens, double scale, int64_t window) {
+  TORCH_CHECK(q.device().is_cpu() && kv.device().is_cpu(), "paged_decode runs on the CPU");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
+              "paged_decode: q and out must be [T, H, D] of one dtype");
+  TORCH_CHECK(kv.dim() == 5 && kv.size(1) == 2 && kv.size(4) == q.size(2), "paged_decode: kv must be [blocks, 2, bs, Hkv, D]");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && kv.stride(4) == 1, "paged_decode: the head dimension must be contiguous");
+  TORCH_CHECK(q.size(1) % kv.size(3) == 0, "paged_decode: query heads must be a multiple of KV heads");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
+              "paged_decode: rows, tables and seq_lens must be int64");
+  TORCH_CHECK(rows.is_contiguous() && tables.is_contiguous() && seq_lens.is_contiguous(), "paged_decode: index tensors must be contiguous");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == rows.size(0) && seq_lens.size(0) == rows.size(0),
+              "paged_decode: one table row and one seq_len per query row");
+  switch (q.scalar_type()) {
+    case at::kFloat: return dispatch_cache<float>(out, q, kv, rows, tables, seq_lens, scale, window);
+    case at::kBFloat16: return dispatch_cache<at::BFloat16>(out, q, kv, rows, tables, seq_lens, scale, window);
+    case at::kHalf: return dispatch_cache<at::Half>(out, q, kv, rows, tables, seq_lens, scale, window);
+    default: TORCH_CHECK(false, "paged_decode: unsupported query dtype ", q.scalar_type());
+  }
+}
+
+TORCH_LIBRARY(tandem_cpu, m) {
+  m.def("paged_decode(Tensor(a!) out, Tensor q, Tensor kv, Tensor rows, Tensor tables, Tensor seq_lens, "
+        "float scale, int window) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }

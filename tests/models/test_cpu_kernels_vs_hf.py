@@ -1,0 +1,82 @@
+"""The models with tandem's CPU kernels on (weights packed for the panel kernel or oneDNN, the
+fused norm/activation/rotary passes, the "cpu" attention backend's in-place decode attention)
+against HF transformers' forward logits, float32 — the same families, schedules and tolerance as
+test_model_vs_hf.py, whose models stay on torch. And bfloat16: the fused passes give torch's
+values exactly."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from tandem.models.config import kv_cache_shape
+from tandem.models.cpu_fusion import enable_cpu_fusion
+from tandem.models.cpu_linear import pack_cpu_linears
+from tandem.models.loader import load_model
+from tandem.plugins.attention_cpu import CpuAttentionBackend
+from tests.helpers.paged_batch import SeqSpec, build_metadata, positions_of, scattered_tables
+from tests.helpers.tiny_models import builtin_registry, hf_model, load_tiny_model, tiny_model_dir
+from tests.models.test_model_vs_hf import ATOL, BLOCK_SIZE, KINDS, NUM_BLOCKS, hf_logits, prompt
+
+CPU = torch.device("cpu")
+
+
+def load_with_kernels(kind: str, kernels: str, dtype=torch.float32, fuse=True):
+    registry = builtin_registry()
+    model, arch = load_model(tiny_model_dir(kind), dtype=dtype, device=CPU, registry=registry,
+                             attn_backend_cls=CpuAttentionBackend,
+                             quant_method=registry.get("quant_method", "unquantized")())
+    assert pack_cpu_linears(model, kernels, CPU) == kernels
+    if fuse:
+        assert enable_cpu_fusion(model) > 0
+    return model, arch
+
+
+@functools.cache
+def models(kind, kernels):
+    return (*load_with_kernels(kind, kernels), hf_model(tiny_model_dir(kind)))
+
+
+@torch.inference_mode()
+def run(model, arch, ids, chunks):
+    pool = torch.zeros(kv_cache_shape(arch, NUM_BLOCKS, BLOCK_SIZE), dtype=next(model.parameters()).dtype)
+    table = scattered_tables([len(ids)], BLOCK_SIZE, NUM_BLOCKS, seed=11)[0]
+    outs, start = [], 0
+    for n in chunks:
+        seqs = [SeqSpec(table, start, n)]
+        md = build_metadata(seqs, BLOCK_SIZE)
+        CpuAttentionBackend.prepare_metadata(md)
+        hidden = model(torch.tensor(ids[start:start + n]), positions_of(seqs), pool, md)
+        outs.append(model.compute_logits(hidden))
+        start += n
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("schedule", ["one_pass", "chunks", "token_by_token"])
+def test_logits_match_hf_with_tandem_kernels(kind, schedule):
+    model, arch, hf = models(kind, "tandem")
+    ids = prompt()
+    chunks = {"one_pass": [len(ids)], "chunks": [7, 13, 1, len(ids) - 21], "token_by_token": [1] * len(ids)}
+    torch.testing.assert_close(run(model, arch, ids, chunks[schedule]), hf_logits(hf, ids), atol=ATOL, rtol=ATOL)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "phi3"])
+def test_logits_match_hf_with_onednn_linears(kind):
+    model, arch, hf = models(kind, "onednn")
+    ids = prompt(1)
+    torch.testing.assert_close(run(model, arch, ids, [9, 1, 1, len(ids) - 11]), hf_logits(hf, ids),
+                               atol=ATOL, rtol=ATOL)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "granite"])
+def test_fused_passes_give_torchs_bfloat16_values_exactly(kind):
+    """Linear layers and attention on torch's kernels in both (one prefill pass: the cpu
+    backend's prefill is the torch backend's), so only the fused norm/activation/rotary differ."""
+    ours, arch = load_with_kernels(kind, "torch", torch.bfloat16, fuse=True)
+    ref, _ = load_tiny_model(tiny_model_dir(kind), dtype=torch.bfloat16)
+    ids = prompt(2)
+    got = run(ours, arch, ids, [len(ids)])
+    want = run(ref, arch, ids, [len(ids)])
+    assert torch.equal(got, want)

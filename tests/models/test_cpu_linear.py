@@ -1,0 +1,90 @@
+"""PackedLinear (tandem's panel kernel and oneDNN's) against torch's own matmul, and what
+pack_cpu_linears does to a model: which layers it packs, what it frees, the errors it gives."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem.config import TandemConfig
+from tandem.models.cpu_linear import PackedLinear, pack_cpu_linears, resolve_kind
+from tandem.models.layers import LinearLayer, LMHead
+from tests.helpers.tiny_models import load_tiny_model, tiny_model_dir
+
+CPU = torch.device("cpu")
+
+
+def reference(x, w, bias):
+    """float64 products and sums of the (possibly 16-bit) values, rounded to x's dtype."""
+    out = x.double() @ w.double().t() + (0 if bias is None else bias.double())
+    return out.to(x.dtype)
+
+
+@pytest.mark.parametrize("kind", ["tandem", "onednn"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 64, 97, 200])
+def test_packed_linear_matches_a_float64_matmul(kind, dtype, tol, rows):
+    gen = torch.Generator().manual_seed(rows)
+    n, k = 83, 48  # neither a multiple of the 16-column panel
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    packed = PackedLinear.pack(kind, w)
+    for b in (None, bias):
+        got = packed(x, b)
+        assert got.dtype == dtype and got.shape == (rows, n)
+        torch.testing.assert_close(got.float(), reference(x, w, b).float(), atol=tol, rtol=tol)
+
+
+def test_strided_and_batched_inputs():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 32, generator=gen)
+    packed = PackedLinear.pack("tandem", w)
+    wide = torch.randn(9, 96, generator=gen)
+    x = wide[:, 32:64]  # rows 96 apart: a slice of a fused projection's output
+    torch.testing.assert_close(packed(x), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    x3 = torch.randn(2, 5, 32, generator=gen)
+    torch.testing.assert_close(packed(x3), F.linear(x3, w), atol=1e-5, rtol=1e-5)
+    assert packed(torch.empty(0, 32)).shape == (0, 40)
+
+
+@pytest.mark.parametrize("kind", ["tandem", "onednn"])
+@pytest.mark.parametrize("model_kind", ["llama", "llama_tied"])
+def test_packing_a_model_keeps_its_logits_and_frees_the_dense_weights(kind, model_kind):
+    path = tiny_model_dir(model_kind)
+    ref, _ = load_tiny_model(path)
+    model, _ = load_tiny_model(path)
+    assert pack_cpu_linears(model, kind, CPU) == kind
+    linears = [m for m in model.modules() if isinstance(m, LinearLayer)]
+    assert linears and all(m.packed is not None and m.weight is None for m in linears)
+    head = model.lm_head
+    assert isinstance(head, LMHead) and head.packed is not None
+    if head.tied:  # the embedding still looks its rows up
+        assert head.weight is model.model.embed_tokens.weight
+    else:
+        assert head.weight is None
+    hidden = torch.randn(7, model.config.hidden_size)
+    with torch.inference_mode():
+        torch.testing.assert_close(model.compute_logits(hidden), ref.compute_logits(hidden), atol=1e-4, rtol=1e-4)
+        for ours, theirs in zip(linears, (m for m in ref.modules() if isinstance(m, LinearLayer))):
+            x = torch.randn(3, theirs.input_size)
+            torch.testing.assert_close(ours(x), theirs(x), atol=1e-4, rtol=1e-4)
+    assert pack_cpu_linears(model, kind, CPU) == kind  # a second call changes nothing
+
+
+def test_torch_mode_and_other_devices_pack_nothing():
+    model, _ = load_tiny_model(tiny_model_dir("llama"))
+    assert pack_cpu_linears(model, "torch", CPU) == "torch"
+    assert resolve_kind("auto", torch.device("cuda")) == "torch"
+    assert all(m.packed is None and m.weight is not None for m in model.modules() if isinstance(m, LinearLayer))
+
+
+def test_auto_picks_tandems_kernel_here():
+    assert resolve_kind("auto", CPU) == "tandem"
+
+
+def test_unknown_mode_names_the_field_and_the_choices():
+    with pytest.raises(ValueError, match=r"engine.cpu_kernels = 'fast'; allowed: auto, tandem, onednn, torch"):
+        resolve_kind("fast", CPU)
+    with pytest.raises(ValueError, match="cpu_kernels"):
+        TandemConfig.model_validate({"model": {"path": "x"}, "engine": {"cpu_kernels": "fast"}})

@@ -1,0 +1,58 @@
+"""The cpu attention backend beyond the shared cases of test_attention_torch.py (which run it
+against the naive reference): its kernel is really built here, it agrees with the torch
+backend (the reference backend) on a decode batch of a real model's shape, and it keeps working
+through the torch path when the kernel cannot be built."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.kernels import cpu_ops
+from tandem.plugins.attention_cpu import CpuAttentionBackend
+from tandem.plugins.attention_torch import TorchAttentionBackend
+from tests.helpers.paged_batch import SeqSpec, build_metadata, scattered_tables
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 12, 4, 64, 16
+
+
+def test_the_kernel_builds_on_this_machine():
+    kernels = cpu_ops.load()
+    assert kernels is not None and hasattr(kernels, "paged_decode")
+
+
+def decode_batch(dtype, seed, contexts, num_blocks=1200):
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.randn(num_blocks, 1, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    tables = scattered_tables([c + 1 for c in contexts], BLOCK_SIZE, num_blocks, seed=seed)
+    seqs = [SeqSpec(t, c, 1) for t, c in zip(tables, contexts)]
+    q = torch.randn(len(seqs), HEADS, HEAD_DIM, generator=gen).to(dtype)
+    k = torch.randn(len(seqs), KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    v = torch.randn(len(seqs), KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    return pool, seqs, q, k, v
+
+
+def run(backend_cls, pool, seqs, q, k, v, window=None):
+    md = build_metadata(seqs, BLOCK_SIZE)
+    backend_cls.prepare_metadata(md)
+    backend = backend_cls(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5, window)
+    return backend.forward(q, k, v, pool[:, 0], md)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("window", [None, 37])
+def test_decode_batch_matches_the_torch_backend(dtype, atol, window):
+    gen = torch.Generator().manual_seed(4)
+    contexts = torch.randint(0, 300, (48,), generator=gen).tolist() + [0, 15, 16, 17]
+    pool, seqs, q, k, v = decode_batch(dtype, 4, contexts)
+    ours = run(CpuAttentionBackend, pool.clone(), seqs, q, k, v, window)
+    ref_pool = pool.clone()
+    ref = run(TorchAttentionBackend, ref_pool, seqs, q, k, v, window)
+    torch.testing.assert_close(ours.float(), ref.float(), atol=atol, rtol=atol)
+
+
+def test_falls_back_to_the_torch_path_without_the_kernel(monkeypatch):
+    pool, seqs, q, k, v = decode_batch(torch.float32, 5, [3, 40, 90])
+    expected = run(CpuAttentionBackend, pool.clone(), seqs, q, k, v)
+    monkeypatch.setattr(cpu_ops, "load", lambda: None)
+    torch.testing.assert_close(run(CpuAttentionBackend, pool.clone(), seqs, q, k, v), expected,
+                               atol=1e-5, rtol=1e-5)
