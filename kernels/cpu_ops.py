@@ -15,12 +15,14 @@ bfloat16, float16 queries and pools); GQA by the head ratio. See the source for 
 ``TORCH_EXTENSIONS_DIR``, by default ~/.cache/torch_extensions) and returns its operators
 (``torch.ops.tandem_cpu``), or None when it cannot be built — callers then keep their torch
 path. The build targets the CPU
-capability torch reports (AVX2, AVX512), named in the extension so that a cache shared between
-machines never hands one CPU another's build.
+capability torch reports (AVX2, AVX512); the extension's name carries that and a hash of the
+sources, the flags and the torch it builds against, so a cache shared between machines or checkouts never hands one CPU another's
+build, and two versions of tandem never rebuild each other's library under a running process.
 """
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import time
 from pathlib import Path
@@ -42,7 +44,9 @@ def load() -> Any | None:
     capability = torch.backends.cpu.get_cpu_capability()
     isa = "AVX512" if capability.startswith("AVX512") else capability
     flags = ["-O3", "-ffast-math", "-fopenmp", *_ISA_FLAGS.get(isa, [])]
-    name = f"tandem_cpu_kernels_{isa.lower()}"
+    built_with = " ".join([*flags, torch.__version__, torch.__file__])
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES) + built_with.encode())
+    name = f"tandem_cpu_kernels_{isa.lower()}_{digest.hexdigest()[:12]}"
     t0 = time.perf_counter()
     try:
         from torch.utils.cpp_extension import load as build

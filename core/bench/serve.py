@@ -314,6 +314,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft-ms", type=float, default=None)
     p.add_argument("--slo-tpot-ms", type=float, default=None)
+    p.add_argument("--client", choices=("tandem", "vllm"), default="tandem",
+                   help="the load generator: tandem's own (default) or vLLM's `vllm bench serve` "
+                        "(random dataset, from the venv of --vllm-python), against either server")
     p.add_argument("--plot", metavar="FILE.png", help="draw the latency distributions")
     p.add_argument("--result-json", metavar="FILE", help="write the summary as JSON")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
@@ -372,7 +375,14 @@ def bench(args: argparse.Namespace, url: str) -> dict | None:
         print(f"tandem bench serve: the warm-up request failed: {warmup.error}", file=sys.stderr)
         return None
     print(f"{len(requests)} requests to {url} ({model_name}), rate {args.request_rate}/s, "
-          f"max concurrency {args.max_concurrency or 'unlimited'}", flush=True)
+          f"max concurrency {args.max_concurrency or 'unlimited'}, client {args.client}", flush=True)
+    if args.client == "vllm":
+        from tandem.bench import vllm_client
+
+        summary = vllm_client.bench(args, url, model_name, model_path)
+        if summary is not None:
+            print(format_report(summary))
+        return summary
     results, duration = asyncio.run(run_benchmark(url, model_name, requests, args.request_rate,
                                                   args.max_concurrency, args.seed))
     summary = summarize(results, duration, args.slo_ttft_ms, args.slo_tpot_ms)

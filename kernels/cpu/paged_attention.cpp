@@ -14,9 +14,17 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define TANDEM_AVX2 1
+#endif
 
 namespace {
 
@@ -36,6 +44,89 @@ template <typename cache_t>
 inline void axpy(float* acc, float p, const cache_t* v, int64_t d) {
 #pragma omp simd
   for (int64_t i = 0; i < d; ++i) acc[i] += p * static_cast<float>(v[i]);
+}
+
+#ifdef TANDEM_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+
+// scores[t * nq + j] = q_j . k_t for the block's keys t0..t1-1 and the work item's query heads j
+// (query head j = hh * groups + g uses KV head hh of the item). AVX2 with d % 8 == 0: four keys
+// at a time, their sums reduced together.
+template <typename cache_t>
+void block_scores(float* scores, const float* qf, const cache_t* kb, int64_t ks2, int64_t ks3, int64_t t0,
+                  int64_t t1, int64_t part_heads, int64_t groups, int64_t d) {
+  const int64_t nq = part_heads * groups;
+  for (int64_t hh = 0; hh < part_heads; ++hh) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t j = hh * groups + g;
+      const float* qj = qf + j * d;
+      int64_t t = t0;
+#ifdef TANDEM_AVX2
+      if (d % 8 == 0) {
+        for (; t + 4 <= t1; t += 4) {
+          const cache_t* k0 = kb + t * ks2 + hh * ks3;
+          __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+          for (int64_t x = 0; x < d; x += 8) {
+            const __m256 qv = _mm256_loadu_ps(qj + x);
+            a0 = _mm256_fmadd_ps(qv, load8(k0 + x), a0);
+            a1 = _mm256_fmadd_ps(qv, load8(k0 + ks2 + x), a1);
+            a2 = _mm256_fmadd_ps(qv, load8(k0 + 2 * ks2 + x), a2);
+            a3 = _mm256_fmadd_ps(qv, load8(k0 + 3 * ks2 + x), a3);
+          }
+          const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+          alignas(16) float sums[4];
+          _mm_store_ps(sums, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+          for (int u = 0; u < 4; ++u) scores[(t + u) * nq + j] = sums[u];
+        }
+      }
+#endif
+      for (; t < t1; ++t) scores[t * nq + j] = dot(qj, kb + t * ks2 + hh * ks3, d);
+    }
+  }
+}
+
+// acc[j * d + x] += sum over the block's keys t of p[t * nq + j] * v_t[x]. AVX2 with d % 32 == 0:
+// 32 outputs of one head held in registers across the block.
+template <typename cache_t>
+void block_values(float* acc, const float* p, const cache_t* vb, int64_t ks2, int64_t ks3, int64_t t0, int64_t t1,
+                  int64_t part_heads, int64_t groups, int64_t d) {
+  const int64_t nq = part_heads * groups;
+  for (int64_t hh = 0; hh < part_heads; ++hh) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t j = hh * groups + g;
+      float* aj = acc + j * d;
+#ifdef TANDEM_AVX2
+      if (d % 32 == 0) {
+        for (int64_t x0 = 0; x0 < d; x0 += 32) {
+          __m256 c0 = _mm256_loadu_ps(aj + x0), c1 = _mm256_loadu_ps(aj + x0 + 8);
+          __m256 c2 = _mm256_loadu_ps(aj + x0 + 16), c3 = _mm256_loadu_ps(aj + x0 + 24);
+          for (int64_t t = t0; t < t1; ++t) {
+            const cache_t* v = vb + t * ks2 + hh * ks3 + x0;
+            const __m256 pt = _mm256_set1_ps(p[t * nq + j]);
+            c0 = _mm256_fmadd_ps(pt, load8(v), c0);
+            c1 = _mm256_fmadd_ps(pt, load8(v + 8), c1);
+            c2 = _mm256_fmadd_ps(pt, load8(v + 16), c2);
+            c3 = _mm256_fmadd_ps(pt, load8(v + 24), c3);
+          }
+          _mm256_storeu_ps(aj + x0, c0);
+          _mm256_storeu_ps(aj + x0 + 8, c1);
+          _mm256_storeu_ps(aj + x0 + 16, c2);
+          _mm256_storeu_ps(aj + x0 + 24, c3);
+        }
+        continue;
+      }
+#endif
+      for (int64_t t = t0; t < t1; ++t) axpy(aj, p[t * nq + j], vb + t * ks2 + hh * ks3, d);
+    }
+  }
 }
 
 template <typename scalar_t, typename cache_t>
@@ -81,16 +172,7 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at
           __builtin_prefetch(next);
           __builtin_prefetch(next + ks1);
         }
-        // scores[t * nq + j] of query head j against key t
-        for (int64_t t = t0; t < t1; ++t) {
-          for (int64_t hh = 0; hh < part_heads; ++hh) {
-            const cache_t* krow = kb + t * ks2 + hh * ks3;
-            for (int64_t g = 0; g < groups; ++g) {
-              const int64_t j = hh * groups + g;
-              scores[t * nq + j] = dot(qf.data() + j * d, krow, d);
-            }
-          }
-        }
+        block_scores(scores.data(), qf.data(), kb, ks2, ks3, t0, t1, part_heads, groups, d);
         for (int64_t j = 0; j < nq; ++j) {
           float block_max = kNoScore;
           for (int64_t t = t0; t < t1; ++t) block_max = std::max(block_max, scores[t * nq + j]);
@@ -112,15 +194,7 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at
 #pragma omp simd
           for (int64_t x = 0; x < d; ++x) a[x] *= k;
         }
-        for (int64_t t = t0; t < t1; ++t) {
-          for (int64_t hh = 0; hh < part_heads; ++hh) {
-            const cache_t* vrow = vb + t * ks2 + hh * ks3;
-            for (int64_t g = 0; g < groups; ++g) {
-              const int64_t j = hh * groups + g;
-              axpy(acc.data() + j * d, scores[t * nq + j], vrow, d);
-            }
-          }
-        }
+        block_values(acc.data(), scores.data(), vb, ks2, ks3, t0, t1, part_heads, groups, d);
       }
       for (int64_t j = 0; j < nq; ++j) {
         scalar_t* dst = op + row * os0 + (h0 * groups + j) * os1;
