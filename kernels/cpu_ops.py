@@ -11,7 +11,7 @@ blocks ``tables[i]`` names (the last ``window`` of them when ``window`` > 0), an
 written to row ``rows[i]`` of ``out``. float32 arithmetic whatever the dtypes (float32,
 bfloat16, float16 queries and pools); GQA by the head ratio. See the source for the layout.
 
-``load()`` builds the extension once per machine (g++ and ninja, ~20 s; torch caches it under
+``load()`` builds the extension once per machine (g++ and ninja, 20–45 s; torch caches it under
 ``TORCH_EXTENSIONS_DIR``, by default ~/.cache/torch_extensions) and returns its operators
 (``torch.ops.tandem_cpu``), or None when it cannot be built — callers then keep their torch
 path. The build targets the CPU
