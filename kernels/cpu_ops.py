@@ -31,6 +31,7 @@ from typing import Any
 logger = logging.getLogger("tandem")
 
 SOURCES = [Path(__file__).parent / "cpu" / name for name in ("paged_attention.cpp", "linear.cpp", "elementwise.cpp")]
+HEADERS = [Path(__file__).parent / "cpu" / "work_queue.h"]
 _ISA_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
@@ -45,7 +46,7 @@ def load() -> Any | None:
     isa = "AVX512" if capability.startswith("AVX512") else capability
     flags = ["-O3", "-ffast-math", "-fopenmp", *_ISA_FLAGS.get(isa, [])]
     built_with = " ".join([*flags, torch.__version__, torch.__file__])
-    digest = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES) + built_with.encode())
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES + HEADERS) + built_with.encode())
     name = f"tandem_cpu_kernels_{isa.lower()}_{digest.hexdigest()[:12]}"
     t0 = time.perf_counter()
     try:

@@ -12,11 +12,13 @@ Kernels (``mode``):
 
 - ``tandem``: tandem's own (``kernels/cpu/linear.cpp``): 16-column panels in the model's dtype,
   a 6 x 16 AVX2 register tile, float32 products and sums (16-bit weights widen as they load, so
-  a bfloat16 model keeps bfloat16 weights and reads half the bytes). Measured here on the
-  linear layers of bench-100m's 8 layers with weights cold (not in cache): at 1 / 8 / 32 / 64
-  rows 13.5 / 19.7 / 38.9 / 60.3 ms in float32 (bfloat16 weights 8.1 / 14.4 / 39 / 75 ms),
-  against oneDNN's 18.1 / 37.2 / 52.8 / 76.7 and ``F.linear``'s 20 / 69 / 96 / 133; at 512 rows
-  (prefill) 0.88x oneDNN's rate.
+  a bfloat16 model keeps bfloat16 weights and reads half the bytes), the weight prefetched into
+  L2 three K-slices ahead, the panels taken a few at a time by the threads from a shared
+  counter. Measured here on the linear layers of bench-100m's 8 layers with weights cold (not
+  in cache): at 1 / 8 / 16 / 32 / 64 rows 13 / 15 / 20 / 35 / 59 ms in float32 (without the
+  prefetch 13 / 17 / 24 / 37 / 62; bfloat16 weights, before the prefetch, 7.7 / 13 / 21 / 38 /
+  75 ms), against oneDNN's 18.1 / 37.2 / - / 52.8 / 76.7 and ``F.linear``'s 20 / 69 / - / 96 /
+  133; at 512 rows (prefill) 0.88x oneDNN's rate.
 - ``onednn``: oneDNN's reordered weights (``torch.ops.mkldnn``, inductor's CPU path), in the
   model's dtype where the CPU has instructions for it, else in float32 (twice the memory of a
   16-bit model).

@@ -10,13 +10,16 @@
 // L2 while every panel goes by), a slice of K at a time (kKBlock rows of the panel, which stay in
 // L1 for every tile of the row block); a 6 x 16 register tile accumulates, so each weight element
 // loaded feeds up to 12 FMAs. 16-bit weights widen to float32 as they load: half
-// the bytes of a float32 copy, float32 products and sums. Threads split the panels (and, for long
-// inputs, the row blocks). Without AVX2 (builds for other CPUs) the same loops run in plain C++.
+// the bytes of a float32 copy, float32 products and sums. Threads take the panels (and, for long
+// inputs, the row blocks) a few at a time from a shared counter (work_queue.h). Without AVX2
+// (builds for other CPUs) the same loops run in plain C++.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
+
+#include "work_queue.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -35,6 +38,7 @@ constexpr int64_t kPanel = 16;
 constexpr int64_t kTile = 6;
 constexpr int64_t kRowBlock = 96;
 constexpr int64_t kKBlock = 256;
+constexpr int64_t kPrefetchSlices = 3;
 
 #ifdef TANDEM_AVX2
 inline void load16(const float* w, __m256& lo, __m256& hi) {
@@ -54,7 +58,8 @@ inline void load16(const c10::Half* w, __m256& lo, __m256& hi) {
 
 // rows x 16 outputs of one panel: tile[r * 16 + c] = sum_k x[r, k] * panel[k, c]
 template <typename W, int rows>
-inline void tile_kernel(const float* x, int64_t ldx, const W* panel, int64_t k_size, float* tile, bool accumulate) {
+inline void tile_kernel(const float* x, int64_t ldx, const W* panel, int64_t k_size, float* tile, bool accumulate,
+                        const W* prefetch) {
   __m256 acc[rows][2];
   for (int r = 0; r < rows; ++r) {
     acc[r][0] = accumulate ? _mm256_loadu_ps(tile + r * kPanel) : _mm256_setzero_ps();
@@ -62,6 +67,7 @@ inline void tile_kernel(const float* x, int64_t ldx, const W* panel, int64_t k_s
   }
   for (int64_t k = 0; k < k_size; ++k) {
     __m256 w0, w1;
+    if (prefetch != nullptr) _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * kPanel), _MM_HINT_T1);
     load16(panel + k * kPanel, w0, w1);
     for (int r = 0; r < rows; ++r) {
       const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
@@ -76,7 +82,8 @@ inline void tile_kernel(const float* x, int64_t ldx, const W* panel, int64_t k_s
 }
 #else
 template <typename W, int rows>
-inline void tile_kernel(const float* x, int64_t ldx, const W* panel, int64_t k_size, float* tile, bool accumulate) {
+inline void tile_kernel(const float* x, int64_t ldx, const W* panel, int64_t k_size, float* tile, bool accumulate,
+                        const W* /*prefetch*/) {
   float acc[rows][kPanel] = {};
   if (accumulate) std::memcpy(acc, tile, sizeof(acc));
   for (int64_t k = 0; k < k_size; ++k) {
@@ -91,14 +98,15 @@ inline void tile_kernel(const float* x, int64_t ldx, const W* panel, int64_t k_s
 #endif
 
 template <typename W>
-void run_tile(int64_t rows, const float* x, int64_t ldx, const W* panel, int64_t k_size, float* tile, bool accumulate) {
+void run_tile(int64_t rows, const float* x, int64_t ldx, const W* panel, int64_t k_size, float* tile, bool accumulate,
+              const W* prefetch) {
   switch (rows) {
-    case 1: return tile_kernel<W, 1>(x, ldx, panel, k_size, tile, accumulate);
-    case 2: return tile_kernel<W, 2>(x, ldx, panel, k_size, tile, accumulate);
-    case 3: return tile_kernel<W, 3>(x, ldx, panel, k_size, tile, accumulate);
-    case 4: return tile_kernel<W, 4>(x, ldx, panel, k_size, tile, accumulate);
-    case 5: return tile_kernel<W, 5>(x, ldx, panel, k_size, tile, accumulate);
-    default: return tile_kernel<W, 6>(x, ldx, panel, k_size, tile, accumulate);
+    case 1: return tile_kernel<W, 1>(x, ldx, panel, k_size, tile, accumulate, prefetch);
+    case 2: return tile_kernel<W, 2>(x, ldx, panel, k_size, tile, accumulate, prefetch);
+    case 3: return tile_kernel<W, 3>(x, ldx, panel, k_size, tile, accumulate, prefetch);
+    case 4: return tile_kernel<W, 4>(x, ldx, panel, k_size, tile, accumulate, prefetch);
+    case 5: return tile_kernel<W, 5>(x, ldx, panel, k_size, tile, accumulate, prefetch);
+    default: return tile_kernel<W, 6>(x, ldx, panel, k_size, tile, accumulate, prefetch);
   }
 }
 
@@ -111,7 +119,9 @@ void linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
   float* op = out.data_ptr<float>();
   const int64_t row_block = kRowBlock;
   const int64_t row_blocks = (m_size + row_block - 1) / row_block;
-  at::parallel_for(0, row_blocks * n_panels, 1, [&](int64_t begin, int64_t end) {
+  // a few panels per chunk: each chunk streams one contiguous run of the weight
+  const int64_t total = row_blocks * n_panels;
+  tandem_cpu::for_each_chunk(total, tandem_cpu::chunk_for(total, 8), [&](int64_t begin, int64_t end) {
     alignas(32) float acc[kRowBlock * kPanel];  // the row block's sums for one panel
     for (int64_t work = begin; work < end; ++work) {
       // consecutive work items walk the panels of one row block: each thread streams a
@@ -123,9 +133,13 @@ void linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
       // K in slices whose part of the panel (kKBlock x 16) stays in L1 for every tile
       for (int64_t k0 = 0; k0 < k_size; k0 += kKBlock) {
         const int64_t kc = std::min(kKBlock, k_size - k0);
+        // the first tile of the slice asks for the weight kPrefetchSlices slices on (the
+        // weight is contiguous: further along this panel or into the next ones), into L2, so
+        // that its reads overlap this slice's FMAs rather than wait at the next slice's start
+        const W* ahead = panel + (k0 + kPrefetchSlices * kc) * kPanel;
         for (int64_t r0 = row0; r0 < row_end; r0 += kTile) {
           run_tile<W>(std::min(kTile, row_end - r0), xp + r0 * ldx + k0, ldx, panel + k0 * kPanel, kc,
-                      acc + (r0 - row0) * kPanel, k0 > 0);
+                      acc + (r0 - row0) * kPanel, k0 > 0, r0 == row0 ? ahead : nullptr);
         }
       }
       for (int64_t r0 = row0; r0 < row_end; r0 += kTile) {

@@ -2,9 +2,11 @@
 //
 // One query row attends to the first seq_len keys of its own sequence (the last `window` of
 // them when window > 0), which live in the blocks its block-table row names. Work items are
-// rows (or, with few rows, (row, KV head) pairs), shared out over torch's OpenMP threads; each
-// walks its blocks once, front to back: the scores of all its query heads against every key of
-// the block, then the block folded into a running (max, sum, weighted V) softmax, in float32.
+// rows (or, with few rows, (row, KV head) pairs), taken one at a time by torch's OpenMP threads
+// from a shared counter (work_queue.h); each walks its blocks once, front to back: the scores of
+// all its query heads against every key of the block (kept head-major, so that max, exp and sum
+// run over whole vectors of keys), then the block folded into a running (max, sum, weighted V)
+// softmax, in float32.
 //
 //   q, out   [T, H, D]                    rows[i] is the token row of query row i
 //   kv       [num_blocks, 2, bs, Hkv, D]  one layer of the pool (index 0: K, 1: V), D contiguous
@@ -13,6 +15,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
+
+#include "work_queue.h"
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -57,13 +61,12 @@ inline __m256 load8(const c10::Half* p) {
 }
 #endif
 
-// scores[t * nq + j] = q_j . k_t for the block's keys t0..t1-1 and the work item's query heads j
+// scores[j * bs + t] = q_j . k_t for the block's keys t0..t1-1 and the work item's query heads j
 // (query head j = hh * groups + g uses KV head hh of the item). AVX2 with d % 8 == 0: four keys
 // at a time, their sums reduced together.
 template <typename cache_t>
-void block_scores(float* scores, const float* qf, const cache_t* kb, int64_t ks2, int64_t ks3, int64_t t0,
+void block_scores(float* scores, int64_t bs, const float* qf, const cache_t* kb, int64_t ks2, int64_t ks3, int64_t t0,
                   int64_t t1, int64_t part_heads, int64_t groups, int64_t d) {
-  const int64_t nq = part_heads * groups;
   for (int64_t hh = 0; hh < part_heads; ++hh) {
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t j = hh * groups + g;
@@ -84,21 +87,20 @@ void block_scores(float* scores, const float* qf, const cache_t* kb, int64_t ks2
           const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
           alignas(16) float sums[4];
           _mm_store_ps(sums, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-          for (int u = 0; u < 4; ++u) scores[(t + u) * nq + j] = sums[u];
+          for (int u = 0; u < 4; ++u) scores[j * bs + t + u] = sums[u];
         }
       }
 #endif
-      for (; t < t1; ++t) scores[t * nq + j] = dot(qj, kb + t * ks2 + hh * ks3, d);
+      for (; t < t1; ++t) scores[j * bs + t] = dot(qj, kb + t * ks2 + hh * ks3, d);
     }
   }
 }
 
-// acc[j * d + x] += sum over the block's keys t of p[t * nq + j] * v_t[x]. AVX2 with d % 32 == 0:
+// acc[j * d + x] += sum over the block's keys t of p[j * bs + t] * v_t[x]. AVX2 with d % 32 == 0:
 // 32 outputs of one head held in registers across the block.
 template <typename cache_t>
-void block_values(float* acc, const float* p, const cache_t* vb, int64_t ks2, int64_t ks3, int64_t t0, int64_t t1,
-                  int64_t part_heads, int64_t groups, int64_t d) {
-  const int64_t nq = part_heads * groups;
+void block_values(float* acc, const float* p, int64_t bs, const cache_t* vb, int64_t ks2, int64_t ks3, int64_t t0,
+                  int64_t t1, int64_t part_heads, int64_t groups, int64_t d) {
   for (int64_t hh = 0; hh < part_heads; ++hh) {
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t j = hh * groups + g;
@@ -110,7 +112,7 @@ void block_values(float* acc, const float* p, const cache_t* vb, int64_t ks2, in
           __m256 c2 = _mm256_loadu_ps(aj + x0 + 16), c3 = _mm256_loadu_ps(aj + x0 + 24);
           for (int64_t t = t0; t < t1; ++t) {
             const cache_t* v = vb + t * ks2 + hh * ks3 + x0;
-            const __m256 pt = _mm256_set1_ps(p[t * nq + j]);
+            const __m256 pt = _mm256_set1_ps(p[j * bs + t]);
             c0 = _mm256_fmadd_ps(pt, load8(v), c0);
             c1 = _mm256_fmadd_ps(pt, load8(v + 8), c1);
             c2 = _mm256_fmadd_ps(pt, load8(v + 16), c2);
@@ -124,7 +126,7 @@ void block_values(float* acc, const float* p, const cache_t* vb, int64_t ks2, in
         continue;
       }
 #endif
-      for (int64_t t = t0; t < t1; ++t) axpy(aj, p[t * nq + j], vb + t * ks2 + hh * ks3, d);
+      for (int64_t t = t0; t < t1; ++t) axpy(aj, p[j * bs + t], vb + t * ks2 + hh * ks3, d);
     }
   }
 }
@@ -149,9 +151,9 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at
   const int64_t head_parts = n_rows >= 4 * at::get_num_threads() ? 1 : kv_heads;
   const int64_t part_heads = kv_heads / head_parts;
 
-  at::parallel_for(0, n_rows * head_parts, 1, [&](int64_t begin, int64_t end) {
+  tandem_cpu::for_each_chunk(n_rows * head_parts, 1, [&](int64_t begin, int64_t end) {
     const int64_t nq = part_heads * groups;  // query heads of one work item
-    std::vector<float> qf(nq * d), acc(nq * d), scores(bs * nq), m(nq), l(nq), keep(nq);
+    std::vector<float> qf(nq * d), acc(nq * d), scores(nq * bs), m(nq), l(nq);
     for (int64_t work = begin; work < end; ++work) {
       const int64_t i = work / head_parts, h0 = (work % head_parts) * part_heads;
       const int64_t row = rp[i], len = lp[i];
@@ -172,29 +174,30 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at
           __builtin_prefetch(next);
           __builtin_prefetch(next + ks1);
         }
-        block_scores(scores.data(), qf.data(), kb, ks2, ks3, t0, t1, part_heads, groups, d);
+        block_scores(scores.data(), bs, qf.data(), kb, ks2, ks3, t0, t1, part_heads, groups, d);
+        // per query head, over the block's keys (contiguous: whole vectors for exp, max, sum)
         for (int64_t j = 0; j < nq; ++j) {
+          float* sj = scores.data() + j * bs;
           float block_max = kNoScore;
-          for (int64_t t = t0; t < t1; ++t) block_max = std::max(block_max, scores[t * nq + j]);
+#pragma omp simd reduction(max : block_max)
+          for (int64_t t = t0; t < t1; ++t) block_max = std::max(block_max, sj[t]);
           const float m_new = std::max(m[j], block_max);
-          keep[j] = std::exp(m[j] - m_new);  // 0 before the first block
+          const float keep = std::exp(m[j] - m_new);  // 0 before the first block
           m[j] = m_new;
-        }
-        for (int64_t t = t0; t < t1; ++t) {
-          float* st = scores.data() + t * nq;
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t t = t0; t < t1; ++t) {
+            sj[t] = std::exp(sj[t] - m_new);
+            sum += sj[t];
+          }
+          l[j] = l[j] * keep + sum;
+          if (keep != 1.f) {  // the running max moved: rescale what was summed so far
+            float* a = acc.data() + j * d;
 #pragma omp simd
-          for (int64_t j = 0; j < nq; ++j) st[j] = std::exp(st[j] - m[j]);
+            for (int64_t x = 0; x < d; ++x) a[x] *= keep;
+          }
         }
-        for (int64_t j = 0; j < nq; ++j) {
-          float sum = l[j] * keep[j];
-          for (int64_t t = t0; t < t1; ++t) sum += scores[t * nq + j];
-          l[j] = sum;
-          float* a = acc.data() + j * d;
-          const float k = keep[j];
-#pragma omp simd
-          for (int64_t x = 0; x < d; ++x) a[x] *= k;
-        }
-        block_values(acc.data(), scores.data(), vb, ks2, ks3, t0, t1, part_heads, groups, d);
+        block_values(acc.data(), scores.data(), bs, vb, ks2, ks3, t0, t1, part_heads, groups, d);
       }
       for (int64_t j = 0; j < nq; ++j) {
         scalar_t* dst = op + row * os0 + (h0 * groups + j) * os1;

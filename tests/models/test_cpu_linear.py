@@ -36,6 +36,27 @@ def test_packed_linear_matches_a_float64_matmul(kind, dtype, tol, rows):
         torch.testing.assert_close(got.float(), reference(x, w, b).float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("rows", [3, 64, 200])
+def test_the_result_does_not_depend_on_the_number_of_threads(rows):
+    # Threads take panels (and row blocks) a few at a time from a shared counter: every output
+    # is computed once, by one thread, the same way, so one thread and two give the same bits,
+    # and none is left out (the float64 reference).
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(16 * 37 + 5, 64, generator=gen) / 8
+    x = torch.randn(rows, 64, generator=gen)
+    packed = PackedLinear.pack("tandem", w)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = packed(x)
+        torch.set_num_threads(max(2, threads))
+        many = packed(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+    torch.testing.assert_close(many, reference(x, w, None), atol=1e-4, rtol=1e-4)
+
+
 def test_strided_and_batched_inputs():
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(40, 32, generator=gen)

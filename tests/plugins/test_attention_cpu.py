@@ -50,6 +50,25 @@ def test_decode_batch_matches_the_torch_backend(dtype, atol, window):
     torch.testing.assert_close(ours.float(), ref.float(), atol=atol, rtol=atol)
 
 
+def test_uneven_rows_give_the_same_bits_on_one_thread_and_two():
+    # Rows are taken one at a time from a shared counter (a long row does not hold up the rows
+    # after it on the same thread); each row is still computed by one thread, the same way.
+    gen = torch.Generator().manual_seed(6)
+    contexts = [600, 1, 2, 3] + torch.randint(0, 40, (20,), generator=gen).tolist() + [450]
+    pool, seqs, q, k, v = decode_batch(torch.float32, 6, contexts)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run(CpuAttentionBackend, pool.clone(), seqs, q, k, v)
+        torch.set_num_threads(max(2, threads))
+        many = run(CpuAttentionBackend, pool.clone(), seqs, q, k, v)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+    ref = run(TorchAttentionBackend, pool.clone(), seqs, q, k, v)
+    torch.testing.assert_close(many, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_falls_back_to_the_torch_path_without_the_kernel(monkeypatch):
     pool, seqs, q, k, v = decode_batch(torch.float32, 5, [3, 40, 90])
     expected = run(CpuAttentionBackend, pool.clone(), seqs, q, k, v)
