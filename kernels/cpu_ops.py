@@ -11,6 +11,9 @@ blocks ``tables[i]`` names (the last ``window`` of them when ``window`` > 0), an
 written to row ``rows[i]`` of ``out``. float32 arithmetic whatever the dtypes (float32,
 bfloat16, float16 queries and pools); GQA by the head ratio. See the source for the layout.
 
+``draw_rows(tokens, logits, uniforms)`` — the sampler's inverse-CDF draw, one token per row of
+``softmax(logits)`` from that row's uniform number (``tandem.worker.sampler``; see sampling.cpp).
+
 ``load()`` builds the extension once per machine (g++ and ninja, 20–45 s; torch caches it under
 ``TORCH_EXTENSIONS_DIR``, by default ~/.cache/torch_extensions) and returns its operators
 (``torch.ops.tandem_cpu``), or None when it cannot be built — callers then keep their torch
@@ -30,7 +33,8 @@ from typing import Any
 
 logger = logging.getLogger("tandem")
 
-SOURCES = [Path(__file__).parent / "cpu" / name for name in ("paged_attention.cpp", "linear.cpp", "elementwise.cpp")]
+SOURCES = [Path(__file__).parent / "cpu" / name
+           for name in ("paged_attention.cpp", "linear.cpp", "elementwise.cpp", "sampling.cpp")]
 HEADERS = [Path(__file__).parent / "cpu" / "work_queue.h"]
 _ISA_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
@@ -55,7 +59,7 @@ def load() -> Any | None:
         build(name=name, sources=[str(s) for s in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
               is_python_module=False, verbose=False)
         ops = torch.ops.tandem_cpu
-        ops.paged_decode, ops.panel_linear, ops.rotary_neox  # noqa: B018 - registered, or raise here rather than mid-step
+        ops.paged_decode, ops.panel_linear, ops.rotary_neox, ops.draw_rows  # noqa: B018 - registered, or raise here rather than mid-step
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, no headers: keep the torch path
         logger.warning("tandem's CPU kernels could not be built (%s: %s); linear layers and decode "
                        "attention stay on torch's own kernels", type(exc).__name__,

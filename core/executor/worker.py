@@ -106,7 +106,8 @@ class Worker:
                                            attn_backend_cls=self.attn_backend_cls, quant_method=quant_method)
         logger.info("loaded %s (%s) on %s in %s in %.1f s", path, self.arch.architectures[0], self.device,
                     str(self.dtype).removeprefix("torch."), time.perf_counter() - t0)
-        if pack_cpu_linears(self.model, eng.cpu_kernels, self.device) == "tandem":
+        cpu_kernels = pack_cpu_linears(self.model, eng.cpu_kernels, self.device) == "tandem"
+        if cpu_kernels:
             enable_cpu_fusion(self.model)
         self.eos_token_ids = eos_token_ids
         self.kv_cache = self._allocate_kv_pool()
@@ -116,6 +117,10 @@ class Worker:
         self.runner = ModelRunner(self.model, self.kv_cache, eng.block_size, eos_token_ids,
                                   self.attn_backend_cls, self.parallel)
         self.runner.graphs = self._capture_cuda_graphs()
+        if cpu_kernels:  # the sampler's draws too (tandem.worker.sampler._draw)
+            from tandem.kernels import cpu_ops
+
+            self.runner.sampler.draw_kernel = cpu_ops.load().draw_rows
         self.connector: KVConnector | None = None
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:

@@ -42,7 +42,9 @@ the batch; unseeded rows share the device's default generator.
 
 Cost. A batch of plain greedy rows is a single argmax, plus a look at the values it chose (torch's
 argmax takes a NaN over any number, so a NaN there sends the batch through sanitizing). Otherwise
-sanitizing is one row-sum pass while every logit is finite.
+sanitizing is one row-sum pass while every logit is finite, each filter costs nothing unless a
+row uses it, and on the CPU with tandem's kernels the draw is one C++ pass per row
+(``Sampler.draw_kernel``) instead of softmax, cumsum and searchsorted over the whole batch.
 """
 from __future__ import annotations
 
@@ -109,7 +111,16 @@ def make_generator(seed: int, sample_index: int, device: torch.device | str) -> 
 
 
 class Sampler:
-    """Samples one token per row. Stateless; called once per step by the model runner."""
+    """Samples one token per row. Stateless; called once per step by the model runner.
+
+    ``draw_kernel``: None (torch's softmax, cumsum and searchsorted) or the CPU kernel
+    ``torch.ops.tandem_cpu.draw_rows`` (kernels/cpu/sampling.cpp: the same inverse-CDF draw in
+    one pass for the max, one for exp and the sums, and a partial one for the search), which the
+    worker sets when tandem's CPU kernels are in use (``engine.cpu_kernels``). Both draw token k
+    with probability softmax(logits)[k] from the same uniform number; they can differ only where
+    that number falls within rounding of a boundary of the cumulative sums."""
+
+    draw_kernel = None
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """Samples a token for each row of ``logits`` ([len(rows), vocab], float32; another dtype
@@ -134,7 +145,7 @@ class Sampler:
             if row.allowed is not None:
                 logits[i].masked_fill_(~row.allowed, float("-inf"))
         process_logits(logits, rows)
-        token_ids = _sample(logits, rows, fallback)
+        token_ids = _sample(logits, rows, fallback, self.draw_kernel)
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         if raw_logprobs is not None:
             num_top = min(max(rows[i].params.logprobs for i in logprob_rows), logits.shape[1])
@@ -229,7 +240,8 @@ def _is_plain_greedy(row: SamplingRow) -> bool:
     )
 
 
-def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow], fallback: torch.Tensor) -> list[int]:
+def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow], fallback: torch.Tensor,
+            draw_kernel=None) -> list[int]:
     """Row ``i``'s token, or ``fallback[i]`` where its processed logits are all -inf."""
     token_ids = fallback.clone()
     greedy = [i for i, row in enumerate(rows) if row.params.greedy]
@@ -238,7 +250,7 @@ def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow], fallback: torch.T
         _put_chosen(token_ids, greedy, _argmax(select_rows(logits, greedy)))
     if sampled:
         generators = [rows[i].generator for i in sampled]
-        _put_chosen(token_ids, sampled, _draw(select_rows(logits, sampled), generators))
+        _put_chosen(token_ids, sampled, _draw(select_rows(logits, sampled), generators, draw_kernel))
     return token_ids.tolist()
 
 
@@ -254,16 +266,23 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return argmax.masked_fill_(chosen == -math.inf, -1)
 
 
-def _draw(logits: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+def _draw(logits: torch.Tensor, generators: list[torch.Generator | None], draw_kernel=None) -> torch.Tensor:
     """Inverse-CDF draw of one token per row of ``softmax(logits)``; a token of probability 0 is
     never drawn (its cumulative value equals its predecessor's). -1 for a row of -inf only.
+    One uniform number per row, from the row's generator, whichever way it is drawn (a seeded
+    stream stays aligned): ``draw_kernel`` (see ``Sampler``) on CPU float32 logits, else torch.
 
     ``logits`` holds no NaN or +inf (see process_logits), so a row with a finite logit has a CDF
     of finite values whose total is at least 1 / vocab, and ``target < total`` keeps the search
     inside the row even where rounding makes the CDF not quite monotone."""
+    u = _uniforms(generators, logits.device)
+    if draw_kernel is not None and logits.device.type == "cpu" and logits.dtype == torch.float32:
+        tokens = torch.empty(logits.shape[0], dtype=torch.long)
+        draw_kernel(tokens, logits if logits.stride(-1) == 1 else logits.contiguous(), u.float())
+        return tokens
     cdf = logits.softmax(dim=-1).cumsum_(dim=-1)
     total = cdf[:, -1:]
-    target = _uniforms(generators, logits.device)[:, None] * total
+    target = u[:, None] * total
     # Rounding may lift u * total to total itself; the largest float below it is still in range.
     target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
     drawn = torch.searchsorted(cdf, target, right=True).squeeze(1)

@@ -1,0 +1,99 @@
+"""The sampler's draw through tandem's CPU kernel (``Sampler.draw_kernel``, kernels/cpu/sampling.cpp)
+against torch's softmax + cumsum + searchsorted draw on the same uniform numbers, against the
+distribution itself (chi-square), with seeds, and wired in by the worker only with tandem's
+kernels."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem import LLM
+from tandem.kernels import cpu_ops
+from tandem.sched.sampling_params import SamplingParams
+from tandem.worker.sampler import Sampler, SamplingRow, _draw, make_generator
+from tests.helpers.tiny_models import tiny_model_dir
+
+EOS = 2
+CHI2_7DF_P999 = 24.32  # 99.9th percentile of the chi-square distribution, 7 degrees of freedom
+
+
+@pytest.fixture(scope="module")
+def draw_rows():
+    kernels = cpu_ops.load()
+    assert kernels is not None, "the CPU kernels build on this machine"
+    return kernels.draw_rows
+
+
+def kernel_sampler(draw_rows) -> Sampler:
+    sampler = Sampler()
+    sampler.draw_kernel = draw_rows
+    return sampler
+
+
+def row(params, generator=None) -> SamplingRow:
+    return SamplingRow(params, generator, [5, 6], [], frozenset({EOS}))
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 256, 257, 32000])
+def test_the_kernel_draws_the_tokens_torch_draws_from_the_same_numbers(draw_rows, vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(300, vocab, generator=gen) * 4
+    # filtered tokens (as top-k / top-p / min-p leave them), huge and tiny magnitudes, one token left
+    logits[::3, vocab // 2:] = float("-inf")
+    logits[1] *= 1e30
+    logits[2] *= 1e-30
+    logits[4, :] = float("-inf")
+    logits[4, vocab - 1] = 3.0
+    logits[5] = float("-inf")  # nothing left: -1
+    generators = [make_generator(i, 0, "cpu") if i % 2 else None for i in range(300)]
+    torch.manual_seed(0)
+    expected = _draw(logits.clone(), generators)
+    generators = [make_generator(i, 0, "cpu") if i % 2 else None for i in range(300)]
+    torch.manual_seed(0)
+    got = _draw(logits.clone(), generators, draw_rows)
+    assert got.dtype == torch.long and got[5] == -1 and got[4] == vocab - 1
+    # the two sum in different orders: only a number within rounding of a boundary of the
+    # cumulative sums may land on a neighbouring token
+    assert float((got == expected).float().mean()) >= 0.99
+    drawn = got[got >= 0]
+    assert bool(torch.isfinite(logits[got >= 0].gather(1, drawn[:, None])).all()), "a filtered token was drawn"
+
+
+@pytest.mark.parametrize("seeded", [True, False], ids=["own-generators", "default-generator"])
+def test_kernel_draws_follow_the_processed_distribution(draw_rows, seeded):
+    torch.manual_seed(4)
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.9, 0.5, 0.0, -0.5, -1.0, -2.0, -3.0, -4.0])
+    params = SamplingParams(temperature=0.8, top_k=8, seed=7 if seeded else None)
+    # softmax(logits / 0.8) over the 8 largest, by hand
+    expected = torch.zeros(len(logits))
+    expected[:8] = torch.softmax(logits[:8] / 0.8, dim=-1)
+    num_draws = 20000
+    rows = [row(params, make_generator(seed, 0, "cpu") if seeded else None) for seed in range(num_draws)]
+    tokens = kernel_sampler(draw_rows)(logits.repeat(num_draws, 1), rows).token_ids
+    counts = torch.bincount(torch.tensor(tokens), minlength=len(logits)).float()
+    assert counts[8:].sum() == 0
+    chi2 = float(((counts[:8] - expected[:8] * num_draws) ** 2 / (expected[:8] * num_draws)).sum())
+    assert chi2 < CHI2_7DF_P999
+
+
+def test_a_seeded_request_draws_what_it_draws_without_the_kernel(draw_rows):
+    torch.manual_seed(5)
+    steps_logits = torch.randn(20, 2000) * 2
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
+
+    def run(sampler):
+        generator = make_generator(params.seed, 0, "cpu")
+        return [sampler(step[None].clone(), [row(params, generator)]).token_ids[0] for step in steps_logits]
+
+    with_kernel = run(kernel_sampler(draw_rows))
+    assert with_kernel == run(kernel_sampler(draw_rows))
+    assert with_kernel == run(Sampler())
+
+
+@pytest.mark.parametrize("cpu_kernels,expected", [("tandem", True), ("torch", False)])
+def test_the_worker_uses_the_kernel_only_with_tandems_kernels(cpu_kernels, expected):
+    llm = LLM(model=str(tiny_model_dir("llama")), num_kv_blocks=32, cpu_kernels=cpu_kernels)
+    sampler = llm.engine.executor.worker.runner.sampler
+    assert (sampler.draw_kernel is not None) == expected
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=1.0, seed=3, max_tokens=5))
+    assert len(out[0].outputs[0].token_ids) == 5
