@@ -66,14 +66,18 @@ def cluster(model_dir, log_dir) -> Iterator[Cluster]:
     oracle = InstanceProcess(model_dir, log_dir).start()
     prefill = InstanceProcess(model_dir, log_dir, **role_env("prefill", EXPIRY_S, **SECRET_ENV)).start()
     decode = InstanceProcess(model_dir, log_dir, **role_env("decode", EXPIRY_S, **SECRET_ENV)).start()
+    cluster = Cluster(oracle, prefill, decode, "")
     try:
         for proc in (oracle, prefill, decode):
             proc.wait_ready()
         with running_router([(prefill.url, "prefill"), (decode.url, "decode")],
                             kv_transfer_secret=SECRET) as router:
-            yield Cluster(oracle, prefill, decode, router.url)
+            cluster.router_url = router.url
+            yield cluster
     finally:
-        for proc in (oracle, prefill, decode):
+        # the instances as the tests left them too (a test may replace one with a restarted process)
+        for proc in {id(p): p for p in (oracle, prefill, decode, cluster.oracle, cluster.prefill,
+                                          cluster.decode)}.values():
             proc.stop()
 
 
