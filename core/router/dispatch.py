@@ -38,7 +38,8 @@ request): once MAX_BROKEN_CONNECTIONS instances, prefill and decode together, br
 it, the client gets a 502 "instance_failed" and no other instance is risked.
 
 A stream is retried until its first token reaches the client; if the connection breaks after
-that, the stream ends with an error event and ``[DONE]``.
+that and before the instance's ``[DONE]``, the stream ends with an error event and ``[DONE]``.
+Nothing is read after the instance's ``[DONE]``: the client's stream is complete.
 """
 from __future__ import annotations
 
@@ -68,6 +69,7 @@ from tandem.router.proxy import (
     RawHeaders,
     RelayedStream,
     Unreachable,
+    is_done,
     open_stream,
     post,
 )
@@ -308,11 +310,18 @@ class Dispatcher:
         outcome = ["ok"]
 
         async def events() -> AsyncIterator[str]:
+            # The stream is whole once [DONE] is relayed: nothing after it is read, so an
+            # instance that dies right after its last event (before closing the chunked body)
+            # does not append an error event and a second [DONE] to a finished stream.
             for event in opened.head:
                 yield event
+                if is_done(event):
+                    return
             try:
                 async for event in opened.rest:
                     yield event
+                    if is_done(event):
+                        return
             except httpx.TransportError as exc:
                 outcome[0] = "broken"
                 self.registry.mark_down(url, f"a stream broke: {type(exc).__name__}: {exc}")

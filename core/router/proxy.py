@@ -122,6 +122,12 @@ async def sse_events(response: httpx.Response) -> AsyncIterator[str]:
         yield "\n".join(lines) + "\n\n"
 
 
+def is_done(event: str) -> bool:
+    """Whether an event is the end of an OpenAI stream, ``data: [DONE]``."""
+    return any(line[len("data:"):].strip() == "[DONE]"
+               for line in event.splitlines() if line.startswith("data:"))
+
+
 def is_visible(event: str) -> bool:
     """Whether an event is one the client must see: it carries text or a finish reason, an
     error, a usage summary or the end of the stream. Only a chunk with choices and none of

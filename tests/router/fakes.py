@@ -66,14 +66,16 @@ def json_reply(payload: dict, status: int = 200, headers: dict | None = None) ->
 
 def sse_reply(events: list[str], break_after: int | None = None) -> Reply:
     """Stream ``events``; with ``break_after`` the connection breaks after that many events
-    (the app raises once the response has started, and uvicorn drops the connection)."""
+    (the app raises once the response has started, and uvicorn drops the connection without
+    ending the chunked body), ``len(events)`` included: after the last one."""
 
     def reply(body: dict) -> Response:
         async def chunks():
-            for index, event in enumerate(events):
+            for index, event in enumerate([*events, None]):
                 if index == break_after:
                     raise RuntimeError("the instance died")
-                yield event
+                if event is not None:
+                    yield event
 
         return StreamingResponse(chunks(), media_type="text/event-stream")
 

@@ -107,6 +107,16 @@ def test_a_stream_that_breaks_after_its_first_token_ends_with_an_error_event():
         assert router_instance(router.url, decode.url)["healthy"] is False
 
 
+def test_an_instance_that_dies_after_its_done_event_leaves_the_stream_whole():
+    # kill -9 of a decode instance between its [DONE] and the end of the chunked body: the
+    # client's stream is already complete, with exactly one [DONE] and no error event
+    events = [ROLE, TEXT[0], TEXT[1], FINISH, DONE]
+    stack, (decode,) = fakes(sse_reply(events, break_after=len(events)))
+    with stack, running_router([(decode.url, "decode")], health_interval_s=60) as router:
+        assert stream_text(router, {**CLIENT_BODY, "stream": True}) == "".join(events)
+        assert upstream(router.url, decode.url, "decode", "ok") == 1
+
+
 def test_a_refused_prefill_is_relayed_and_nothing_is_decoded():
     error = {"error": {"message": "max_tokens: bad", "type": "invalid_request_error", "param": "max_tokens",
                        "code": "invalid_request"}}
