@@ -78,6 +78,7 @@ class Worker:
 
     def __init__(self, config: TandemConfig, eos_token_ids: frozenset[int]) -> None:
         from tandem.models.cpu_fusion import enable_cpu_fusion
+        from tandem.models.cuda_fusion import enable_cuda_fusion
         from tandem.models.cpu_linear import pack_cpu_linears
         from tandem.models.loader import estimate_weight_bytes, load_model
         from tandem.worker.model_runner import ModelRunner
@@ -109,6 +110,8 @@ class Worker:
         cpu_kernels = pack_cpu_linears(self.model, eng.cpu_kernels, self.device) == "tandem"
         if cpu_kernels:
             enable_cpu_fusion(self.model)
+        if self.device.type == "cuda":
+            enable_cuda_fusion(self.model)
         self.eos_token_ids = eos_token_ids
         self.kv_cache = self._allocate_kv_pool()
         self.info = WorkerInfo(self.kv_cache.shape[0], resolve_max_model_len(

@@ -3,8 +3,8 @@
 Per layer and step torch runs the residual add and RMSNorm as six operations (add, cast, pow,
 mean, rsqrt, mul...) and rotary and SiLU-and-mul as four or five, each a pass over the rows with
 its own temporary; on bench-100m at batch 64 they took ~15% of a decode step. Once
-``enable_cpu_fusion(model)`` has marked the modules (``fused = True``), they call one C++ pass
-each instead:
+``enable_cpu_fusion(model)`` has marked the modules (``RMSNorm.kernel``, ``fused = True`` for
+the others), they call one C++ pass each instead:
 
 - ``RMSNorm`` (the plain one: Gemma's variant keeps torch) with or without the residual add,
   in place on the layer's fresh output;
@@ -31,7 +31,10 @@ def enable_cpu_fusion(model: nn.Module) -> int:
         return 0
     count = 0
     for module in model.modules():
-        if type(module) is RMSNorm or (isinstance(module, GatedMLP) and module.act is torch.nn.functional.silu) \
+        if type(module) is RMSNorm:
+            module.kernel = rms_norm
+            count += 1
+        elif (isinstance(module, GatedMLP) and module.act is torch.nn.functional.silu) \
                 or (isinstance(module, Attention) and module.rotary_dim == module.head_dim):
             module.fused = True
             count += 1

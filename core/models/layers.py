@@ -19,6 +19,7 @@ builds its share and cuts each checkpoint tensor as it loads (Megatron's layout)
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,10 @@ from tandem.models.rotary import rotate
 
 if TYPE_CHECKING:
     from tandem.models.config import ModelArchConfig
+
+
+FusedNorm = Callable[[torch.Tensor, "torch.Tensor | None", torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+"""A fused residual add + RMSNorm: ``(x, residual, weight, eps) -> (normed, new residual)``."""
 
 
 def _empty_param(*shape: int) -> nn.Parameter:
@@ -53,16 +58,18 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = _empty_param(hidden_size)
         self.eps = eps
-        self.fused = False
-        """Set by ``tandem.models.cpu_fusion`` on the CPU: one C++ pass (which overwrites ``x``
-        when a residual is given: the layer's own fresh output)."""
+        self.kernel: FusedNorm | None = None
+        """A fused pass with ``forward``'s contract, ``kernel(x, residual, weight, eps)``, set by
+        ``tandem.models.cpu_fusion`` on the CPU (one C++ pass, which overwrites ``x`` when a
+        residual is given: the layer's own fresh output) or ``tandem.models.cuda_fusion`` on
+        CUDA (tandem's Triton kernel, which overwrites ``residual`` with the sum)."""
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.fused and x.dtype == self.weight.dtype and x.is_contiguous() \
+        if self.kernel is not None and x.dtype == self.weight.dtype and x.is_contiguous() \
                 and (residual is None or residual.is_contiguous()):
-            return cpu_fusion.rms_norm(x, residual, self.weight, self.eps)
+            return self.kernel(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
         normed = F.rms_norm(x.to(torch.float32), x.shape[-1:], eps=self.eps)
