@@ -169,11 +169,6 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at
         const int64_t t0 = std::max(b * bs, first) - b * bs, t1 = std::min(bs, len - b * bs);
         const cache_t* kb = kvp + tp[i * max_blocks + b] * ks0 + h0 * ks3;
         const cache_t* vb = kb + ks1;
-        if (b * bs + bs < len) {  // the next block: start its first lines on their way
-          const cache_t* next = kvp + tp[i * max_blocks + b + 1] * ks0 + h0 * ks3;
-          __builtin_prefetch(next);
-          __builtin_prefetch(next + ks1);
-        }
         block_scores(scores.data(), bs, qf.data(), kb, ks2, ks3, t0, t1, part_heads, groups, d);
         // per query head, over the block's keys (contiguous: whole vectors for exp, max, sum)
         for (int64_t j = 0; j < nq; ++j) {
