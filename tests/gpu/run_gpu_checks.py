@@ -91,7 +91,8 @@ def install(wheels: Path) -> None:
 
 
 OTHER_GPU_TESTS = ["tests/quant/test_cuda.py", "tests/quant/test_int4_dequant_gemm.py",
-                   "tests/quant/test_fp8_matmul.py", "tests/executor/test_mp_one_rank.py"]
+                   "tests/quant/test_fp8_matmul.py", "tests/executor/test_mp_one_rank.py",
+                   "tests/models/test_cuda_fusion.py"]
 
 
 def run_pytest(smoke: bool) -> Row:
