@@ -1,6 +1,8 @@
 """What the paged attention launchers share: argument checks, the output, the dot precision."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from tandem.kernels._checks import FLOAT_DTYPES, check_dtype, check_last_dim_contiguous, check_shape
@@ -11,6 +13,15 @@ LOG2E = 1.4426950408889634
 def dot_precision(dtype: torch.dtype) -> str:
     """tf32 holds fp16 and bf16 values exactly; float32 caches need IEEE dots."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def native_dot(dtype: torch.dtype) -> bool:
+    """Whether a kernel multiplies 16-bit tiles as they are (16-bit tensor cores, float32 sums)
+    rather than upcast to float32 first: float16 always; bfloat16 except in Triton's
+    interpreter, whose bfloat16 dots come out wrong (it upcasts there, the tests' CPU runs)."""
+    if dtype == torch.float16:
+        return True
+    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def check_paged_args(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,

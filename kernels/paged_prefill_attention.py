@@ -13,9 +13,11 @@ A query at position ``q`` sees keys at positions ``k ≤ q`` and, with a sliding
 
 Grid: (query tiles of BLOCK_M rows, sequences, query heads). Each program runs an online
 softmax over BLOCK_N-token tiles of keys, gathering each tile's rows through the block table,
-and skips the tiles that the causal mask or the window hides. Loads are converted to float32
-(exact for fp16/bf16, whose values tf32 also holds exactly, so tl.dot may use tf32 tensor cores
-for 16-bit caches; float32 caches use IEEE dots).
+and skips the tiles that the causal mask or the window hides. 16-bit caches multiply on 16-bit
+tensor cores with float32 sums: Q·Kᵀ on the loaded tiles, P·V with P rounded to the cache's
+dtype, as FlashAttention does (``_paged.native_dot``; in Triton's interpreter bfloat16 tiles
+are upcast to float32 instead, since its bfloat16 dots are wrong). Float32 caches use IEEE dots.
+The softmax and the output sums stay in float32.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels._checks import check_device, check_dtype, check_shape
-from tandem.kernels._paged import LOG2E, check_paged_args, dot_precision, output_like
+from tandem.kernels._paged import LOG2E, check_paged_args, dot_precision, native_dot, output_like
 
 
 @triton.jit
@@ -35,7 +37,7 @@ def _paged_prefill_kernel(
     scale_log2, sliding_window, head_dim,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, NATIVE_DOT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -52,7 +54,9 @@ def _paged_prefill_kernel(
         dim_in = dims < head_dim
         q_rows = (q_start + rows).to(tl.int64)
         q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + dims[None, :],
-                    mask=row_in[:, None] & dim_in[None, :], other=0.0).to(tl.float32)
+                    mask=row_in[:, None] & dim_in[None, :], other=0.0)
+        if not NATIVE_DOT:
+            q = q.to(tl.float32)
         q_pos = context + rows
         hi = tl.minimum(seq_len, context + m0 + BLOCK_M)
         lo = 0
@@ -69,7 +73,9 @@ def _paged_prefill_kernel(
             block = tl.load(table + k_pos // BLOCK_SIZE, mask=k_in, other=0).to(tl.int64)
             token_off = block * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs
             k_t = tl.load(kv_base + token_off[None, :] + dims[:, None],
-                          mask=k_in[None, :] & dim_in[:, None], other=0.0).to(tl.float32)
+                          mask=k_in[None, :] & dim_in[:, None], other=0.0)
+            if not NATIVE_DOT:
+                k_t = k_t.to(tl.float32)
             s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2
             allowed = (k_pos[None, :] <= q_pos[:, None]) & k_in[None, :]
             if HAS_WINDOW:
@@ -80,8 +86,10 @@ def _paged_prefill_kernel(
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(kv_base + stride_ckv + token_off[:, None] + dims[None, :],
-                        mask=k_in[:, None] & dim_in[None, :], other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+                        mask=k_in[:, None] & dim_in[None, :], other=0.0)
+            if not NATIVE_DOT:
+                v = v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + dims[None, :],
@@ -135,7 +143,7 @@ def paged_prefill_attention(
         GROUP=num_heads // num_kv_heads, BLOCK_SIZE=kv_cache.shape[2],
         HAS_WINDOW=bool(sliding_window),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
-        DOT_PRECISION=dot_precision(kv_cache.dtype),
+        DOT_PRECISION=dot_precision(kv_cache.dtype), NATIVE_DOT=native_dot(kv_cache.dtype),
         num_warps=num_warps,
     )
     return out
