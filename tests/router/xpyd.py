@@ -276,7 +276,12 @@ class Load:
             events = [line[6:] async for line in response.aiter_lines() if line.startswith("data: ")]
         if events[-1:] != ["[DONE]"]:
             return "broken", f"the stream ended without [DONE] after {len(events)} events"
-        chunks = [json.loads(e) for e in events[:-1]]
+        if "[DONE]" in events[:-1]:
+            return "broken", f"[DONE] more than once in {len(events)} events"
+        try:
+            chunks = [json.loads(e) for e in events[:-1]]
+        except ValueError as exc:
+            return "broken", f"an event that is not JSON ({exc}) in {events[:-1]!r}"[:300]
         errors = [json.dumps(c) for c in chunks if "error" in c]
         if errors:
             return "error_event" if error_message(errors[0]) else "broken", errors[0][:200]
