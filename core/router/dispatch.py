@@ -39,7 +39,8 @@ it, the client gets a 502 "instance_failed" and no other instance is risked.
 
 A stream is retried until its first token reaches the client; if the connection breaks after
 that and before the instance's ``[DONE]``, the stream ends with an error event and ``[DONE]``.
-Nothing is read after the instance's ``[DONE]``: the client's stream is complete.
+The client's stream ends at the instance's ``[DONE]``; the rest of the upstream body is read
+afterwards, for at most DRAIN_AFTER_DONE_S, to keep the connection.
 """
 from __future__ import annotations
 
@@ -81,6 +82,9 @@ MAX_BROKEN_CONNECTIONS = 2
 KV_SECRET_HEADER = b"x-tandem-kv-secret"
 KV_RELEASE_PATH = "/kv/release"
 RELEASE_TIMEOUT_S = 5.0
+DRAIN_AFTER_DONE_S = 1.0
+"""How long the end of a streamed body is read after its [DONE] (the client already has its
+answer then) before the connection is closed rather than kept for the next request."""
 """A release that gets no answer in time is given up: the blocks go at the prefill's expiry."""
 
 
@@ -307,20 +311,23 @@ class Dispatcher:
     def _relay(self, request: RouterRequest, url: str, opened: OpenedStream,
                flight: ExitStack) -> RelayedStream:
         self.metrics.ttft.observe(time.monotonic() - request.arrival)
-        outcome = ["ok"]
+        outcome, done = ["ok"], [False]
 
         async def events() -> AsyncIterator[str]:
-            # The stream is whole once [DONE] is relayed: nothing after it is read, so an
-            # instance that dies right after its last event (before closing the chunked body)
-            # does not append an error event and a second [DONE] to a finished stream.
+            # The stream is whole once [DONE] is relayed: the client's response ends there, so
+            # an instance that dies right after its last event (before closing the chunked body)
+            # does not append an error event and a second [DONE] to a finished stream. The rest
+            # of the body is read in close(), after the client has its answer.
             for event in opened.head:
                 yield event
                 if is_done(event):
+                    done[0] = True
                     return
             try:
                 async for event in opened.rest:
                     yield event
                     if is_done(event):
+                        done[0] = True
                         return
             except httpx.TransportError as exc:
                 outcome[0] = "broken"
@@ -331,7 +338,7 @@ class Dispatcher:
 
         async def close() -> None:
             try:
-                await opened.close()
+                await opened.close(DRAIN_AFTER_DONE_S if done[0] else 0.0)
             finally:
                 flight.close()
                 self.metrics.attempt(url, "decode", outcome[0])

@@ -13,6 +13,7 @@ it answered. Events are relayed unchanged.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -77,9 +78,24 @@ class OpenedStream:
     head: list[str]
     rest: AsyncIterator[str]
 
-    async def close(self) -> None:
+    async def close(self, drain_s: float = 0.0) -> None:
+        """Close the upstream response. With ``drain_s`` (the stream reached its ``[DONE]``),
+        first read what is left of the body for at most that long, so that the connection goes
+        back to the pool instead of being closed: a closed connection is a new one per request
+        and a socket in TIME_WAIT on the router for each. Without it (the client left, the
+        stream broke), closing is what tells the instance to abort."""
+        if drain_s > 0:
+            try:
+                await asyncio.wait_for(_drain(self.rest), drain_s)
+            except (asyncio.TimeoutError, httpx.TransportError):
+                pass  # an instance that died or froze after its [DONE]: just close
         await self.rest.aclose()
         await self.response.aclose()
+
+
+async def _drain(events: AsyncIterator[str]) -> None:
+    async for _ in events:
+        pass
 
 
 async def open_stream(client: httpx.AsyncClient, url: str, body: dict,

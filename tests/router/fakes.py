@@ -2,7 +2,7 @@
 each step, and how it relays what it gets back (including connections that break mid-stream),
 which a real colocated instance cannot show yet (it ignores kv_transfer_params). Each answers
 /health with 200 and /metrics with idle gauges, records the JSON body of every POST to the /v1
-routes (and its raw headers), and answers it with ``reply(body)``; a POST to /kv/release is
+routes (its raw headers and the client's address), and answers it with ``reply(body)``; a POST to /kv/release is
 recorded in ``releases`` (body and raw headers) and answered ``{"released": true}``."""
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ class FakeInstance:
     def __init__(self, reply: Reply) -> None:
         self.bodies: list[dict] = []
         self.headers: list[list[tuple[bytes, bytes]]] = []
+        self.peers: list[tuple[str, int]] = []  # the client address of each POST to /v1
         self.releases: list[tuple[dict, list[tuple[bytes, bytes]]]] = []
         app = FastAPI()
 
@@ -41,6 +42,7 @@ class FakeInstance:
             body = await request.json()
             self.bodies.append(body)
             self.headers.append(list(request.headers.raw))
+            self.peers.append((request.client.host, request.client.port))
             return reply(body)
 
         @app.post("/kv/release")

@@ -117,6 +117,17 @@ def test_an_instance_that_dies_after_its_done_event_leaves_the_stream_whole():
         assert upstream(router.url, decode.url, "decode", "ok") == 1
 
 
+def test_finished_streams_leave_their_connection_open_for_the_next_request():
+    # after [DONE] the router reads the end of the body, so the instance's connection goes back
+    # to the pool: two streams in a row arrive over the same connection (the same client port)
+    events = [ROLE, TEXT[0], TEXT[1], FINISH, DONE]
+    stack, (decode,) = fakes(sse_reply(events))
+    with stack, running_router([(decode.url, "decode")], health_interval_s=60) as router:
+        for _ in range(2):
+            assert stream_text(router, {**CLIENT_BODY, "stream": True}) == "".join(events)
+        assert len(decode.peers) == 2 and decode.peers[0] == decode.peers[1], decode.peers
+
+
 def test_a_refused_prefill_is_relayed_and_nothing_is_decoded():
     error = {"error": {"message": "max_tokens: bad", "type": "invalid_request_error", "param": "max_tokens",
                        "code": "invalid_request"}}
