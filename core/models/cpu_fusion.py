@@ -25,16 +25,13 @@ def enable_cpu_fusion(model: nn.Module) -> int:
     """Mark the modules of ``model`` whose step a fused kernel replaces; returns how many (0
     when tandem's CPU kernels cannot be built here)."""
     from tandem.kernels import cpu_ops
-    from tandem.models.layers import Attention, GatedMLP, RMSNorm
+    from tandem.models.layers import Attention, GatedMLP, use_norm_kernel
 
     if cpu_ops.load() is None:
         return 0
-    count = 0
+    count = use_norm_kernel(model, rms_norm)
     for module in model.modules():
-        if type(module) is RMSNorm:
-            module.kernel = rms_norm
-            count += 1
-        elif (isinstance(module, GatedMLP) and module.act is torch.nn.functional.silu) \
+        if (isinstance(module, GatedMLP) and module.act is torch.nn.functional.silu) \
                 or (isinstance(module, Attention) and module.rotary_dim == module.head_dim):
             module.fused = True
             count += 1

@@ -28,19 +28,14 @@ logger = logging.getLogger("tandem")
 def enable_cuda_fusion(model: nn.Module) -> int:
     """Give every plain ``RMSNorm`` of ``model`` the Triton kernel; returns how many (0 when
     triton cannot be imported: the model keeps torch's norm)."""
-    from tandem.models.layers import RMSNorm
+    from tandem.models.layers import use_norm_kernel
 
     try:
         from tandem.kernels import fused_rmsnorm  # noqa: F401 - imports triton
     except ImportError as exc:
         logger.warning("triton could not be imported (%s); RMSNorm stays on torch's kernels", exc)
         return 0
-    count = 0
-    for module in model.modules():
-        if type(module) is RMSNorm:
-            module.kernel = rms_norm
-            count += 1
-    return count
+    return use_norm_kernel(model, rms_norm)
 
 
 def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

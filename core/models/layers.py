@@ -79,6 +79,14 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(dtype)
 
 
+def use_norm_kernel(model: nn.Module, kernel: FusedNorm) -> int:
+    """Give every plain ``RMSNorm`` of ``model`` (not Gemma's variant) ``kernel``; returns how many."""
+    norms = [m for m in model.modules() if type(m) is RMSNorm]
+    for norm in norms:
+        norm.kernel = kernel
+    return len(norms)
+
+
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the checkpoint stores the weight minus one, and the scaling happens in
     float32 before the cast: ``(normed * (1 + weight)).to(dtype)``. Same ``residual`` contract."""

@@ -82,10 +82,10 @@ MAX_BROKEN_CONNECTIONS = 2
 KV_SECRET_HEADER = b"x-tandem-kv-secret"
 KV_RELEASE_PATH = "/kv/release"
 RELEASE_TIMEOUT_S = 5.0
+"""A release that gets no answer in time is given up: the blocks go at the prefill's expiry."""
 DRAIN_AFTER_DONE_S = 1.0
 """How long the end of a streamed body is read after its [DONE] (the client already has its
 answer then) before the connection is closed rather than kept for the next request."""
-"""A release that gets no answer in time is given up: the blocks go at the prefill's expiry."""
 
 
 @dataclass(slots=True, frozen=True)

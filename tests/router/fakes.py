@@ -2,8 +2,9 @@
 each step, and how it relays what it gets back (including connections that break mid-stream),
 which a real colocated instance cannot show yet (it ignores kv_transfer_params). Each answers
 /health with 200 and /metrics with idle gauges, records the JSON body of every POST to the /v1
-routes (its raw headers and the client's address), and answers it with ``reply(body)``; a POST to /kv/release is
-recorded in ``releases`` (body and raw headers) and answered ``{"released": true}``."""
+routes (its raw headers and the client's address), and answers it with ``reply(body)``; a POST
+to /kv/release is recorded in ``releases`` (body and raw headers) and answered
+``{"released": true}``."""
 from __future__ import annotations
 
 import json
