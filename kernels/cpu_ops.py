@@ -14,6 +14,9 @@ bfloat16, float16 queries and pools); GQA by the head ratio. See the source for 
 ``draw_rows(tokens, logits, uniforms)`` — the sampler's inverse-CDF draw, one token per row of
 ``softmax(logits)`` from that row's uniform number (``tandem.worker.sampler``; see sampling.cpp).
 
+``argmax_rows(tokens, logits)`` — the greedy fast path: each row's first index of its largest
+logit, -1 for a row that holds a NaN (sampling.cpp).
+
 ``load()`` builds the extension once per machine (g++ and ninja, 20–45 s; torch caches it under
 ``TORCH_EXTENSIONS_DIR``, by default ~/.cache/torch_extensions) and returns its operators
 (``torch.ops.tandem_cpu``), or None when it cannot be built — callers then keep their torch
@@ -59,7 +62,7 @@ def load() -> Any | None:
         build(name=name, sources=[str(s) for s in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
               is_python_module=False, verbose=False)
         ops = torch.ops.tandem_cpu
-        ops.paged_decode, ops.panel_linear, ops.rotary_neox, ops.draw_rows  # noqa: B018 - registered, or raise here rather than mid-step
+        ops.paged_decode, ops.panel_linear, ops.rotary_neox, ops.draw_rows, ops.argmax_rows  # noqa: B018 - registered, or raise here rather than mid-step
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, no headers: keep the torch path
         logger.warning("tandem's CPU kernels could not be built (%s: %s); linear layers and decode "
                        "attention stay on torch's own kernels", type(exc).__name__,

@@ -26,7 +26,9 @@ Read bandwidth: ``x.sum()`` over a float32 buffer several times the last-level c
 the fastest of ``torch.matmul`` and (on the CPU) tandem's packed kernels of
 ``tandem.models.cpu_linear`` for [B, hidden] × [hidden, intermediate] in the bench's dtype, the
 weight in the model's layout (a weight that fits in cache, so it measures arithmetic, not
-memory). Each is the median of several timed runs.
+memory). Each is the fastest of several timed runs: a floor takes the machine at its best (on a
+shared, noisy machine a median rate moves from run to run by a third and, lower than what the
+model's own matmuls reach in a good moment, made the floor no floor).
 """
 from __future__ import annotations
 
@@ -142,7 +144,7 @@ def _attended(arch: ModelArchConfig, layer: int, contexts: Sequence[int]) -> int
 
 
 def measure_read_bandwidth(num_bytes: int = BANDWIDTH_BUFFER_BYTES, repeats: int = REPEATS) -> float:
-    """Bytes per second that ``x.sum()`` reads from a float32 buffer of ``num_bytes`` (median)."""
+    """Bytes per second that ``x.sum()`` reads from a float32 buffer of ``num_bytes`` (fastest run)."""
     import torch
 
     x = torch.ones(num_bytes // 4, dtype=torch.float32)
@@ -152,12 +154,12 @@ def measure_read_bandwidth(num_bytes: int = BANDWIDTH_BUFFER_BYTES, repeats: int
         t0 = time.perf_counter()
         x.sum()
         times.append(time.perf_counter() - t0)
-    return x.numel() * 4 / statistics.median(times)
+    return x.numel() * 4 / min(times)
 
 
 def measure_gemm_rate(rows: int, inner: int, outer: int, dtype: str, repeats: int = REPEATS) -> float:
     """FLOP/s of the fastest GEMM this machine offers tandem for [rows, inner] x [inner, outer]
-    in ``dtype`` (median of ``repeats`` runs of ``GEMM_CALLS_PER_RUN`` calls each): torch's
+    in ``dtype`` (the fastest of ``repeats`` runs of ``GEMM_CALLS_PER_RUN`` calls each): torch's
     ``matmul`` against an [outer, inner] weight transposed (the layout of ``F.linear``; CPU torch
     multiplies a row-major [inner, outer] bfloat16 operand some 20x slower) and, on the CPU, each
     packed kernel of ``tandem.models.cpu_linear`` that is available here."""
@@ -186,7 +188,7 @@ def measure_gemm_rate(rows: int, inner: int, outer: int, dtype: str, repeats: in
             for _ in range(GEMM_CALLS_PER_RUN):
                 call()
             times.append((time.perf_counter() - t0) / GEMM_CALLS_PER_RUN)
-        best = max(best, 2 * rows * inner * outer / statistics.median(times))
+        best = max(best, 2 * rows * inner * outer / min(times))
     return best
 
 
@@ -236,7 +238,7 @@ def report(arch: ModelArchConfig, records: Sequence[RecordedStep], dtype: str, f
     print(f"\nroofline, measured now: read bandwidth {bandwidth / 1e9:.1f} GB/s (float32 sum over "
           f"{BANDWIDTH_BUFFER_BYTES // 2**20} MiB), best GEMM [B, {shape[0]}] x {list(shape)} {dtype} "
           + ", ".join(f"{machine.gemm_flops_per_s[b] / 1e9:.3g} GFLOP/s at B={b}" for b in batches)
-          + f" (medians of {REPEATS}); KV reads and attention FLOPs from the steps' own contexts")
+          + f" (fastest of {REPEATS} runs); KV reads and attention FLOPs from the steps' own contexts")
     for batch in batches:
         print(roofline_line(arch, records, batch, dtype, machine))
 

@@ -120,10 +120,11 @@ class Worker:
         self.runner = ModelRunner(self.model, self.kv_cache, eng.block_size, eos_token_ids,
                                   self.attn_backend_cls, self.parallel)
         self.runner.graphs = self._capture_cuda_graphs()
-        if cpu_kernels:  # the sampler's draws too (tandem.worker.sampler._draw)
+        if cpu_kernels:  # the sampler's draws and greedy argmax too (tandem.worker.sampler)
             from tandem.kernels import cpu_ops
 
             self.runner.sampler.draw_kernel = cpu_ops.load().draw_rows
+            self.runner.sampler.argmax_kernel = cpu_ops.load().argmax_rows
         self.connector: KVConnector | None = None
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:

@@ -44,7 +44,8 @@ Cost. A batch of plain greedy rows is a single argmax, plus a look at the values
 argmax takes a NaN over any number, so a NaN there sends the batch through sanitizing). Otherwise
 sanitizing is one row-sum pass while every logit is finite, each filter costs nothing unless a
 row uses it, and on the CPU with tandem's kernels the draw is one C++ pass per row
-(``Sampler.draw_kernel``) instead of softmax, cumsum and searchsorted over the whole batch.
+(``Sampler.draw_kernel``) instead of softmax, cumsum and searchsorted over the whole batch, and
+the greedy argmax one vector pass (``Sampler.argmax_kernel``) instead of torch's ``max``.
 """
 from __future__ import annotations
 
@@ -121,6 +122,9 @@ class Sampler:
     that number falls within rounding of a boundary of the cumulative sums."""
 
     draw_kernel = None
+    argmax_kernel = None
+    """None (torch's ``max``) or ``torch.ops.tandem_cpu.argmax_rows`` (one vector pass per row, the
+    same first index of the largest logit, -1 for a row with a NaN), set with ``draw_kernel``."""
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """Samples a token for each row of ``logits`` ([len(rows), vocab], float32; another dtype
@@ -131,7 +135,7 @@ class Sampler:
         """
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
         if all(_is_plain_greedy(row) for row in rows):
-            token_ids = _plain_argmax(logits)
+            token_ids = _plain_argmax(logits, self.argmax_kernel)
             if token_ids is not None:
                 return SamplerOutput(token_ids, [None] * len(rows))
         logits = logits.float()
@@ -213,8 +217,14 @@ def _fallback_tokens(
     return fallback
 
 
-def _plain_argmax(logits: torch.Tensor) -> list[int] | None:
-    """Each row's argmax, or None where a row holds a NaN (that row needs sanitizing first)."""
+def _plain_argmax(logits: torch.Tensor, kernel=None) -> list[int] | None:
+    """Each row's argmax, or None where a row holds a NaN (that row needs sanitizing first).
+    ``kernel``: ``Sampler.argmax_kernel``, used for CPU float32 logits."""
+    if kernel is not None and logits.device.type == "cpu" and logits.dtype == torch.float32:
+        tokens = torch.empty(logits.shape[0], dtype=torch.long)
+        kernel(tokens, logits if logits.stride(-1) == 1 else logits.contiguous())
+        token_ids = tokens.tolist()
+        return None if -1 in token_ids else token_ids
     # max takes a row's first NaN over any number (the same index as argmax, at the same cost).
     chosen, argmax = logits.max(dim=-1)
     token_ids = argmax.masked_fill_(chosen.isnan(), -1).tolist()

@@ -6,7 +6,10 @@
 // from a shared counter (work_queue.h); each walks its blocks once, front to back: the scores of
 // all its query heads against every key of the block (kept head-major, so that max, exp and sum
 // run over whole vectors of keys), then the block folded into a running (max, sum, weighted V)
-// softmax, in float32.
+// softmax, in float32. While it computes a block it asks for the next one, a share of it per
+// query head (NextBlock), so that the reads overlap the arithmetic (batch 64, context 160, on a
+// 2-core AVX2 EPYC: 2.8 -> 2.0 ms a layer in float32, 2.8 -> 1.6 in bfloat16; asking for the
+// whole block at once gained nothing).
 //
 //   q, out   [T, H, D]                    rows[i] is the token row of query row i
 //   kv       [num_blocks, 2, bs, Hkv, D]  one layer of the pool (index 0: K, 1: V), D contiguous
@@ -24,6 +27,10 @@
 #include <algorithm>
 #include <cmath>
 #include <vector>
+
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -50,6 +57,36 @@ inline void axpy(float* acc, float p, const cache_t* v, int64_t d) {
   for (int64_t i = 0; i < d; ++i) acc[i] += p * static_cast<float>(v[i]);
 }
 
+// The next block of a work item (its heads' keys, or values, of every token), requested from
+// memory a share at a time while the current block is computed: in share j of n, the tokens
+// j * bs / n .. (j + 1) * bs / n - 1. Spread this way (one or two tokens' lines per query head
+// of the item) the reads overlap the arithmetic; all at once at the block's start they queue up
+// behind each other and the core waits on them. base == nullptr: nothing to fetch.
+struct NextBlock {
+  const char* base = nullptr;  // token 0's first head of the item
+  int64_t token_stride = 0;    // bytes from one token to the next
+  int64_t token_bytes = 0;     // bytes of one token's heads of the item (contiguous)
+  int64_t tokens = 0;
+
+  // always_inline: out of line, GCC judges a function that only prefetches to have no effect
+  // and drops its calls (a prefetch builtin inside the caller's own body stays)
+  [[gnu::always_inline]] inline void fetch(int64_t share, int64_t shares) const {
+    if (base == nullptr) return;
+    for (int64_t t = share * tokens / shares, end = (share + 1) * tokens / shares; t < end; ++t) {
+      const char* row = base + t * token_stride;
+      for (int64_t off = 0; off < token_bytes; off += 64) prefetch_line(row + off);
+    }
+  }
+
+  [[gnu::always_inline]] static inline void prefetch_line(const char* p) {
+#if defined(__SSE__)
+    _mm_prefetch(p, _MM_HINT_T0);
+#else
+    __builtin_prefetch(p, 0, 3);
+#endif
+  }
+};
+
 #ifdef TANDEM_AVX2
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {
@@ -66,10 +103,11 @@ inline __m256 load8(const c10::Half* p) {
 // at a time, their sums reduced together.
 template <typename cache_t>
 void block_scores(float* scores, int64_t bs, const float* qf, const cache_t* kb, int64_t ks2, int64_t ks3, int64_t t0,
-                  int64_t t1, int64_t part_heads, int64_t groups, int64_t d) {
+                  int64_t t1, int64_t part_heads, int64_t groups, int64_t d, const NextBlock& next) {
   for (int64_t hh = 0; hh < part_heads; ++hh) {
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t j = hh * groups + g;
+      next.fetch(j, part_heads * groups);
       const float* qj = qf + j * d;
       int64_t t = t0;
 #ifdef TANDEM_AVX2
@@ -100,10 +138,11 @@ void block_scores(float* scores, int64_t bs, const float* qf, const cache_t* kb,
 // 32 outputs of one head held in registers across the block.
 template <typename cache_t>
 void block_values(float* acc, const float* p, int64_t bs, const cache_t* vb, int64_t ks2, int64_t ks3, int64_t t0,
-                  int64_t t1, int64_t part_heads, int64_t groups, int64_t d) {
+                  int64_t t1, int64_t part_heads, int64_t groups, int64_t d, const NextBlock& next) {
   for (int64_t hh = 0; hh < part_heads; ++hh) {
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t j = hh * groups + g;
+      next.fetch(j, part_heads * groups);
       float* aj = acc + j * d;
 #ifdef TANDEM_AVX2
       if (d % 32 == 0) {
@@ -169,7 +208,16 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at
         const int64_t t0 = std::max(b * bs, first) - b * bs, t1 = std::min(bs, len - b * bs);
         const cache_t* kb = kvp + tp[i * max_blocks + b] * ks0 + h0 * ks3;
         const cache_t* vb = kb + ks1;
-        block_scores(scores.data(), bs, qf.data(), kb, ks2, ks3, t0, t1, part_heads, groups, d);
+        // the next block's keys come in during this block's scores, its values during its values
+        NextBlock next_k, next_v;
+        if ((b + 1) * bs < len) {
+          next_k = {reinterpret_cast<const char*>(kvp + tp[i * max_blocks + b + 1] * ks0 + h0 * ks3),
+                    ks2 * static_cast<int64_t>(sizeof(cache_t)), part_heads * ks3 * static_cast<int64_t>(sizeof(cache_t)),
+                    std::min(bs, len - (b + 1) * bs)};
+          next_v = next_k;
+          next_v.base += ks1 * static_cast<int64_t>(sizeof(cache_t));
+        }
+        block_scores(scores.data(), bs, qf.data(), kb, ks2, ks3, t0, t1, part_heads, groups, d, next_k);
         // per query head, over the block's keys (contiguous: whole vectors for exp, max, sum)
         for (int64_t j = 0; j < nq; ++j) {
           float* sj = scores.data() + j * bs;
@@ -192,7 +240,7 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at
             for (int64_t x = 0; x < d; ++x) a[x] *= keep;
           }
         }
-        block_values(acc.data(), scores.data(), bs, vb, ks2, ks3, t0, t1, part_heads, groups, d);
+        block_values(acc.data(), scores.data(), bs, vb, ks2, ks3, t0, t1, part_heads, groups, d, next_v);
       }
       for (int64_t j = 0; j < nq; ++j) {
         scalar_t* dst = op + row * os0 + (h0 * groups + j) * os1;

@@ -11,19 +11,36 @@
 // numbers in the same order, so the total is reached exactly and target < total is always found;
 // within the block that passes, its tokens' own sums). A token of probability 0 is never drawn.
 // Logits hold no NaN or +inf (the sampler's processing makes none); a row of -inf only gets -1.
+// exp runs on x - max clamped to kExpFloor: the vector exp falls back to scalar code, lane by
+// lane, below about -87 (where the result is no longer a normal float; 10x slower on a row of a
+// random model's logits, which span hundreds); a token that far below the max gets probability 0
+// (it would get under 1e-34 of the total), as a -inf logit does.
+//
+//   argmax_rows(tokens [N] int64, logits [N, V] float32)
+//
+// The greedy fast path (tandem.worker.sampler._plain_argmax): tokens[i] = the first index of row
+// i's largest logit, or -1 where the row holds a NaN (the sampler then sanitizes the batch), as
+// torch's max(dim=-1) but in one vector pass (torch's takes ~10x as long as its amax).
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 #include "work_queue.h"
 
 namespace {
 
 constexpr int64_t kBlock = 256;
+constexpr float kExpFloor = -80.f;  // exp(-80) = 1.8e-35: a normal float, clear of the vector exp's limit
 
 int64_t draw_row(const float* x, int64_t vocab, float u, float* p, double* block_sums) {
   float top = -std::numeric_limits<float>::infinity();
@@ -34,10 +51,16 @@ int64_t draw_row(const float* x, int64_t vocab, float u, float* p, double* block
   double total = 0.0;
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t k0 = b * kBlock, k1 = std::min(vocab, k0 + kBlock);
+    // three loops, not one: in one, the compiler sees the clamp as redundant where the result is
+    // kept and drops it, and exp gets the unclamped values again
+#pragma omp simd
+    for (int64_t k = k0; k < k1; ++k) p[k] = std::max(x[k] - top, kExpFloor);
+#pragma omp simd
+    for (int64_t k = k0; k < k1; ++k) p[k] = std::exp(p[k]);
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t k = k0; k < k1; ++k) {
-      p[k] = std::exp(x[k] - top);
+      if (x[k] - top < kExpFloor) p[k] = 0.f;
       sum += p[k];
     }
     block_sums[b] = sum;
@@ -70,6 +93,56 @@ int64_t draw_row(const float* x, int64_t vocab, float u, float* p, double* block
   return -1;
 }
 
+// The first index of the row's largest value; -1 when the row holds a NaN. Bit tests, not float
+// compares, find NaNs (the file is built with -ffast-math, under which the compiler may assume
+// there are none).
+int64_t argmax_row(const float* x, int64_t vocab) {
+  int64_t k = 0;
+  float best = x[0];
+  int64_t best_k = 0;
+  bool nan = false;
+#ifdef __AVX2__
+  if (vocab >= 8) {
+    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), inf_bits = _mm256_set1_epi32(0x7f800000);
+    __m256 lane_best = _mm256_loadu_ps(x);
+    __m256i lane_k = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), lane_idx = lane_k;
+    __m256i nan_seen = _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(lane_best), abs_mask), inf_bits);
+    const __m256i eight = _mm256_set1_epi32(8);
+    for (k = 8; k + 8 <= vocab; k += 8) {
+      const __m256 v = _mm256_loadu_ps(x + k);
+      lane_idx = _mm256_add_epi32(lane_idx, eight);
+      nan_seen = _mm256_or_si256(nan_seen, _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), abs_mask), inf_bits));
+      const __m256 greater = _mm256_cmp_ps(v, lane_best, _CMP_GT_OQ);  // strictly: a lane keeps its first
+      lane_best = _mm256_blendv_ps(lane_best, v, greater);
+      lane_k = _mm256_blendv_epi8(lane_k, lane_idx, _mm256_castps_si256(greater));
+    }
+    nan = !_mm256_testz_si256(nan_seen, nan_seen);
+    alignas(32) float vals[8];
+    alignas(32) int32_t idx[8];
+    _mm256_store_ps(vals, lane_best);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(idx), lane_k);
+    best = vals[0];
+    best_k = idx[0];
+    for (int lane = 1; lane < 8; ++lane) {
+      if (vals[lane] > best || (vals[lane] == best && idx[lane] < best_k)) {
+        best = vals[lane];
+        best_k = idx[lane];
+      }
+    }
+  }
+#endif
+  for (; k < vocab; ++k) {
+    uint32_t bits;
+    std::memcpy(&bits, x + k, sizeof(bits));
+    nan |= (bits & 0x7fffffffu) > 0x7f800000u;
+    if (x[k] > best) {
+      best = x[k];
+      best_k = k;
+    }
+  }
+  return nan ? -1 : best_k;
+}
+
 }  // namespace
 
 void draw_rows(at::Tensor& tokens, const at::Tensor& logits, const at::Tensor& uniforms) {
@@ -96,6 +169,29 @@ void draw_rows(at::Tensor& tokens, const at::Tensor& logits, const at::Tensor& u
   });
 }
 
-TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) { m.def("draw_rows(Tensor(a!) tokens, Tensor logits, Tensor uniforms) -> ()"); }
+void argmax_rows(at::Tensor& tokens, const at::Tensor& logits) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.scalar_type() == at::kFloat &&
+                  logits.stride(1) == 1,
+              "argmax_rows: logits must be float32 [N, V] on the CPU with contiguous rows");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.is_contiguous() && tokens.numel() == rows,
+              "argmax_rows: tokens must be int64 [N]");
+  if (rows == 0) return;
+  TORCH_CHECK(vocab > 0 && vocab < (int64_t{1} << 31), "argmax_rows: the vocabulary must have 1 to 2^31 - 1 entries");
+  const float* xp = logits.data_ptr<float>();
+  int64_t* tp = tokens.data_ptr<int64_t>();
+  const int64_t ldx = logits.stride(0);
+  tandem_cpu::for_each_chunk(rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) tp[i] = argmax_row(xp + i * ldx, vocab);
+  });
+}
 
-TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("draw_rows", &draw_rows); }
+TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
+  m.def("draw_rows(Tensor(a!) tokens, Tensor logits, Tensor uniforms) -> ()");
+  m.def("argmax_rows(Tensor(a!) tokens, Tensor logits) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
+  m.impl("draw_rows", &draw_rows);
+  m.impl("argmax_rows", &argmax_rows);
+}

@@ -1,7 +1,7 @@
 """The sampler's draw through tandem's CPU kernel (``Sampler.draw_kernel``, kernels/cpu/sampling.cpp)
 against torch's softmax + cumsum + searchsorted draw on the same uniform numbers, against the
 distribution itself (chi-square), with seeds, and wired in by the worker only with tandem's
-kernels."""
+kernels; the greedy argmax kernel (``Sampler.argmax_kernel``) against torch's ``max``."""
 from __future__ import annotations
 
 import pytest
@@ -15,6 +15,13 @@ from tests.helpers.tiny_models import tiny_model_dir
 
 EOS = 2
 CHI2_7DF_P999 = 24.32  # 99.9th percentile of the chi-square distribution, 7 degrees of freedom
+
+
+@pytest.fixture(scope="module")
+def argmax_rows():
+    kernels = cpu_ops.load()
+    assert kernels is not None, "the CPU kernels build on this machine"
+    return kernels.argmax_rows
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +66,68 @@ def test_the_kernel_draws_the_tokens_torch_draws_from_the_same_numbers(draw_rows
     assert bool(torch.isfinite(logits[got >= 0].gather(1, drawn[:, None])).all()), "a filtered token was drawn"
 
 
+def test_logits_that_span_hundreds_draw_as_torch_draws(draw_rows):
+    # an untrained model's logits: most tokens lie more than 87 below the row's max, where the
+    # vector exp leaves its fast path (the kernel clamps there; those tokens get probability 0)
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(400, 3000, generator=gen) * 60
+    logits[::4, :1500] = float("-inf")
+    u_gen = torch.Generator().manual_seed(12)
+    uniforms = torch.rand(400, generator=u_gen)
+    expected = torch.searchsorted(logits.softmax(-1).cumsum(-1), (uniforms[:, None] * 0.999999), right=True)[:, 0]
+    got = torch.empty(400, dtype=torch.long)
+    draw_rows(got, logits.clone(), uniforms)
+    assert float((got == expected).float().mean()) >= 0.99
+    assert bool(torch.isfinite(logits.gather(1, got[:, None])).all()), "a filtered token was drawn"
+
+
+def test_a_token_far_below_the_max_is_never_drawn(draw_rows):
+    # probabilities by hand: exp(-100) / (1 + exp(-100)) is below 1e-43; exp(-5) is not
+    logits = torch.tensor([[0.0, -100.0, -5.0]]).repeat(2000, 1)
+    uniforms = torch.linspace(0, 1 - 1e-7, 2000)
+    got = torch.empty(2000, dtype=torch.long)
+    draw_rows(got, logits, uniforms)
+    assert set(got.tolist()) == {0, 2}
+    share = float((got == 2).float().mean())
+    assert abs(share - torch.tensor(-5.0).exp().item() / (1 + torch.tensor(-5.0).exp().item())) < 2e-3
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 8, 9, 31, 32000])
+def test_the_argmax_kernel_picks_what_torch_max_picks(argmax_rows, vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(50, vocab, generator=gen) * 30
+    logits[1] = torch.randint(0, 3, (vocab,), generator=gen).float()  # ties: the first index wins
+    logits[2] = float("-inf")  # -inf only: index 0, as torch
+    logits[3, vocab // 2] = float("inf")
+    logits[4] = 7.0
+    logits[5, -1] = 1e30
+    got = torch.empty(50, dtype=torch.long)
+    argmax_rows(got, logits)
+    assert got.tolist() == logits.max(dim=-1).indices.tolist()
+
+
+@pytest.mark.parametrize("where", [0, 5, 8, 31, -1])
+def test_the_argmax_kernel_flags_a_row_with_a_nan(argmax_rows, where):
+    logits = torch.randn(3, 32)
+    logits[1, where] = float("nan")
+    got = torch.empty(3, dtype=torch.long)
+    argmax_rows(got, logits)
+    assert got[1] == -1
+    assert got[[0, 2]].tolist() == logits[[0, 2]].argmax(dim=-1).tolist()
+
+
+def test_the_greedy_sampler_with_the_argmax_kernel_matches_torch(argmax_rows):
+    sampler = Sampler()
+    sampler.argmax_kernel = argmax_rows
+    params = SamplingParams(temperature=0.0)
+    logits = torch.randn(16, 1000) * 5
+    expected = Sampler()(logits.clone(), [row(params) for _ in range(16)]).token_ids
+    assert sampler(logits.clone(), [row(params) for _ in range(16)]).token_ids == expected
+    logits[3, 7] = float("nan")  # sanitized first, by either path: the NaN becomes -inf
+    expected = Sampler()(logits.clone(), [row(params) for _ in range(16)]).token_ids
+    assert sampler(logits.clone(), [row(params) for _ in range(16)]).token_ids == expected
+
+
 @pytest.mark.parametrize("seeded", [True, False], ids=["own-generators", "default-generator"])
 def test_kernel_draws_follow_the_processed_distribution(draw_rows, seeded):
     torch.manual_seed(4)
@@ -95,5 +164,6 @@ def test_the_worker_uses_the_kernel_only_with_tandems_kernels(cpu_kernels, expec
     llm = LLM(model=str(tiny_model_dir("llama")), num_kv_blocks=32, cpu_kernels=cpu_kernels)
     sampler = llm.engine.executor.worker.runner.sampler
     assert (sampler.draw_kernel is not None) == expected
+    assert (sampler.argmax_kernel is not None) == expected
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=1.0, seed=3, max_tokens=5))
     assert len(out[0].outputs[0].token_ids) == 5
