@@ -72,11 +72,10 @@ def test_logits_that_span_hundreds_draw_as_torch_draws(draw_rows):
     gen = torch.Generator().manual_seed(11)
     logits = torch.randn(400, 3000, generator=gen) * 60
     logits[::4, :1500] = float("-inf")
-    u_gen = torch.Generator().manual_seed(12)
-    uniforms = torch.rand(400, generator=u_gen)
-    expected = torch.searchsorted(logits.softmax(-1).cumsum(-1), (uniforms[:, None] * 0.999999), right=True)[:, 0]
-    got = torch.empty(400, dtype=torch.long)
-    draw_rows(got, logits.clone(), uniforms)
+    torch.manual_seed(12)
+    expected = _draw(logits.clone(), [None] * 400)  # torch's softmax, cumsum and searchsorted
+    torch.manual_seed(12)
+    got = _draw(logits.clone(), [None] * 400, draw_rows)
     assert float((got == expected).float().mean()) >= 0.99
     assert bool(torch.isfinite(logits.gather(1, got[:, None])).all()), "a filtered token was drawn"
 
