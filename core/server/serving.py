@@ -292,7 +292,7 @@ class SSEResponse(StreamingResponse):
             await super().__call__(scope, receive, send_or_give_up)
         except _ClientStalled:
             reason = "client_stalled"
-            logger.warning("%s: the client read nothing for %.0f s; aborted",
+            logger.warning("%s: the client read nothing for %g s; aborted",
                            ", ".join(s.request_id for s in self._streams), timeout_s)
             for stream in self._streams:
                 stream.close()
