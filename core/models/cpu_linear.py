@@ -12,7 +12,8 @@ Kernels (``mode``):
 
 - ``tandem``: tandem's own (``kernels/cpu/linear.cpp``): 16-column panels in the model's dtype,
   a 6 x 16 AVX2 register tile, float32 products and sums (16-bit weights widen as they load, so
-  a bfloat16 model keeps bfloat16 weights and reads half the bytes), the weight prefetched into
+  a bfloat16 model keeps bfloat16 weights and reads half the bytes; from 32 rows on, once per
+  K-slice for all the row tiles), the weight prefetched into
   L2 three K-slices ahead, the panels taken a few at a time by the threads from a shared
   counter. Measured here on the linear layers of bench-100m's 8 layers with weights cold (not
   in cache): at 1 / 8 / 16 / 32 / 64 rows 13 / 15 / 20 / 35 / 59 ms in float32 (without the

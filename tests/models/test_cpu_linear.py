@@ -36,6 +36,22 @@ def test_packed_linear_matches_a_float64_matmul(kind, dtype, tol, rows):
         torch.testing.assert_close(got.float(), reference(x, w, b).float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("rows", [31, 32, 64, 97])
+def test_16_bit_weights_over_several_k_slices(dtype, tol, rows):
+    # K = 600 spans three of the kernel's 256-row K-slices, the last one partial; from 32 rows on,
+    # each slice is widened to float32 once and read by every tile (97 rows: a row block of 96
+    # that does, then one of a single row that widens as it loads)
+    gen = torch.Generator().manual_seed(rows)
+    n, k = 50, 600
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+    x = torch.randn(rows, k, generator=gen)
+    got = PackedLinear.pack("tandem", w)(x)
+    torch.testing.assert_close(got, reference(x, w, None), atol=tol, rtol=tol)
+    # the float32 products and sums of the 16-bit values: as close as a float32 weight gives
+    torch.testing.assert_close(got, reference(x, w.float(), None), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("rows", [3, 64, 200])
 def test_the_result_does_not_depend_on_the_number_of_threads(rows):
     # Threads take panels (and row blocks) a few at a time from a shared counter: every output
