@@ -77,6 +77,7 @@ CONFIG_FLAGS = [
     ConfigFlag("--host", "server.host", metavar="HOST"),
     ConfigFlag("--port", "server.port", int, "N"),
     ConfigFlag("--api-key", "server.api_key", metavar="KEY"),
+    ConfigFlag("--api-key-file", "server.api_key_file", metavar="PATH"),
     ConfigFlag("--max-queued-requests", "server.max_queued_requests", int, "N"),
     ConfigFlag("--max-queued-tokens", "server.max_queued_tokens", int, "N"),
     ConfigFlag("--shutdown-timeout-s", "server.shutdown_timeout_s", float, "SECONDS"),
@@ -85,6 +86,8 @@ CONFIG_FLAGS = [
     ConfigFlag("--enable-auto-tool-choice", "server.enable_auto_tool_choice", None),
     ConfigFlag("--tool-call-parser", "server.tool_call_parser", metavar="NAME"),
     ConfigFlag("--role", "disaggregation.role"),
+    ConfigFlag("--kv-transfer-secret-file", "disaggregation.kv_transfer_secret_file", metavar="PATH"),
+    ConfigFlag("--router-admin-key-file", "disaggregation.router_admin_key_file", metavar="PATH"),
 ]
 _POSITIONAL_MODEL = "model_path_positional"
 

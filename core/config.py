@@ -271,8 +271,11 @@ class ServerConfig(_Section):
     """Address to listen on."""
     port: int = Field(8000, ge=1, le=65535)
     """TCP port to listen on."""
-    api_key: str | None = None
-    """When set, requests need "Authorization: Bearer <api_key>"."""
+    api_key: SecretStr | None = None
+    """When set, requests need "Authorization: Bearer <api_key>"; never printed."""
+    api_key_file: str | None = None
+    """A file holding api_key (its text, surrounding whitespace stripped), instead of the key
+    itself in the config, the environment or on a command line; set one of the two."""
     max_queued_requests: int = Field(256, ge=1)
     """Waiting requests beyond which new ones get 429."""
     max_queued_tokens: int = Field(262144, ge=1)
@@ -295,6 +298,11 @@ class ServerConfig(_Section):
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser (--tool-call-parser NAME): "
                              "the parser that reads the model's tool calls")
+        return self
+
+    @model_validator(mode="after")
+    def _read_key_file(self) -> ServerConfig:
+        self.api_key = secret_from_file(self.api_key, self.api_key_file, "api_key")
         return self
 
 
@@ -335,8 +343,26 @@ class DisaggregationConfig(_Section):
     """On a failed KV transfer: recompute the prompt locally, or fail the request."""
     min_disaggregated_prompt_tokens: int = Field(0, ge=0)
     """Shorter prompts skip the prefill instance and go straight to a decode instance."""
-    router_admin_key: str | None = None
-    """When set, the router's admin endpoints need this bearer key."""
+    router_admin_key: SecretStr | None = None
+    """The router's admin routes (/admin/*) need "Authorization: Bearer <router_admin_key>";
+    unset, they are off (403), and the router's /health says only ready or not. Never printed.
+    ``tandem serve --disaggregated`` makes one when it is unset."""
+    router_admin_key_file: str | None = None
+    """A file holding router_admin_key (set one of the two)."""
+    upstream_connect_timeout_s: float = Field(5.0, gt=0.0, allow_inf_nan=False)
+    """The router: how long opening a connection to an instance may take."""
+    upstream_timeout_s: float = Field(300.0, gt=0.0, allow_inf_nan=False)
+    """The router's read timeout towards an instance, per read, not per request: the longest
+    wait for the next bytes of an answer (between two chunks of a stream; for an answer that is
+    not streamed, the whole generation, which sends nothing before it ends). An instance silent
+    for longer is taken out of rotation and the request goes to another one (504 when none is
+    left; a stream that already started ends with an error event)."""
+    allow_insecure_no_secret: bool = False
+    """Start a prefill or decode instance, or a router over them, without kv_transfer_secret
+    (INSECURE: anyone who reaches an instance can then drive its KV hand-overs; only for a
+    network where every host is trusted)."""
+    kv_transfer_secret_file: str | None = None
+    """A file holding kv_transfer_secret (set one of the two)."""
     kv_transfer_secret: SecretStr | None = None
     """The cluster's secret: the router sends it to the instances in the header
     X-Tandem-KV-Secret with every request carrying kv_transfer_params; an instance that has one
@@ -347,11 +373,69 @@ class DisaggregationConfig(_Section):
     @classmethod
     def _check_secret(cls, value: SecretStr | None) -> SecretStr | None:
         if value is not None:
-            secret = value.get_secret_value()
-            if len(secret) < MIN_SECRET_LENGTH or not all(33 <= ord(c) <= 126 for c in secret):
-                raise ValueError(f"must be at least {MIN_SECRET_LENGTH} printable ASCII characters "
-                                 "without spaces (it travels in an HTTP header)")
+            _check_cluster_secret(value.get_secret_value())
         return value
+
+    @model_validator(mode="after")
+    def _read_secret_files(self) -> DisaggregationConfig:
+        self.router_admin_key = secret_from_file(self.router_admin_key, self.router_admin_key_file,
+                                                 "router_admin_key")
+        from_file = self.kv_transfer_secret_file is not None
+        self.kv_transfer_secret = secret_from_file(self.kv_transfer_secret, self.kv_transfer_secret_file,
+                                                   "kv_transfer_secret")
+        if from_file:
+            try:
+                _check_cluster_secret(self.kv_transfer_secret.get_secret_value())
+            except ValueError as exc:
+                raise ValueError(f"kv_transfer_secret_file: the secret in it {exc}") from None
+        return self
+
+    @property
+    def is_disaggregated(self) -> bool:
+        """Whether this config drives hand-overs: a prefill or decode instance, or a router with
+        prefill or decode instances listed."""
+        return self.role != "both" or any(i.role != "both" for i in self.instances)
+
+
+def _check_cluster_secret(secret: str) -> None:
+    if len(secret) < MIN_SECRET_LENGTH or not all(33 <= ord(c) <= 126 for c in secret):
+        raise ValueError(f"must be at least {MIN_SECRET_LENGTH} printable ASCII characters "
+                         "without spaces (it travels in an HTTP header)")
+
+
+def secret_from_file(value: SecretStr | None, path: str | None, name: str) -> SecretStr | None:
+    """``value``, or the text of the file at ``path`` (whitespace around it stripped) when only
+    the file is given. The error names the field, never the secret."""
+    if path is None:
+        return value
+    if value is not None:
+        raise ValueError(f"set {name} or {name}_file, not both")
+    try:
+        text = Path(path).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{name}_file {path!r} cannot be read: {type(exc).__name__}") from None
+    if not text:
+        raise ValueError(f"{name}_file {path!r} is empty")
+    return SecretStr(text)
+
+
+KV_SECRET_ENV = "TANDEM_DISAGGREGATION__KV_TRANSFER_SECRET"
+
+
+def require_cluster_secret(config: TandemConfig, what: str) -> None:
+    """Refuse (``ConfigError``) to start ``what`` ("a decode instance", "the router") when it
+    drives hand-overs without the cluster secret, unless the operator opted out."""
+    disagg = config.disaggregation
+    if not disagg.is_disaggregated or disagg.kv_transfer_secret is not None or disagg.allow_insecure_no_secret:
+        return
+    raise ConfigError(
+        f"disaggregation.kv_transfer_secret is unset: {what} refuses to start without the cluster's "
+        f"secret (anyone who reaches it could drive its KV hand-overs). Give the router and every "
+        f"instance the same secret of at least {MIN_SECRET_LENGTH} characters: "
+        f"[disaggregation] kv_transfer_secret or kv_transfer_secret_file in the config file, or the "
+        f"environment variable {KV_SECRET_ENV}; `tandem serve --disaggregated` makes one for the "
+        f"cluster it starts. disaggregation.allow_insecure_no_secret = true starts without one "
+        f"(insecure).")
 
 
 class TandemConfig(BaseSettings):
@@ -526,7 +610,8 @@ def _describe_validation_error(exc: ValidationError) -> str:
         else:
             path, _ = _known_prefix(error["loc"])
             message = error["msg"].removeprefix("Value error, ")
-            if repr(error["input"]) not in message and not _is_secret(path):
+            shown = not isinstance(error["input"], Mapping) and not _is_secret(path)
+            if shown and repr(error["input"]) not in message:  # a section's input holds its secrets
                 message += f" (got {error['input']!r})"
         if message not in problems.setdefault(path, []):
             problems[path].append(message)

@@ -174,6 +174,24 @@ def test_config_never_prints_the_kv_transfer_secret(cli_env):
     assert "hush" not in short.stderr
 
 
+def test_config_never_prints_a_key_or_secret_from_a_flag_the_environment_or_a_file(cli_env, tmp_path):
+    api_key, admin_key, secret = "api-key-4c1d9e", "admin-key-77ab10", "cluster-secret-from-a-file-5e"
+    (tmp_path / "secret").write_text(secret + "\n")
+    (tmp_path / "admin").write_text(admin_key)
+    result = tandem("config", "--api-key", api_key, "--kv-transfer-secret-file", str(tmp_path / "secret"),
+                    env={**cli_env, "TANDEM_DISAGGREGATION__ROUTER_ADMIN_KEY_FILE": str(tmp_path / "admin")})
+    assert result.returncode == 0, result.stderr
+    for value in (api_key, admin_key, secret):
+        assert value not in result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    for name in ("api_key", "router_admin_key", "kv_transfer_secret"):
+        assert f"# {name} is set (secret, not shown)" in lines
+    assert f"kv_transfer_secret_file = \"{tmp_path / 'secret'}\"" in lines
+    both = tandem("config", "--api-key", api_key, "--api-key-file", str(tmp_path / "admin"), env=cli_env)
+    assert both.returncode == 2 and "set api_key or api_key_file, not both" in both.stderr
+    assert api_key not in both.stderr and admin_key not in both.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["--max-num-seqs", "0"], "engine.max_num_seqs"),
     (["--scheduler", "nope"], "engine.scheduler: no scheduler named 'nope'; allowed: 'fcfs', 'spf'"),
@@ -244,7 +262,7 @@ def test_every_server_setting_has_a_flag():
         "server.log_requests": True, "engine.max_logprobs": 5,
         "server.enable_auto_tool_choice": True, "server.tool_call_parser": "hermes",
     }
-    server_fields = {"host", "port", "api_key", "max_queued_requests", "max_queued_tokens",
+    server_fields = {"host", "port", "api_key", "api_key_file", "max_queued_requests", "max_queued_tokens",
                      "shutdown_timeout_s", "log_requests", "stream_stall_timeout_s",
                      "enable_auto_tool_choice", "tool_call_parser"}
     assert server_fields == set(ServerConfig.model_fields), "a [server] field was added: give it a flag"

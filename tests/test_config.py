@@ -42,7 +42,7 @@ DEFAULTS = {
         "master_addr": "127.0.0.1", "master_port": 0,
     },
     "server": {
-        "host": "127.0.0.1", "port": 8000, "api_key": None, "max_queued_requests": 256,
+        "host": "127.0.0.1", "port": 8000, "api_key": None, "api_key_file": None, "max_queued_requests": 256,
         "max_queued_tokens": 262144, "shutdown_timeout_s": 30.0, "log_requests": False, "enable_auto_tool_choice": False, "tool_call_parser": None,
         "stream_stall_timeout_s": 60.0,
     },
@@ -51,6 +51,8 @@ DEFAULTS = {
         "decode_routing_policy": "least_loaded", "kv_transfer_timeout_s": 30.0,
         "kv_expiry_s": 120.0, "kv_load_failure_policy": "recompute",
         "min_disaggregated_prompt_tokens": 0, "router_admin_key": None,
+        "router_admin_key_file": None, "upstream_connect_timeout_s": 5.0, "upstream_timeout_s": 300.0,
+        "allow_insecure_no_secret": False, "kv_transfer_secret_file": None,
         "kv_transfer_secret": None,
     },
 }
@@ -341,7 +343,7 @@ def test_auto_tool_choice_needs_a_parser():
 def test_to_toml_round_trips_a_non_default_config(tmp_path):
     config = load(overrides={
         "path": "/m/ü \"q\"", "max_model_len": 1024, "kv_cache_memory": "3GiB", "num_kv_blocks": 9,
-        "enable_chunked_prefill": False, "shutdown_timeout_s": 2.5, "api_key": "k",
+        "enable_chunked_prefill": False, "shutdown_timeout_s": 2.5,
         "instances": [{"url": "http://a:1", "role": "prefill"}],
     })
     text = config.to_toml()
@@ -383,3 +385,49 @@ def test_example_config_mentions_every_field():
                 assert re.search(rf"^# {name} = ", text, re.MULTILINE), f"{section}.{name}"
             else:
                 assert name in sections[section], f"{section}.{name}"
+
+
+@pytest.mark.parametrize("section, name", [("server", "api_key"), ("disaggregation", "router_admin_key"),
+                                           ("disaggregation", "kv_transfer_secret")])
+def test_keys_and_secrets_come_from_env_or_file_and_are_never_shown(tmp_path, section, name):
+    value = "key-or-secret-0123456789"
+    env_name = f"TANDEM_{section.upper()}__{name.upper()}"
+    from_env = getattr(load(env={env_name: value}), section)
+    path = tmp_path / name
+    path.write_text(f"  {value}\n")
+    config = load(overrides={f"{section}.{name}_file": str(path)})
+    for got in (getattr(from_env, name), getattr(getattr(config, section), name)):
+        assert got.get_secret_value() == value
+    assert value not in repr(config) + str(config) + config.to_toml() + config.model_dump_json()
+    assert f"# {name} is set (secret, not shown)" in config.to_toml().splitlines()
+    assert getattr(getattr(load(write_toml(tmp_path, config.to_toml())), section), name) \
+        .get_secret_value() == value  # the file, not the value, goes into the TOML
+    with pytest.raises(ConfigError, match=f"{section}: set {name} or {name}_file, not both") as both:
+        load(overrides={f"{section}.{name}_file": str(path), f"{section}.{name}": value})
+    with pytest.raises(ConfigError, match=f"{name}_file .* cannot be read") as missing:
+        load(overrides={f"{section}.{name}_file": str(tmp_path / "nope")})
+    assert value not in str(both.value) + str(missing.value)
+
+
+@pytest.mark.parametrize("settings, refused", [
+    ({"role": "prefill"}, True),
+    ({"role": "decode"}, True),
+    ({"instances": [{"url": "http://a:1", "role": "prefill"}, {"url": "http://b:1", "role": "decode"}]}, True),
+    ({"role": "decode", "allow_insecure_no_secret": True}, False),
+    ({"role": "decode", "kv_transfer_secret": "0123456789abcdef"}, False),
+    ({"instances": [{"url": "http://a:1", "role": "both"}]}, False),
+    ({}, False),
+])
+def test_a_disaggregated_start_needs_the_cluster_secret(settings, refused):
+    from tandem.config import require_cluster_secret
+
+    config = load(overrides={f"disaggregation.{k}": v for k, v in settings.items()})
+    if not refused:
+        require_cluster_secret(config, "this")
+        return
+    with pytest.raises(ConfigError) as info:
+        require_cluster_secret(config, "this")
+    message = str(info.value)
+    for part in ("disaggregation.kv_transfer_secret", "TANDEM_DISAGGREGATION__KV_TRANSFER_SECRET",
+                 "tandem serve --disaggregated", "allow_insecure_no_secret"):
+        assert part in message

@@ -1,30 +1,34 @@
 """The router's FastAPI app.
 
     POST /v1/completions, /v1/chat/completions   routed (dispatch.py); streams relayed unchanged
-    GET  /v1/models, /v1/models/{id}             relayed from a healthy instance
+    GET  /v1/models, /v1/models/{id}             relayed from a healthy instance (an id that
+                                                 could name another route is a 400: model_ids.py)
     POST /tokenize, /detokenize                  relayed to a healthy instance
-    GET  /version                                the router's tandem version
-    GET  /health                                 200 while a decode-capable instance is in rotation
-    GET  /metrics                                the router's metrics (metrics.py)
-    GET|POST|DELETE /admin/instances             list, add ({url, role}), remove (?url=...)
+    /health, /version, /metrics, /admin/*        the router's own (admin.py)
 
-The /v1 routes, /tokenize and /detokenize need ``Authorization: Bearer <server.api_key>`` when
-that key is set; the header is relayed to the instances byte for byte. The admin routes need ``Authorization: Bearer
-<disaggregation.router_admin_key>`` when that key is set (401 otherwise). A client that goes away
-before its answer is ready cancels the upstream requests (the instances abort them).
+Nothing else reaches an instance: the router relays only these public routes. The /v1 routes,
+/tokenize and /detokenize need ``Authorization: Bearer <server.api_key>`` when that key is set;
+the header is relayed to the instances byte for byte. A client that goes away before its answer
+is ready cancels the upstream requests (the instances abort them). Upstream requests time out
+(``disaggregation.upstream_connect_timeout_s``, and ``upstream_timeout_s`` per read: between
+two chunks of a stream, not for the whole generation).
+
+A router over prefill or decode instances refuses to start without the cluster secret
+(``tandem.config.require_cluster_secret``).
 
 A body is relayed only when it is a JSON object that can be sent on as it came (RFC 8259: no NaN
 or Infinity; strings of Unicode characters, not lone UTF-16 surrogates); anything else is the
 client's 400, answered here. Client input never gets a 5xx from the router itself: a 5xx is an
-instance's answer, relayed, or an upstream failure (dispatch.py).
+instance's answer, relayed, or an upstream failure (dispatch.py); a bug's 500 names an error id,
+never the exception's text (the log has it).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -35,23 +39,24 @@ import httpx
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import SecretStr
 
 from tandem import __version__
-from tandem.config import InstanceConfig, TandemConfig
+from tandem.config import DisaggregationConfig, TandemConfig, require_cluster_secret
 from tandem.plugin_manager import get_registry
+from tandem.router.admin import add_operator_routes, admin_routes
+from tandem.router.auth import bearer_check
 from tandem.router.dispatch import Dispatcher, RouterRequest
 from tandem.router.errors import RouterError
 from tandem.router.metrics import RouterMetrics
+from tandem.router.model_ids import is_valid_model_id
 from tandem.router.prompts import PromptInfo, chat_prompt, completion_prompt
-from tandem.router.proxy import RawHeaders
-from tandem.router.registry import DuplicateInstance, InstanceRegistry
+from tandem.router.proxy import RawHeaders, timed_out
+from tandem.router.registry import InstanceRegistry
 
 logger = logging.getLogger("tandem.router")
 
-# Generation can take long: no read timeout towards instances; a dead one breaks the
-# connection, and the health checks take a frozen one out of rotation for new requests.
-UPSTREAM_TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None)
+UPSTREAM_WRITE_TIMEOUT_S = 30.0
 HEALTH_TIMEOUT_S = 2.0
 _RELAYED_HEADERS = (b"authorization",)
 
@@ -59,11 +64,12 @@ _RELAYED_HEADERS = (b"authorization",)
 def create_router_app(config: TandemConfig, health_interval_s: float = 1.0) -> FastAPI:
     """The router over ``config.disaggregation.instances``, checking their health every
     ``health_interval_s`` seconds. The routing policies are built from the installed plugins."""
+    require_cluster_secret(config, "the router over prefill and decode instances")
     disagg = config.disaggregation
     registry = InstanceRegistry([(i.url, i.role) for i in disagg.instances])
     metrics = RouterMetrics(registry)
     plugins = get_registry()
-    client = httpx.AsyncClient(timeout=UPSTREAM_TIMEOUT, trust_env=False,
+    client = httpx.AsyncClient(timeout=upstream_timeout(disagg), trust_env=False,
                                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
     health_client = httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S, trust_env=False)
     secret = disagg.kv_transfer_secret
@@ -90,24 +96,21 @@ def create_router_app(config: TandemConfig, health_interval_s: float = 1.0) -> F
     _add_error_handlers(app)
     app.include_router(_v1_routes(dispatcher, config.server.api_key))
     app.include_router(_tokenizer_routes(dispatcher, config.server.api_key))
-    app.include_router(_admin_routes(registry, health_client, disagg.router_admin_key))
-    _add_operator_routes(app, registry, metrics)
+    hand_overs_allowed = secret is not None or disagg.allow_insecure_no_secret
+    app.include_router(admin_routes(registry, health_client, disagg.router_admin_key, hand_overs_allowed))
+    add_operator_routes(app, registry, metrics, disagg.router_admin_key)
     return app
 
 
-def _bearer_check(key: str | None, what: str, code: str) -> Callable[[Request], Awaitable[None]]:
-    async def check(request: Request) -> None:
-        if key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-            raise RouterError(401, f"{what}: Authorization: Bearer KEY", code=code)
-
-    return check
+def upstream_timeout(disagg: DisaggregationConfig) -> httpx.Timeout:
+    """Towards instances: connect and read (per read, between bytes) from the config; no pool
+    timeout (the pool has no limit)."""
+    return httpx.Timeout(connect=disagg.upstream_connect_timeout_s, read=disagg.upstream_timeout_s,
+                         write=UPSTREAM_WRITE_TIMEOUT_S, pool=None)
 
 
-def _v1_routes(dispatcher: Dispatcher, api_key: str | None) -> APIRouter:
-    check = _bearer_check(api_key, "a valid API key is required", "invalid_api_key")
+def _v1_routes(dispatcher: Dispatcher, api_key: SecretStr | None) -> APIRouter:
+    check = bearer_check(api_key, "a valid API key is required", "invalid_api_key")
     router = APIRouter(prefix="/v1", dependencies=[Depends(check)])
 
     async def route(request: Request, path: str, prompt_of: Callable[[dict], PromptInfo]) -> Response:
@@ -131,14 +134,18 @@ def _v1_routes(dispatcher: Dispatcher, api_key: str | None) -> APIRouter:
 
     @router.get("/models/{model_id:path}")
     async def retrieve_model(request: Request, model_id: str) -> Response:
+        if not is_valid_model_id(model_id):
+            raise RouterError(400, "invalid model id: segments of letters, digits and _ . - + : @ = ~ "
+                                   "separated by /, none of them all dots", code="invalid_model_id",
+                              param="model")
         return await relay_to_any(dispatcher, request, f"/v1/models/{quote(model_id, safe='/')}")
 
     return router
 
 
-def _tokenizer_routes(dispatcher: Dispatcher, api_key: str | None) -> APIRouter:
+def _tokenizer_routes(dispatcher: Dispatcher, api_key: SecretStr | None) -> APIRouter:
     """/tokenize and /detokenize, relayed to any healthy instance: they all serve one model."""
-    check = _bearer_check(api_key, "a valid API key is required", "invalid_api_key")
+    check = bearer_check(api_key, "a valid API key is required", "invalid_api_key")
     router = APIRouter(dependencies=[Depends(check)])
 
     @router.post("/tokenize")
@@ -155,9 +162,11 @@ def _tokenizer_routes(dispatcher: Dispatcher, api_key: str | None) -> APIRouter:
 async def relay_to_any(dispatcher: Dispatcher, request: Request, path: str,
                        body: dict[str, Any] | None = None) -> Response:
     """The answer of the first healthy instance (decode-capable first) that answers ``path``
-    with anything but a 503: GET without ``body``, POST with it. 503 when none does."""
+    with anything but a 503: GET without ``body``, POST with it. 503 when none does (504 when
+    one of them timed out)."""
     headers = _relayed_headers(request)
     registry = dispatcher.registry
+    any_timed_out = False
     for info in registry.candidates("decode") + registry.candidates("prefill"):
         try:
             if body is None:
@@ -166,10 +175,14 @@ async def relay_to_any(dispatcher: Dispatcher, request: Request, path: str,
                 answer = await dispatcher.client.post(f"{info.url}{path}", headers=headers, json=body)
         except httpx.TransportError as exc:
             registry.mark_down(info.url, f"{path} failed: {type(exc).__name__}: {exc}")
+            any_timed_out |= timed_out(exc)
             continue
         if answer.status_code != 503:
             return Response(answer.content, status_code=answer.status_code,
                             media_type=answer.headers.get("content-type"))
+    if any_timed_out:
+        raise RouterError(504, "no instance answered within disaggregation.upstream_timeout_s",
+                          code="upstream_timeout")
     raise RouterError(503, "no healthy instance answered", code="no_instance")
 
 
@@ -230,59 +243,6 @@ async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Resp
     return task.result()
 
 
-def _admin_routes(registry: InstanceRegistry, health_client: httpx.AsyncClient,
-                  admin_key: str | None) -> APIRouter:
-    check = _bearer_check(admin_key, "the router's admin key is required", "invalid_admin_key")
-    router = APIRouter(prefix="/admin", dependencies=[Depends(check)])
-
-    @router.get("/instances")
-    async def list_instances() -> dict:
-        return {"instances": [s.as_dict() for s in registry.all()]}
-
-    @router.post("/instances", status_code=201)
-    async def add_instance(instance: InstanceConfig) -> dict:
-        """Add an instance; it is health-checked at once and in rotation if it answers."""
-        try:
-            state = registry.add(instance.url, instance.role)
-        except DuplicateInstance as exc:
-            raise RouterError(409, str(exc), code="instance_exists", param="url") from exc
-        except ValueError as exc:
-            raise RouterError(400, str(exc), code="invalid_url", param="url") from exc
-        await registry.check(state, health_client)
-        return state.as_dict()
-
-    @router.delete("/instances")
-    async def remove_instance(url: str) -> dict:
-        """Remove an instance: no new requests go to it; those in flight finish."""
-        try:
-            state = registry.remove(url.rstrip("/"))
-        except KeyError:
-            raise RouterError(404, f"no instance {url} is registered", code="unknown_instance",
-                              param="url") from None
-        return state.as_dict()
-
-    return router
-
-
-def _add_operator_routes(app: FastAPI, registry: InstanceRegistry, metrics: RouterMetrics) -> None:
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        """200 while at least one decode-capable instance is in rotation, else 503."""
-        ready = bool(registry.candidates("decode"))
-        return JSONResponse({"status": "ok" if ready else "no_decode_instance",
-                             "instances": [s.as_dict() for s in registry.all()]},
-                            status_code=200 if ready else 503)
-
-    @app.get("/version")
-    async def version() -> dict:
-        """The router's tandem version."""
-        return {"version": __version__}
-
-    @app.get("/metrics")
-    async def router_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RouterError)
     async def router_error(request: Request, exc: RouterError) -> JSONResponse:
@@ -296,7 +256,10 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        """A bug of the router's or of a routing policy plugin's, answered in OpenAI's shape
-        (uvicorn logs the traceback)."""
-        return RouterError(500, f"internal error of the router: {type(exc).__name__}: {exc}",
-                           code="internal_error").response()
+        """A bug of the router's or of a routing policy plugin's, answered in OpenAI's shape with
+        an error id; the exception (its text can hold a prompt or an address) is logged under it."""
+        error_id = secrets.token_hex(6)
+        logger.error("internal error of the router in %s %s (error id %s)", request.method,
+                     request.url.path, error_id, exc_info=exc)
+        return RouterError(500, f"internal error of the router (error id {error_id}; the router's "
+                                f"log has the details)", code="internal_error").response()

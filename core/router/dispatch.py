@@ -35,10 +35,14 @@ is set; the client's own requests never reach an instance with it.
 
 A request whose connection broke after it reached an instance may be what broke it (a poison
 request): once MAX_BROKEN_CONNECTIONS instances, prefill and decode together, broke that way under
-it, the client gets a 502 "instance_failed" and no other instance is risked.
+it, the client gets a 502 "instance_failed" and no other instance is risked. An instance that
+took the request and then sent nothing for ``disaggregation.upstream_timeout_s`` (frozen) counts
+as such a break: out of rotation, the next instance; when that ends the request, or no instance
+is left, the answer is a 504 "upstream_timeout".
 
-A stream is retried until its first token reaches the client; if the connection breaks after
-that and before the instance's ``[DONE]``, the stream ends with an error event and ``[DONE]``.
+A stream is retried until its first token reaches the client; if the connection breaks (or the
+instance goes silent for the read timeout) after that and before the instance's ``[DONE]``, the
+stream ends with an error event and ``[DONE]``.
 The client's stream ends at the instance's ``[DONE]``; the rest of the upstream body is read
 afterwards, for at most DRAIN_AFTER_DONE_S, to keep the connection.
 """
@@ -73,6 +77,7 @@ from tandem.router.proxy import (
     is_done,
     open_stream,
     post,
+    timed_out,
 )
 from tandem.router.registry import InstanceRegistry
 
@@ -132,18 +137,28 @@ class _Prefilled:
 
 @dataclass(slots=True)
 class _Broken:
-    """The instances whose connection broke after the request reached them."""
+    """The instances whose connection broke (or that went silent: ``timed_out``) after the
+    request reached them."""
 
     count: int = 0
+    timed_out: bool = False
 
-    def add(self) -> bool:
+    def add(self, exc: Unreachable) -> bool:
         """Count one; whether the request must now stop going to other instances."""
         self.count += 1
+        self.timed_out |= exc.timed_out
         return self.count >= MAX_BROKEN_CONNECTIONS
 
     def response(self) -> Response:
+        if self.timed_out:
+            return _timeout_error(self.count).response()
         return RouterError(502, f"the connection to {self.count} instances broke after the request reached "
                                 f"them; it is not sent to another", code="instance_failed").response()
+
+
+def _timeout_error(count: int) -> RouterError:
+    return RouterError(504, f"{count} instance(s) took the request and sent nothing within "
+                            f"disaggregation.upstream_timeout_s", code="upstream_timeout")
 
 
 class Dispatcher:
@@ -218,7 +233,7 @@ class Dispatcher:
                     answer = await post(self.client, url + request.path, body, headers)
             except Unreachable as exc:
                 self._lost(url, "prefill", "unreachable", f"prefill request failed: {exc}")
-                if exc.connected and broken.add():
+                if exc.connected and broken.add(exc):
                     return broken.response()
                 continue
             if answer.status == 429:
@@ -255,7 +270,7 @@ class Dispatcher:
                 if exc.connected:
                     if offered:
                         hand_over.may_be_claimed = True
-                    if broken.add():
+                    if broken.add(exc):
                         self._done(request)
                         return broken.response()
                 continue
@@ -278,6 +293,8 @@ class Dispatcher:
         self._done(request)
         if busy is not None:
             return busy.response()
+        if broken.timed_out:
+            return _timeout_error(broken.count).response()
         return RouterError(503, "no healthy decode instance could take the request",
                            code="no_instance").response()
 
@@ -332,8 +349,9 @@ class Dispatcher:
             except httpx.TransportError as exc:
                 outcome[0] = "broken"
                 self.registry.mark_down(url, f"a stream broke: {type(exc).__name__}: {exc}")
-                yield RouterError(502, f"the decode instance {url} failed mid-stream",
-                                  code="instance_failed").sse()
+                error = (_timeout_error(1) if timed_out(exc) else
+                         RouterError(502, "the decode instance failed mid-stream", code="instance_failed"))
+                yield error.sse()
                 yield SSE_DONE
 
         async def close() -> None:

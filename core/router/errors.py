@@ -9,11 +9,13 @@ from fastapi.responses import JSONResponse
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "invalid_request_error",
     409: "invalid_request_error",
     500: "internal_server_error",
     502: "service_unavailable_error",
     503: "service_unavailable_error",
+    504: "timeout_error",
 }
 
 

@@ -1,7 +1,8 @@
 """``tandem router --config FILE [--host H] [--port N]``: the router app under uvicorn.
 
-The instances, routing policies, conditional-disaggregation threshold and admin key come from
-the config's ``[disaggregation]`` section, the address from ``[server]`` (127.0.0.1:8000 unless
+The instances, routing policies, conditional-disaggregation threshold, upstream timeouts, cluster
+secret and admin key come from the config's ``[disaggregation]`` section (secrets also from the
+environment or ``*_file`` fields), the address from ``[server]`` (127.0.0.1:8000 unless
 told otherwise). SIGTERM or Ctrl-C stops it (streams in flight get a few seconds to finish; a
 second signal forces the exit), with exit status 0.
 """
@@ -57,13 +58,13 @@ def run_router(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     disagg, srv = config.disaggregation, config.server
     if disagg.router_admin_key is None:
-        logger.warning("disaggregation.router_admin_key is unset: anyone who reaches the router "
-                       "can add and remove instances")
-    if disagg.kv_transfer_secret is None and any(i.role == "prefill" for i in disagg.instances):
-        logger.warning("disaggregation.kv_transfer_secret is unset: the router sends no secret, so its "
-                       "instances cannot have one, and anyone who reaches them can drive hand-overs")
+        logger.info("disaggregation.router_admin_key is unset: the admin API (/admin/*) is off")
+    if disagg.kv_transfer_secret is None and disagg.is_disaggregated:
+        logger.warning("disaggregation.kv_transfer_secret is unset (allow_insecure_no_secret): anyone "
+                       "who reaches the instances can drive their hand-overs")
     if not disagg.instances:
-        logger.warning("no instances configured: add them with POST /admin/instances")
+        logger.warning("no instances configured: add them with POST /admin/instances "
+                       "(which needs disaggregation.router_admin_key)")
     print(f"tandem: routing {len(disagg.instances)} instance(s) at http://{srv.host}:{srv.port} "
           f"(prefill policy {disagg.routing_policy}, decode policy {disagg.decode_routing_policy})",
           flush=True)

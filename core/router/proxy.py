@@ -8,8 +8,9 @@
   client gone, cancelled, never started), which is where the upstream stream is closed, so an
   instance sees a client's disconnect as its own and aborts the request.
 
-Both raise ``Unreachable`` when the instance cannot be reached or the connection breaks before
-it answered. Events are relayed unchanged.
+Both raise ``Unreachable`` when the instance cannot be reached, the connection breaks before it
+answered, or it sent nothing for the client's read timeout (``timed_out``: a frozen instance).
+Events are relayed unchanged.
 """
 from __future__ import annotations
 
@@ -38,6 +39,12 @@ class Unreachable(Exception):
         self.url = url
         self.connected = not isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout,
                                               httpx.PoolTimeout))
+        self.timed_out = timed_out(exc)
+
+
+def timed_out(exc: BaseException) -> bool:
+    """Whether ``exc`` is a read or write timeout: the instance took the request and went silent."""
+    return isinstance(exc, (httpx.ReadTimeout, httpx.WriteTimeout))
 
 
 @dataclass(slots=True)

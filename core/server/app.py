@@ -7,7 +7,9 @@ starts the engine in the app's lifespan: the model loads in the engine thread wh
 already answers /health with 503. Every /v1 route, /tokenize and /detokenize need
 ``Authorization: Bearer KEY`` when ``server.api_key`` is set; requests with ``kv_transfer_params`` and the /kv routes need the
 cluster secret (``X-Tandem-KV-Secret``) when ``disaggregation.kv_transfer_secret`` is set. Errors
-use OpenAI's body; FastAPI's 422 becomes a 400.
+use OpenAI's body; FastAPI's 422 becomes a 400; a 500 names an error id, never the exception's
+text (the log has it under that id). A prefill or decode instance refuses to start without the
+cluster secret (``tandem.config.require_cluster_secret``).
 """
 from __future__ import annotations
 
@@ -19,19 +21,20 @@ from contextlib import asynccontextmanager
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import SecretStr
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem import __version__
 from tandem.async_engine import AsyncEngine, EngineError, EngineState, EngineUnavailable, QueueLimits
-from tandem.config import TandemConfig
+from tandem.config import TandemConfig, require_cluster_secret
 from tandem.engine import LLMEngine
 from tandem.interfaces import ToolParser
 from tandem.plugin_manager import get_registry
 from tandem.server.chat import create_chat_completion
 from tandem.server.completions import create_completion
 from tandem.server.disagg import HANDSHAKE_PATH, RELEASE_PATH, HandshakeCache, check_kv_secret
-from tandem.server.errors import APIError, api_error_from
+from tandem.server.errors import APIError, api_error_from, internal_error
 from tandem.server.metrics import ServerMetrics
 from tandem.server.protocol import (
     ChatCompletionRequest,
@@ -62,6 +65,7 @@ def create_app(config: TandemConfig, engine_factory: Callable[[], LLMEngine] | N
     """The app serving ``config.model.path`` (which must be set). ``engine_factory`` replaces
     ``LLMEngine(config)``, to wrap the engine (tests inject faults this way)."""
     assert config.model.path is not None, "resolve the model path before building the app"
+    require_cluster_secret(config, f"a {config.disaggregation.role} instance")
     metrics = ServerMetrics()
     engine = AsyncEngine(
         engine_factory or (lambda: LLMEngine(config)),
@@ -77,10 +81,9 @@ def create_app(config: TandemConfig, engine_factory: Callable[[], LLMEngine] | N
                          HandshakeCache(secret=kv_secret), _auto_tool_parser(config))
     role = config.disaggregation.role
     if role != "both" and kv_secret is None:
-        logger.warning("disaggregation.role is %s and disaggregation.kv_transfer_secret is unset: anyone "
-                       "who can reach this instance can drive its KV hand-overs (pin its blocks, read "
-                       "them, make it fetch a URL); give the router and every instance the same secret",
-                       role)
+        logger.warning("disaggregation.role is %s and disaggregation.kv_transfer_secret is unset "
+                       "(allow_insecure_no_secret): anyone who can reach this instance can drive its "
+                       "KV hand-overs (pin its blocks, read them, make it fetch a URL)", role)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -107,12 +110,14 @@ def _auto_tool_parser(config: TandemConfig) -> ToolParser | None:
     return get_registry().get("tool_parser", config.server.tool_call_parser)()
 
 
-def _api_key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
+def _api_key_check(api_key: SecretStr | None) -> Callable[[Request], Awaitable[None]]:
+    expected = None if api_key is None else f"Bearer {api_key.get_secret_value()}".encode()
+
     async def check_api_key(request: Request) -> None:
-        if api_key is None:
+        if expected is None:
             return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        given = request.headers.get("authorization", "").encode("latin-1")
+        if not hmac.compare_digest(given, expected):
             raise APIError(401, "a valid API key is required: Authorization: Bearer KEY",
                            code="invalid_api_key")
 
@@ -124,7 +129,7 @@ def _model_card(ctx: ServingContext) -> ModelCard:
     return ModelCard(id=ctx.model_name, root=ctx.model_path, max_model_len=max_len)
 
 
-def _v1_router(ctx: ServingContext, api_key: str | None) -> APIRouter:
+def _v1_router(ctx: ServingContext, api_key: SecretStr | None) -> APIRouter:
     router = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))], responses=_ERRORS)
 
     @router.get("/models", response_model=ModelList)
@@ -150,7 +155,7 @@ def _v1_router(ctx: ServingContext, api_key: str | None) -> APIRouter:
     return router
 
 
-def _tokenizer_router(ctx: ServingContext, api_key: str | None) -> APIRouter:
+def _tokenizer_router(ctx: ServingContext, api_key: SecretStr | None) -> APIRouter:
     """vLLM's /tokenize and /detokenize, guarded by the API key as the /v1 routes are."""
     router = APIRouter(dependencies=[Depends(_api_key_check(api_key))], responses=_ERRORS)
 
@@ -248,9 +253,10 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         return Response(status_code=499)
 
     @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error in %s %s", request.method, request.url.path)
-        return answer(APIError(500, f"internal error: {exc}", code="internal_error"))
+    async def unhandled_error(request: Request, exc: Exception) -> JSONResponse:
+        """A bug: the client gets an error id, the log the exception under it."""
+        return answer(internal_error(exc, f"internal error in {request.method} {request.url.path}",
+                                     "internal_error"))
 
 
 _FORMS = {

@@ -6,6 +6,9 @@ Retry-After, 400 a request the engine refuses, 500 an engine failure).
 """
 from __future__ import annotations
 
+import logging
+import secrets
+
 from fastapi.responses import JSONResponse
 
 from tandem.async_engine import (
@@ -18,6 +21,8 @@ from tandem.async_engine import (
 from tandem.kv_transfer import KVTransferFailed, KVTransferReplayed
 from tandem.sched.request_checks import InvalidRequest
 from tandem.server.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger("tandem.server")
 
 _TYPES = {
     400: "invalid_request_error",
@@ -73,11 +78,20 @@ def api_error_from(exc: BaseException) -> APIError:
     if isinstance(exc, KVTransferFailed):
         return APIError(502, str(exc), code="kv_transfer_failed")
     if isinstance(exc, RequestFailed):
-        return APIError(500, str(exc), code="engine_exception")
+        return internal_error(exc, "the engine failed this request", "engine_exception")
     if isinstance(exc, EngineError):
-        return APIError(500, str(exc), code="engine_error")
+        return internal_error(exc, "the engine failed", "engine_error")
     if isinstance(exc, InvalidRequest):
         return bad_request(f"{exc.param} {exc.detail}", exc.param)
     if isinstance(exc, ValueError):
         return bad_request(str(exc))
-    return APIError(500, f"internal error: {exc}", code="internal_error")
+    return internal_error(exc, "internal error", "internal_error")
+
+
+def internal_error(exc: BaseException, what: str, code: str) -> APIError:
+    """A 500 that names an error id, never the exception's text (it can hold a prompt, a path or
+    a key): the text is logged under that id, for the operator."""
+    error_id = secrets.token_hex(6)
+    logger.error("%s (error id %s): %s: %s", what, error_id, type(exc).__name__, exc,
+                 exc_info=exc if exc.__traceback__ is not None else None)
+    return APIError(500, f"{what} (error id {error_id}; the server's log has the details)", code=code)

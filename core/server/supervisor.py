@@ -9,10 +9,14 @@
 
 Each child gets the effective configuration (file < environment < flags) written to a temporary
 TOML file, so every knob given to this command reaches it; the router's lists the two instances.
-The cluster secret (``disaggregation.kv_transfer_secret``: the one configured, else a random one
-made here, ``secrets.token_urlsafe``) goes to all three in their environment, never into a file.
-The instances listen on 127.0.0.1 only; the router on ``server.host:server.port``. The parent
-supervises: a child that exits (an instance whose engine failed for good exits 1, see
+Secrets never go into those files nor on a command line (``ps``): the cluster secret
+(``disaggregation.kv_transfer_secret``), the router's admin key and ``server.api_key`` go to the
+children in their environment, readable by the same user only. A cluster secret or admin key
+that is not configured is made here (``secrets.token_urlsafe``) and written for the operator to a
+0600 file in a 0700 folder of the state directory (``$TANDEM_STATE_DIR``, else
+``$XDG_STATE_HOME/tandem``, else ``~/.local/state/tandem``); the files' paths are printed, never
+their values. The instances listen on 127.0.0.1 only; the router on ``server.host:server.port``.
+The parent supervises: a child that exits (an instance whose engine failed for good exits 1, see
 tandem.async_engine) is restarted with the same command and port, and the router's health checks
 put it back in rotation once it is ready; a child that exits a ``MAX_RESTARTS + 1``-th time within
 ``RESTART_WINDOW_S`` is crash-looping: the parent says so, stops the others and exits 1. SIGINT
@@ -32,9 +36,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tandem.config import InstanceConfig, TandemConfig
+from pydantic import SecretStr
 
-SECRET_ENV = "TANDEM_DISAGGREGATION__KV_TRANSFER_SECRET"
+from tandem.config import KV_SECRET_ENV, InstanceConfig, TandemConfig
+
+SECRET_ENV = KV_SECRET_ENV
+ADMIN_KEY_ENV = "TANDEM_DISAGGREGATION__ROUTER_ADMIN_KEY"
+API_KEY_ENV = "TANDEM_SERVER__API_KEY"
+_SECRET_FILE_ENVS = {f"{v}_FILE" for v in (SECRET_ENV, ADMIN_KEY_ENV, API_KEY_ENV)}
+"""Not passed on: the children get the secrets themselves (a value and its file is an error)."""
 POLL_S = 0.2
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -58,7 +68,8 @@ class Child:
     restarts: list[float] = field(default_factory=list)  # time.monotonic() of each restart
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.argv, env={**os.environ, **self.env})
+        inherited = {k: v for k, v in os.environ.items() if k.upper() not in _SECRET_FILE_ENVS}
+        self.proc = subprocess.Popen(self.argv, env={**inherited, **self.env})
 
     def may_restart(self, now: float) -> bool:
         """Whether a restart now stays within ``MAX_RESTARTS`` per ``RESTART_WINDOW_S``."""
@@ -72,19 +83,65 @@ def _write_config(config: TandemConfig, folder: Path, name: str) -> str:
     return str(path)
 
 
-def plan_children(config: TandemConfig, folder: Path, uvicorn_log_level: str) -> list[Child]:
-    """The three commands, with their config files written into ``folder`` and the cluster
-    secret in their environment."""
+def state_dir() -> Path:
+    """Where ``tandem serve --disaggregated`` writes the secrets it makes (module docstring)."""
+    if os.environ.get("TANDEM_STATE_DIR"):
+        return Path(os.environ["TANDEM_STATE_DIR"])
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "tandem"
+
+
+def write_secret_file(folder: Path, name: str, value: str) -> Path:
+    """``value`` in ``folder/name``, readable by this user alone (0600, in a 0700 folder)."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(folder, 0o700)
+    path = folder / name
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(value + "\n")
+    return path
+
+
+def cluster_secrets(config: TandemConfig) -> tuple[dict[str, str], list[Path]]:
+    """The children's secret environment, and the files written for the secrets made here."""
+    disagg, folder = config.disaggregation, state_dir() / f"disaggregated-{config.server.port}"
+    env, written = {}, []
+    for variable, value, name in ((SECRET_ENV, disagg.kv_transfer_secret, "kv_transfer_secret"),
+                                  (ADMIN_KEY_ENV, disagg.router_admin_key, "router_admin_key")):
+        if value is None:
+            value = SecretStr(secrets.token_urlsafe(32))
+            written.append(write_secret_file(folder, name, value.get_secret_value()))
+        env[variable] = value.get_secret_value()
+    if config.server.api_key is not None:
+        env[API_KEY_ENV] = config.server.api_key.get_secret_value()
+    return env, written
+
+
+def _without_secrets(config: TandemConfig) -> TandemConfig:
+    """``config`` for a child's file: its secrets come by the environment, not their files."""
+    config = config.model_copy(deep=True)
+    config.server.api_key_file = None
+    config.disaggregation.router_admin_key_file = None
+    config.disaggregation.kv_transfer_secret_file = None
+    return config
+
+
+def plan_children(config: TandemConfig, folder: Path, uvicorn_log_level: str,
+                  env: dict[str, str] | None = None) -> list[Child]:
+    """The three commands, with their config files written into ``folder`` and ``env`` (the
+    secrets of ``cluster_secrets``; made afresh when None) in their environment."""
     tandem = [sys.executable, "-m", "tandem.cli"]
     ports = {"prefill": free_port(), "decode": free_port()}
-    secret = config.disaggregation.kv_transfer_secret
-    env = {SECRET_ENV: secret.get_secret_value() if secret is not None else secrets.token_urlsafe(32)}
+    env = cluster_secrets(config)[0] if env is None else env
+    instance_env = {k: v for k, v in env.items() if k != ADMIN_KEY_ENV}
+    config = _without_secrets(config)
     children = []
     for role, port in ports.items():
         conf = _write_config(config, folder, role)
         children.append(Child(role, [*tandem, "serve", "--config", conf, "--role", role,
                                      "--host", "127.0.0.1", "--port", str(port),
-                                     "--uvicorn-log-level", uvicorn_log_level], env))
+                                     "--uvicorn-log-level", uvicorn_log_level], instance_env))
     router_config = config.model_copy(deep=True)
     router_config.disaggregation.instances = [
         InstanceConfig(url=f"http://127.0.0.1:{port}", role=role) for role, port in ports.items()]
@@ -101,11 +158,15 @@ def run_disaggregated(config: TandemConfig, uvicorn_log_level: str = "warning") 
     handlers = {sig: signal.signal(sig, lambda signum, frame: stop.append(signum))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     with tempfile.TemporaryDirectory(prefix="tandem-disagg-") as folder:
-        children = plan_children(config, Path(folder), uvicorn_log_level)
+        env, written = cluster_secrets(config)
+        children = plan_children(config, Path(folder), uvicorn_log_level, env)
         try:
             for child in children:
                 child.start()
                 print(f"tandem: started the {child.name} process (pid {child.proc.pid})", flush=True)
+            for path in written:
+                print(f"tandem: made the cluster's {path.name}: it is in {path} (readable by this "
+                      f"user only)", flush=True)
             print(f"tandem: disaggregated serving of {config.model.path} through the router at "
                   f"http://{config.server.host}:{config.server.port}", flush=True)
             return _supervise(children, stop)

@@ -8,8 +8,11 @@ import os
 import re
 import signal
 import subprocess
+import stat
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -19,8 +22,13 @@ from tests.router.instances import free_port, scrape, wait_for
 pytest.importorskip("nixl_cu12", reason="the nixl KV connector needs nixl-cu12")
 
 
+STATE_DIR = Path(tempfile.mkdtemp(prefix="tandem-state-"))
+"""The commands' state directory: where they write the secrets they make."""
+
+
 def start(model_dir, port: int, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "TANDEM_ENGINE__NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "TANDEM_ENGINE__NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
+           "TANDEM_STATE_DIR": str(STATE_DIR)}
     return subprocess.Popen(
         [sys.executable, "-m", "tandem.cli", "serve", "--disaggregated", str(model_dir),
          "--port", str(port), "--served-model-name", "tiny", "--num-kv-blocks", "64", *extra],
@@ -53,12 +61,23 @@ def answered(url: str) -> bool:
     return response.status_code == 200
 
 
+def secret_file(url: str, name: str) -> Path:
+    """Where the command serving at ``url`` wrote the secret ``name`` it made."""
+    return STATE_DIR / f"disaggregated-{url.rsplit(':', 1)[1]}" / name
+
+
+def admin_health(url: str) -> httpx.Response:
+    """The router's /health with the admin key the command made: the instances are listed."""
+    key = secret_file(url, "router_admin_key").read_text().strip()
+    return httpx.get(f"{url}/health", timeout=5, headers={"Authorization": f"Bearer {key}"})
+
+
 def all_instances_healthy(url: str) -> bool:
     """The router sees both children: until the prefill instance is healthy, the router rightly
     prefills on the decode instance, which is not the path this test checks."""
     try:
-        health = httpx.get(f"{url}/health", timeout=5)
-    except httpx.TransportError:
+        health = admin_health(url)
+    except (httpx.TransportError, FileNotFoundError):
         return False
     instances = health.json().get("instances", []) if health.status_code == 200 else []
     return len(instances) == 2 and all(i["healthy"] for i in instances)
@@ -84,9 +103,22 @@ def test_one_command_serves_disaggregated_and_stops_on_sigterm(model_dir):
         assert answered(url)
         assert scrape(url)["tandem:router_requests_total{path=disaggregated}"] >= 1
         # the children share a secret this test does not know: hand-overs need it
-        instances = httpx.get(f"{url}/health", timeout=5).json()["instances"]
+        instances = admin_health(url).json()["instances"]
         prefill = next(i["url"] for i in instances if i["role"] == "prefill")
         assert httpx.get(f"{prefill}/kv/handshake", timeout=5).status_code == 401
+        # the made secrets are the operator's alone, and nobody else sees the instances
+        for name in ("router_admin_key", "kv_transfer_secret"):
+            path = secret_file(url, name)
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600
+            assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+        secret = secret_file(url, "kv_transfer_secret").read_text().strip()
+        key = secret_file(url, "router_admin_key").read_text().strip()
+        assert httpx.get(f"{prefill}/kv/handshake", timeout=5,
+                         headers={"X-Tandem-KV-Secret": secret}).status_code == 200
+        assert httpx.get(f"{url}/health", timeout=5).json() == {"status": "ok"}
+        assert httpx.get(f"{url}/admin/instances", timeout=5).status_code == 401
+        commands = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+        assert secret not in commands and key not in commands
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         assert not any(alive(pid) for pid in pids.values())
@@ -153,19 +185,46 @@ def test_a_crash_looping_child_stops_the_command_with_status_1(model_dir):
         proc.kill()
 
 
-def test_the_children_share_a_generated_secret_that_no_file_holds(tmp_path):
+def test_the_children_share_a_generated_secret_that_no_config_file_holds(tmp_path, monkeypatch):
     from tandem.config import load_config
-    from tandem.server.supervisor import SECRET_ENV, plan_children
+    from tandem.server.supervisor import ADMIN_KEY_ENV, SECRET_ENV, plan_children
 
+    monkeypatch.setenv("TANDEM_STATE_DIR", str(tmp_path / "state"))
     config = load_config(overrides={"model.path": "/m"}, env={}, check_plugins=False)
     children = plan_children(config, tmp_path, "warning")
-    secret = children[0].env[SECRET_ENV]
+    secret, key = children[2].env[SECRET_ENV], children[2].env[ADMIN_KEY_ENV]
     assert [c.name for c in children] == ["prefill", "decode", "router"]
-    assert all(c.env == {SECRET_ENV: secret} for c in children) and len(secret) >= 32
-    assert not any(secret in f.read_text() for f in tmp_path.iterdir())
+    assert all(c.env == {SECRET_ENV: secret} for c in children[:2]) and len(secret) >= 32
+    assert children[2].env == {SECRET_ENV: secret, ADMIN_KEY_ENV: key} and len(key) >= 32
+    assert not any(secret in f.read_text() or key in f.read_text() for f in tmp_path.glob("*.toml"))
+    assert not any(secret in arg or key in arg for c in children for arg in c.argv)
     assert plan_children(config, tmp_path, "warning")[0].env[SECRET_ENV] != secret  # random each time
     mine = "the-operator-chose-this-secret"
     configured = load_config(overrides={"model.path": "/m", "kv_transfer_secret": mine}, env={},
                              check_plugins=False)
     assert {c.env[SECRET_ENV] for c in plan_children(configured, tmp_path, "warning")} == {mine}
-    assert not any(mine in f.read_text() for f in tmp_path.iterdir())
+    assert not any(mine in f.read_text() for f in tmp_path.glob("*.toml"))
+
+
+def test_keys_from_files_reach_the_children_by_their_environment_only(tmp_path, monkeypatch):
+    from tandem.config import load_config
+    from tandem.server.supervisor import ADMIN_KEY_ENV, API_KEY_ENV, SECRET_ENV, plan_children
+
+    monkeypatch.setenv("TANDEM_STATE_DIR", str(tmp_path / "state"))
+    files = {}
+    for name, value in [("api_key", "client-key-0123"), ("router_admin_key", "admin-key-0123"),
+                        ("kv_transfer_secret", "cluster-secret-0123456")]:
+        files[name] = tmp_path / name
+        files[name].write_text(value + "\n")
+    config = load_config(overrides={"model.path": "/m", "server.api_key_file": str(files["api_key"]),
+                                    "router_admin_key_file": str(files["router_admin_key"]),
+                                    "kv_transfer_secret_file": str(files["kv_transfer_secret"])},
+                         env={}, check_plugins=False)
+    (tmp_path / "conf").mkdir()
+    router = plan_children(config, tmp_path / "conf", "warning")[2]
+    assert router.env == {SECRET_ENV: "cluster-secret-0123456", ADMIN_KEY_ENV: "admin-key-0123",
+                          API_KEY_ENV: "client-key-0123"}
+    assert not (tmp_path / "state").exists()  # nothing was made, nothing written
+    child = load_config(router.argv[router.argv.index("--config") + 1], env=router.env, check_plugins=False)
+    assert child.server.api_key.get_secret_value() == "client-key-0123"
+    assert child.disaggregation.router_admin_key.get_secret_value() == "admin-key-0123"
