@@ -30,6 +30,7 @@ import json
 import math
 import os
 import random
+import secrets
 import shlex
 import subprocess
 import sys
@@ -155,11 +156,15 @@ def _threads_config(folder: Path, name: str, threads: int) -> str:
 
 def start_disaggregated(model: str, server_args: list[str],
                         timeout_s: float = 600.0) -> tuple[subprocess.Popen, str]:
-    """``tandem serve --disaggregated``; returns once the router reports every instance healthy."""
+    """``tandem serve --disaggregated``; returns once the router reports every instance healthy
+    (its /health lists them to the admin: the keys are given to it by the environment)."""
     port = free_port()
     cmd = [sys.executable, "-m", "tandem.cli", "serve", "--disaggregated", model,
            "--host", "127.0.0.1", "--port", str(port), *server_args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    admin_key = secrets.token_urlsafe(32)
+    keys = {"TANDEM_DISAGGREGATION__ROUTER_ADMIN_KEY": admin_key,
+            "TANDEM_DISAGGREGATION__KV_TRANSFER_SECRET": secrets.token_urlsafe(32)}  # none made, none written
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env={**os.environ, **keys})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -167,7 +172,7 @@ def start_disaggregated(model: str, server_args: list[str],
             raise RuntimeError(f"the disaggregated setup exited with status {proc.returncode}: "
                                f"{shlex.join(cmd)}")
         try:
-            health = httpx.get(f"{url}/health", timeout=5)
+            health = httpx.get(f"{url}/health", timeout=5, headers={"Authorization": f"Bearer {admin_key}"})
             instances = health.json().get("instances", [])
             if health.status_code == 200 and instances and all(i["healthy"] for i in instances):
                 return proc, url

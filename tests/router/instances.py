@@ -21,13 +21,20 @@ from tandem.router.app import create_router_app
 from tests.server.conftest import ServerThread
 
 MODEL_NAME = "tiny"
+CLUSTER_SECRET = "cluster-secret-of-the-router-tests"
+"""The cluster secret of ``role_env``'s instances and of ``running_router`` (unless told otherwise)."""
+ADMIN_KEY = "admin-key-of-the-router-tests"
+"""``running_router``'s admin key (unless told otherwise)."""
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 INSTANCE_FLAGS = ["--served-model-name", MODEL_NAME, "--num-kv-blocks", "64", "--max-num-seqs", "8",
                   "--max-num-batched-tokens", "256"]
 
 
 def role_env(role: str, kv_expiry_s: float, **extra: str) -> dict[str, str]:
-    """The environment of a disaggregated instance of ``role`` over the nixl connector."""
+    """The environment of a disaggregated instance of ``role`` over the nixl connector, with the
+    tests' cluster secret (``extra`` may give another)."""
     return {"TANDEM_DISAGGREGATION__ROLE": role, "TANDEM_DISAGGREGATION__KV_CONNECTOR": "nixl",
+            "TANDEM_DISAGGREGATION__KV_TRANSFER_SECRET": CLUSTER_SECRET,
             "TANDEM_DISAGGREGATION__KV_EXPIRY_S": str(kv_expiry_s),
             "TANDEM_DISAGGREGATION__KV_TRANSFER_TIMEOUT_S": "5", **extra}
 
@@ -107,8 +114,10 @@ def instances(model_dir: Path, log_dir: Path, count: int, **env: str) -> Iterato
 def running_router(instance_list: list[tuple[str, str]], health_interval_s: float = 0.2,
                    **overrides) -> Iterator[ServerThread]:
     """The router over ``[(url, role), ...]`` under uvicorn; ``overrides`` are config fields by
-    name (routing_policy="round_robin", api_key="k", ...)."""
+    name (routing_policy="round_robin", api_key="k", ...). It has the tests' cluster secret and
+    admin key unless ``overrides`` give others (None: unset)."""
     instances_field = [{"url": u, "role": r} for u, r in instance_list]
+    overrides = {"kv_transfer_secret": CLUSTER_SECRET, "router_admin_key": ADMIN_KEY, **overrides}
     config = load_config(overrides={"disaggregation.instances": instances_field, **overrides}, env={})
     server = ServerThread(create_router_app(config, health_interval_s=health_interval_s))
     server.start(wait_ready=False)
@@ -138,8 +147,8 @@ def dispatched(router_url: str, path: str) -> float:
     return scrape(router_url).get(f"tandem:router_requests_total{{path={path}}}", 0.0)
 
 
-def router_instance(router_url: str, url: str, admin_key: str | None = None) -> dict:
-    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+def router_instance(router_url: str, url: str, admin_key: str = ADMIN_KEY) -> dict:
+    headers = {"Authorization": f"Bearer {admin_key}"}
     listed = httpx.get(f"{router_url}/admin/instances", headers=headers, timeout=10).json()["instances"]
     return next(i for i in listed if i["url"] == url)
 

@@ -1,5 +1,6 @@
 """The admin endpoints add and remove instances at run time behind the router's own bearer key
-(401 without it); an added instance is checked at once and serves the next request."""
+(401 without it, off with a 403 when the router has none); an added instance is checked at once
+and serves the next request."""
 from __future__ import annotations
 
 import httpx
@@ -75,6 +76,23 @@ def test_duplicates_and_unknown_instances(router):
     assert admin(router, "DELETE", params={"url": "http://127.0.0.1:10"}).status_code == 404
 
 
-def test_without_an_admin_key_the_admin_routes_are_open():
-    with running_router([]) as router:
-        assert admin(router, "POST", key=None, json={"url": "http://127.0.0.1:9", "role": "decode"}).status_code == 201
+@pytest.mark.parametrize("method, kwargs", [
+    ("GET", {}),
+    ("POST", {"json": {"url": "http://127.0.0.1:9", "role": "decode"}}),
+    ("DELETE", {"params": {"url": "http://127.0.0.1:9"}}),
+])
+def test_without_an_admin_key_the_admin_routes_are_off(method, kwargs):
+    with running_router([], router_admin_key=None) as router:
+        for key in (None, "anything"):
+            answer = admin(router, method, key, **kwargs)
+            assert answer.status_code == 403
+            error = answer.json()["error"]
+            assert error["code"] == "admin_api_disabled" and "disaggregation.router_admin_key" in error["message"]
+
+
+def test_a_router_without_the_cluster_secret_refuses_prefill_and_decode_instances():
+    with running_router([], kv_transfer_secret=None, router_admin_key=KEY) as bare:
+        for role in ("prefill", "decode"):
+            answer = admin(bare, "POST", json={"url": "http://127.0.0.1:9", "role": role})
+            assert answer.status_code == 400 and answer.json()["error"]["code"] == "no_kv_transfer_secret"
+        assert admin(bare, "POST", json={"url": "http://127.0.0.1:9", "role": "both"}).status_code == 201

@@ -13,12 +13,12 @@ import time
 import httpx
 import pytest
 
-from tests.router.instances import MODEL_NAME, completion, free_port
+from tests.router.instances import CLUSTER_SECRET, MODEL_NAME, completion, free_port
 
 BODY = {"model": MODEL_NAME, "prompt": "From the command line", "max_tokens": 6, "temperature": 0}
 
 
-def write_config(tmp_path, instances: str, policy: str = "round_robin"):
+def write_config(tmp_path, instances: str, policy: str = "round_robin", secret: bool = True):
     path = tmp_path / "router.toml"
     path.write_text(textwrap.dedent(f"""
         [disaggregation]
@@ -26,7 +26,7 @@ def write_config(tmp_path, instances: str, policy: str = "round_robin"):
         routing_policy = "{policy}"
         decode_routing_policy = "least_loaded"
         router_admin_key = "k"
-    """))
+    """) + (f'kv_transfer_secret = "{CLUSTER_SECRET}"\n' if secret else ""))
     return path
 
 
@@ -68,6 +68,18 @@ def test_an_unknown_routing_policy_is_a_usage_error(tmp_path):
     assert result.returncode == 2
     assert "routing_policy: no routing_policy named 'random'" in result.stderr
     assert "'round_robin'" in result.stderr
+
+
+def test_a_router_over_prefill_and_decode_instances_without_the_cluster_secret_refuses_to_start(tmp_path):
+    instances = '{url = "http://127.0.0.1:9", role = "prefill"}, {url = "http://127.0.0.1:10", role = "decode"}'
+    config = write_config(tmp_path, instances, secret=False)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    result = subprocess.run(tandem("router", "--config", str(config), "--port", str(free_port())),
+                            capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 2, result.stderr
+    for part in ("disaggregation.kv_transfer_secret", "TANDEM_DISAGGREGATION__KV_TRANSFER_SECRET",
+                 "tandem serve --disaggregated", "allow_insecure_no_secret"):
+        assert part in result.stderr
 
 
 def test_the_router_imports_neither_torch_nor_the_engine_nor_the_transport():

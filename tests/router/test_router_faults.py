@@ -14,6 +14,7 @@ import pytest
 
 from tandem.engine import LLMEngine
 from tests.router.instances import (
+    ADMIN,
     MODEL_NAME,
     InstanceProcess,
     completion,
@@ -115,7 +116,7 @@ def test_an_unreachable_prefill_instance_is_replaced_by_another_then_by_the_deco
         assert generated(prefill) == before + 1
         assert dispatched(router.url, "disaggregated") == 1
 
-        assert httpx.delete(f"{router.url}/admin/instances", params={"url": prefill}).status_code == 200
+        assert httpx.delete(f"{router.url}/admin/instances", params={"url": prefill}, headers=ADMIN).status_code == 200
         assert text_of(router.url) == expected  # no prefill instance left in rotation
         assert generated(prefill) == before + 1
         assert dispatched(router.url, "local_prefill") == 1

@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from tests.router.instances import (
+    ADMIN,
     MODEL_NAME,
     completion,
     dispatched,
@@ -160,7 +161,8 @@ def test_short_prompts_go_straight_to_a_decode_instance(cluster):
 
 def test_models_and_health_come_from_the_instances(cluster, router):
     assert [m.id for m in client(router).models.list()] == [MODEL_NAME]
-    health = httpx.get(f"{router.url}/health", timeout=10)
+    assert httpx.get(f"{router.url}/health", timeout=10).json() == {"status": "ok"}  # no details
+    health = httpx.get(f"{router.url}/health", timeout=10, headers=ADMIN)
     assert health.status_code == 200
     assert {(i["url"], i["role"], i["healthy"]) for i in health.json()["instances"]} == {
         (cluster.prefill.url, "prefill", True), (cluster.decode[0].url, "decode", True),

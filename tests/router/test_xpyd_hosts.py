@@ -24,6 +24,7 @@ from tests.engine.test_greedy_vs_hf import _prompts
 from tests.helpers.netns import test_hosts
 from tests.router.instances import MODEL_NAME, free_port, scrape, wait_for
 from tests.router.xpyd import (
+    ADMIN_HEADERS,
     XPyD,
     HostedInstance,
     Load,
@@ -211,7 +212,7 @@ def test_restarted_instances_rejoin_rotation(xpyd, oracle):
         instance.wait_ready()
     ready = time.monotonic()
     every = {i.url for i in xpyd.instances}
-    assert wait_for(lambda: xpyd.healthy() == every, 10), httpx.get(f"{xpyd.router_url}/health").text
+    assert wait_for(lambda: xpyd.healthy() == every, 10), httpx.get(f"{xpyd.router_url}/health", headers=ADMIN_HEADERS).text
     print(f"\nrestarted on the same address and port: ready {ready - began:.1f} s after the start, "
           f"in the router's rotation {time.monotonic() - ready:.2f} s later")
     prompts = long_prompts(300, 6)

@@ -41,6 +41,11 @@ def secret_settings() -> dict[str, str]:
     return {}
 
 
+ADMIN_KEY = secrets.token_hex(16)
+ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_KEY}"}
+"""The router's admin key: its /health lists the instances only to the admin."""
+
+
 def kv_headers() -> dict[str, str]:
     """The headers the router adds to a hand-over: the cluster secret, where there is one."""
     return {"X-Tandem-KV-Secret": SECRET} if secret_settings() else {}
@@ -124,7 +129,7 @@ class XPyD:
     def healthy(self) -> set[str]:
         """The instance URLs the router's /health lists as healthy."""
         try:
-            listed = httpx.get(f"{self.router_url}/health", timeout=5).json()["instances"]
+            listed = httpx.get(f"{self.router_url}/health", timeout=5, headers=ADMIN_HEADERS).json()["instances"]
         except (httpx.HTTPError, ValueError, KeyError):
             return set()
         return {i["url"] for i in listed if i["healthy"]}
@@ -143,7 +148,7 @@ def instance_config(model_dir: Path, host: Host, role: str, engine: dict, disagg
 def router_config(port: int, instances: list[HostedInstance], disaggregation: dict) -> dict:
     return {"server": {"host": "127.0.0.1", "port": port},
             "disaggregation": {"instances": [{"url": i.url, "role": i.role} for i in instances],
-                               **disaggregation, **secret_settings()}}
+                               "router_admin_key": ADMIN_KEY, **disaggregation, **secret_settings()}}
 
 
 def start_router(config_path: Path, log_path: Path, health_interval_s: float) -> subprocess.Popen:
@@ -322,7 +327,7 @@ async def kill_when_busy(client: httpx.AsyncClient, router_url: str, victims: li
         victim.proc.kill()
     urls = {v.url for v in victims}
     while time.monotonic() < kill.at + 15:
-        listed = (await client.get(f"{router_url}/health")).json()["instances"]
+        listed = (await client.get(f"{router_url}/health", headers=ADMIN_HEADERS)).json()["instances"]
         if not any(i["healthy"] for i in listed if i["url"] in urls):
             kill.out_of_rotation_s = time.monotonic() - kill.at
             break

@@ -18,7 +18,8 @@ BLOCK = 16
 
 def _role(model_dir, role: str, **overrides):
     return server_config(model_dir, served_model_name="tiny", **{
-        "disaggregation.role": role, "disaggregation.kv_connector": "loopback", **overrides})
+        "disaggregation.role": role, "disaggregation.kv_connector": "loopback",
+        "disaggregation.allow_insecure_no_secret": True, **overrides})
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
+from tandem.config import ConfigError
 from tandem.server.app import create_app
 from tests.engine.test_greedy_vs_hf import _prompts
 from tests.server.server_helpers import running_server, scrape, server_config
@@ -195,16 +196,19 @@ def test_a_colocated_instance_has_nothing_to_release(server):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("role, secret, warned", [
-    ("prefill", None, True), ("decode", None, True), ("decode", SECRET, False), ("both", None, False)])
-def test_a_disaggregated_instance_without_secret_warns_at_start_up(model_dir, caplog, role, secret, warned):
-    config = _role(model_dir, role, secret=secret)
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_disaggregated_instance_without_secret_refuses_to_start_unless_told_it_is_insecure(
+        model_dir, caplog, role):
+    with pytest.raises(ConfigError) as refused:
+        create_app(_role(model_dir, role, secret=None))
+    for part in ("disaggregation.kv_transfer_secret", "TANDEM_DISAGGREGATION__KV_TRANSFER_SECRET",
+                 "tandem serve --disaggregated", "allow_insecure_no_secret"):
+        assert part in str(refused.value)
     with caplog.at_level(logging.WARNING, logger="tandem.server"):
-        create_app(config)
+        create_app(_role(model_dir, role, secret=None, **{"disaggregation.allow_insecure_no_secret": True}))
     warnings = [r.getMessage() for r in caplog.records if "kv_transfer_secret is unset" in r.getMessage()]
-    assert bool(warnings) == warned
-    if warned:
-        assert "anyone who can reach this instance can drive its KV hand-overs" in warnings[0]
+    assert warnings and "anyone who can reach this instance can drive its KV hand-overs" in warnings[0]
+    create_app(_role(model_dir, "both", secret=None))  # a colocated instance needs none
 
 
 GOOD_DECODE_FORM = {"do_remote_prefill": True, "engine_id": "e", "transfer_id": "e/1", "block_ids": [1],

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(300)
 def _role(model_dir, role: str, tp: int):
     return server_config(model_dir, served_model_name="tiny", **{
         "disaggregation.role": role, "disaggregation.kv_connector": "nixl",
-        "parallel.tensor_parallel_size": tp, "engine.worker_timeout_s": 120})
+        "disaggregation.allow_insecure_no_secret": True, "parallel.tensor_parallel_size": tp, "engine.worker_timeout_s": 120})
 
 
 @pytest.fixture(scope="module")

@@ -73,8 +73,8 @@ def test_a_poison_request_gets_a_500_and_the_others_their_answers(poison_dir, of
     assert plain_status == 500
     error = plain["error"]
     assert error["code"] == "engine_exception" and error["type"] == "internal_server_error"
-    assert "failed in the engine" in error["message"] and "poisoned input" in error["message"]
-    assert error["message"].startswith("request cmpl-")
+    # the body names an error id, never the exception's text (the server's log has it)
+    assert "poisoned input" not in error["message"] and "error id" in error["message"]
     assert stream_status == 200 and events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["code"] == "engine_exception"
     assert metrics["tandem:request_errors_total{reason=engine_exception}"] == 2
