@@ -9,5 +9,8 @@ the transport, and carries addresses and block ids, never KV bytes).
                   up to its first token
     dispatch.py   the flow of one request: prefill → decode, retries, conditional disaggregation
     metrics.py    the router's Prometheus metrics; errors.py the errors it answers itself
+    model_ids.py  which model ids may travel in an instance's URL path
+    auth.py       the bearer-key checks (API key, admin key)
+    admin.py      the operator's routes: /admin/instances, /health, /version, /metrics
     app.py        the FastAPI app; launch.py ``tandem router``
 """

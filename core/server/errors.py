@@ -2,7 +2,8 @@
 
 Every failure a client can cause or observe becomes an ``APIError``; ``api_error_from`` maps the
 async engine's exceptions onto statuses (503 not ready / shutting down, 429 queue full with
-Retry-After, 400 a request the engine refuses, 500 an engine failure).
+Retry-After, 400 a request the engine refuses, 500 an engine failure). A 500's body names an
+error id, never the exception's text; the log has the text under that id (``internal_error``).
 """
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 ``st run``) with its coverage and fuzzing phases and the ``not_a_server_error`` check, from an
 instance's own ``/openapi.json``, for a bounded time, plus a watch on ``/health`` meanwhile.
 
-    fuzz(schema, base_url, seconds, seed, watch) -> FuzzReport
+    fuzz(schema, base_url, seconds, seed, watch, headers=None) -> FuzzReport
+    only_paths(schema, prefix)   the schema reduced to the paths under ``prefix``
     HealthWatch(urls)        polls each url's /health every 0.1 s in a thread; .failures
     fuzz_seconds(), fuzz_seed()   TANDEM_FUZZ_SECONDS (default 60), TANDEM_FUZZ_SEED (default random)
 
@@ -141,6 +142,11 @@ class HealthWatch:
                         self.failures.append((url, f"/health answered {status}"))
 
 
+def only_paths(schema: dict, prefix: str) -> dict:
+    """``schema`` with only the paths that start with ``prefix`` (its components kept)."""
+    return {**schema, "paths": {p: ops for p, ops in schema["paths"].items() if p.startswith(prefix)}}
+
+
 def _cap_cost(context, case, kwargs) -> None:
     body = case.body
     if not isinstance(body, dict):
@@ -154,14 +160,16 @@ def _cap_cost(context, case, kwargs) -> None:
 
 
 def fuzz(schema: dict, base_url: str, seconds: int, seed: int, watch: HealthWatch | None = None,
-         workers: int = 1) -> FuzzReport:
-    """Fuzz ``base_url`` with ``schema`` (an OpenAPI document) for ``seconds``; stops early once
-    ``watch`` has seen a failure (the rest of the run would only count its consequences). One
-    worker by default: a request that kills the engine fails every request in flight with it,
-    and alone it is the one whose body is reported (concurrency is the soak test's part)."""
+         workers: int = 1, headers: dict[str, str] | None = None) -> FuzzReport:
+    """Fuzz ``base_url`` with ``schema`` (an OpenAPI document) for ``seconds``, sending
+    ``headers`` with every request; stops early once ``watch`` has seen a failure (the rest of
+    the run would only count its consequences). One worker by default: a request that kills the
+    engine fails every request in flight with it, and alone it is the one whose body is reported
+    (concurrency is the soak test's part)."""
     report = FuzzReport(seed)
     config = schemathesis.Config.from_dict({
         "max-time": seconds, "seed": seed, "workers": workers, "request-timeout": 60, "base-url": base_url,
+        "headers": headers or {},
         "checks": {"enabled": False, "not_a_server_error": {"enabled": True}},
         "output": {"sanitization": {"enabled": False}},  # "max_tokens" is no secret
         "phases": {"examples": {"enabled": False}, "coverage": {"enabled": True},

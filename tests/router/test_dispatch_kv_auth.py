@@ -49,7 +49,8 @@ def test_the_secret_goes_with_every_step_that_carries_kv_transfer_params_only():
 def test_without_a_secret_the_router_sends_none():
     stack, (prefill, decode) = fakes(json_reply(completion("x", kv_transfer_params=WITH_ID)),
                                      json_reply(completion("decoded")))
-    with stack, running_router([(prefill.url, "prefill"), (decode.url, "decode")]) as router:
+    with stack, running_router([(prefill.url, "prefill"), (decode.url, "decode")], kv_transfer_secret=None,
+                               allow_insecure_no_secret=True) as router:  # the operator's explicit choice
         assert post(router, CLIENT_BODY).status_code == 200
         assert secrets_sent(prefill.headers[0]) == secrets_sent(decode.headers[0]) == []
 

@@ -3,7 +3,11 @@ schemathesis run as tests/server/test_fuzz.py, fed the instance's /openapi.json 
 schema of its own for the bodies) and aimed at the router, in front of a prefill and a decode
 ``tandem serve`` subprocess handing KV over NIXL/UCX on 127.0.0.1.
 
-Must hold: no answer ≥ 500 and none missing at the router, /health 200 at every poll of the router
+The router's own /admin routes are fuzzed with the rest (without the admin key: they must stay
+shut), and then each instance's /kv routes for KV_FUZZ_SECONDS with the cluster secret.
+
+Must hold: no answer ≥ 500 and none missing at the router or the instances' /kv routes, the
+router's instances unchanged, /health 200 at every poll of the router
 and of both instances, both instances still in the router's rotation, no ``engine_exception``
 counted by either, no KV block held or pinned once idle (a prefill whose decode was refused frees
 its blocks at kv_expiry_s), and a greedy control request through the router answering, after the
@@ -15,8 +19,10 @@ import httpx
 import pytest
 
 from tandem import LLM, SamplingParams
-from tests.helpers.schema_fuzz import HealthWatch, fuzz, fuzz_seconds, fuzz_seed
+from tests.helpers.schema_fuzz import HealthWatch, fuzz, fuzz_seconds, fuzz_seed, only_paths
 from tests.router.instances import (
+    ADMIN,
+    CLUSTER_SECRET,
     MODEL_NAME,
     InstanceProcess,
     dispatched,
@@ -36,6 +42,8 @@ CONTROL_PROMPT = "Through the router and back, the fuzzer's traffic"
 CONTROL_TOKENS = 16
 ENGINE_FAILURES = "tandem:request_errors_total{reason=engine_exception}"
 MIN_REQUESTS = 100
+KV_FUZZ_SECONDS = 10
+KV_HEADER = "X-Tandem-KV-Secret"
 
 
 @pytest.fixture(scope="module")
@@ -79,19 +87,35 @@ def test_schema_fuzzing_through_the_router_gets_no_5xx_and_leaves_both_instances
     assert dispatched(router.url, "disaggregated") == before + 1  # through the prefill instance
 
     schema = httpx.get(f"{decode.url}/openapi.json", timeout=30).json()
+    router_schema = httpx.get(f"{router.url}/openapi.json", timeout=30).json()
+    schema["paths"].update(only_paths(router_schema, "/admin")["paths"])  # fuzzed without the admin key
+    schema.setdefault("components", {}).setdefault("schemas", {}).update(
+        router_schema.get("components", {}).get("schemas", {}))
     with HealthWatch([router.url, prefill.url, decode.url]) as watch:
         report = fuzz(schema, router.url, fuzz_seconds(), fuzz_seed(), watch)
+        # the instances' /kv routes, with the cluster secret (what a peer holding it can send)
+        kv_schema = only_paths(schema, "/kv/")
+        kv_reports = [fuzz(kv_schema, url, KV_FUZZ_SECONDS, fuzz_seed(), watch, headers={KV_HEADER: CLUSTER_SECRET})
+                      for url in (prefill.url, decode.url)]
     paths = {p: dispatched(router.url, p) for p in ("disaggregated", "direct", "local_prefill", "short_prompt")}
     with capsys.disabled():
         print(f"\n{report.summary('the router of a prefill and a decode instance')}; routed: {paths}; "
               f"/health polls: {watch.polls}, failed: {len(watch.failures)}")
+        for name, kv_report in zip(("prefill", "decode"), kv_reports):
+            print(kv_report.summary(f"the {name} instance's /kv routes"))
 
     problems = []
     if report.requests < MIN_REQUESTS:
         problems.append(f"only {report.requests} requests were fuzzed: {report.fatal}")
-    if report.server_errors:
-        problems.append(f"{len(report.server_errors)} answers ≥ 500 or missing, by cause:\n"
-                        f"{report.distinct_errors()}")
+    for each in (report, *kv_reports):
+        if each.server_errors:
+            problems.append(f"{len(each.server_errors)} answers ≥ 500 or missing, by cause:\n"
+                            f"{each.distinct_errors()}")
+    if any(r.requests == 0 for r in kv_reports):
+        problems.append(f"the /kv routes were not fuzzed: {[r.fatal for r in kv_reports]}")
+    listed = httpx.get(f"{router.url}/admin/instances", headers=ADMIN, timeout=10).json()["instances"]
+    if sorted(i["url"] for i in listed) != sorted([prefill.url, decode.url]):
+        problems.append(f"the fuzzer changed the router's instances (its admin API needs a key): {listed}")
     if watch.failures:
         problems.append(f"/health failed {len(watch.failures)} times, first: {watch.failures[:3]}")
     for name, proc in (("prefill", prefill), ("decode", decode)):
