@@ -8,7 +8,9 @@ read. Both MACs are written so that anyone holding the secret can recompute them
     signature     = HMAC-SHA256(secret, b"tandem-handover-v1\\n" + json({field: value for field
                                         in SIGNED_FIELDS}, sort_keys, separators (",", ":"))).hexdigest()
 
-``json`` is Python's ``json.dumps`` (so ``json(None)`` is ``null``). The digest is keyed, so a
+``json`` is Python's ``json.dumps`` (so ``json(None)`` is ``null``); ``cache_salt`` is the
+request's as the engine keys its prefix cache (``tandem.sched.request.request_cache_salt``: the
+client's salt and the engine's KV variant, or None when neither is set). The digest is keyed, so a
 hand-over reveals nothing about its prompt to whoever sees it, and it covers the request's cache
 salt, so KV prefilled under one salt is never loaded under another. ``handshake_url`` and
 ``expires_at`` (Unix seconds) are signed: a hand-over can be neither redirected to another URL

@@ -189,3 +189,38 @@ def test_a_handshake_claiming_2_31_blocks_is_refused_before_anything_is_read(pre
     assert kv_counters(prefill, decode) == before
     assert decode_with(decode, prompt, genuine).status_code == 200  # the real one still reads
     assert kv_counters(prefill, decode)[0] > before[0]
+
+
+def salted_hand_over(prefill, prompt: list[int], salt: str) -> dict:
+    reduced = {**body(prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}), "cache_salt": salt}
+    response = httpx.post(f"{prefill.url}/v1/completions", json=reduced, headers={HEADER: SECRET}, timeout=60)
+    assert response.status_code == 200, response.text
+    return {**response.json()["kv_transfer_params"], "do_remote_prefill": True}
+
+
+def cached_tokens(instance, prompt: list[int], salt: str) -> int:
+    answer = httpx.post(f"{instance.url}/v1/completions", timeout=60,
+                        json={**body(prompt, max_tokens=1), "cache_salt": salt})
+    return answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+@pytest.mark.timeout(120)
+def test_the_cache_salt_travels_in_the_signed_digest(server, prefill, decode):
+    """KV prefilled under one tenant's salt is read only by a request of that salt, and lands in
+    the decode instance's prefix cache under it."""
+    prompt = _prompts(96, [3 * BLOCK + 5])[0]
+    first = salted_hand_over(prefill, prompt, "tenant-1")
+    # the request's salt as the engine keys it: the client's, and no rope variant for this model
+    assert first["prompt_digest"] == prompt_digest(SECRET, prompt, json.dumps(["tenant-1", None]))
+    assert first["prompt_digest"] != prompt_digest(SECRET, prompt)
+    before = kv_counters(prefill, decode)
+    other_tenant = decode_with(decode, prompt, first, cache_salt="tenant-2")
+    assert other_tenant.status_code == 200, other_tenant.text  # recomputed here, nothing read
+    assert kv_counters(prefill, decode)[0] == before[0]
+    assert other_tenant.json()["choices"][0]["text"] == colocated_text(server, prompt)
+    second = salted_hand_over(prefill, prompt, "tenant-1")
+    same_tenant = decode_with(decode, prompt, second, cache_salt="tenant-1")
+    assert same_tenant.status_code == 200 and kv_counters(prefill, decode)[0] > before[0]
+    assert same_tenant.json()["choices"][0]["text"] == colocated_text(server, prompt)
+    assert cached_tokens(decode, prompt, "tenant-1") == 3 * BLOCK
+    assert cached_tokens(decode, prompt, "tenant-3") == 0
