@@ -85,8 +85,10 @@ class KVTransferParams(_Request):
 
         prefill form   {"do_remote_decode": true}
         decode form    {"do_remote_prefill": true, "engine_id", "transfer_id", "block_ids",
-                        "num_tokens", "prompt_digest", "compat_hash", "handshake_url"}
-                       (a prefill answer's kv_transfer_params plus the flag)
+                        "num_tokens", "prompt_digest", "compat_hash", "handshake_url",
+                        "expires_at", "signature"}
+                       (a prefill answer's kv_transfer_params plus the flag; "signature" only
+                        when the cluster has a secret)
 
     Exactly one flag is true; the prefill form has no other field. An unknown field or a
     malformed value is a 400 naming it, on every instance. The decode form's other fields are

@@ -19,22 +19,18 @@ import pytest
 from tandem.server.disagg import HANDSHAKE_MAX_BYTES
 from tests.engine.test_greedy_vs_hf import _prompts
 from tests.server.handover_oracle import prompt_digest, signature, signed
-from tests.server.server_helpers import running_server, scrape
-from tests.server.test_disagg_auth import HEADER, SECRET, Bait, _role, body, hand_over
+from tests.server.server_helpers import scrape
+from tests.server.test_disagg_auth import (  # noqa: F401  (fixtures: a prefill and a decode server with the secret)
+    HEADER,
+    SECRET,
+    Bait,
+    body,
+    decode,
+    hand_over,
+    prefill,
+)
 
 BLOCK = 16
-
-
-@pytest.fixture(scope="module")
-def prefill(model_dir):
-    with running_server(_role(model_dir, "prefill")) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def decode(model_dir):
-    with running_server(_role(model_dir, "decode")) as srv:
-        yield srv
 
 
 @pytest.fixture(scope="module")
