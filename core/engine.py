@@ -246,10 +246,11 @@ class LLMEngine:
     ) -> str:
         """Queue a request; returns its id. ``cache_salt`` (vLLM's): its prompt shares
         prefix-cache blocks only with requests of the same salt. Raises ``InvalidRequest`` (a
-        ValueError naming the field) for input this engine refuses (``check_request``: token ids outside the
-        vocabulary, n above max_num_seqs, logprobs above max_logprobs, no room in the context, a
-        prompt that is not valid Unicode), RequestRejected (a ValueError) when the KV pool could
-        never hold it, and ValueError for other bad input.
+        ValueError naming the field) for input this engine refuses (``check_request``: token ids
+        outside the vocabulary, a malformed ``cache_salt``, n above max_num_seqs, logprobs above
+        max_logprobs, no room in the context, a prompt that is not valid Unicode),
+        RequestRejected (a ValueError) when the KV pool could never hold it, and ValueError for
+        other bad input.
 
         On a prefill instance, ``remote_decode`` keeps the request's blocks pinned when it
         finishes; its final output carries the ``kv_transfer_params`` a decode instance needs.

@@ -27,9 +27,10 @@ A transfer id is used once: one in flight, or among the last ``CONSUMED_IDS`` en
 from the prefilled one is never read (a load failure, "mismatch"), so KV of another prompt, or of
 the same prompt under another cache salt, can neither be decoded on nor enter the prefix cache.
 The digest is keyed with the cluster secret (``tandem.handover_auth.prompt_digest``); the
-server checks the hand-over's signature before it gets here. A peer with a read past its deadline that may
-still land is "stalled": hand-overs from it are refused ("peer") until the read is over; a peer
-that died is removed from the connector; at most ``MAX_PEERS`` peers are kept.
+server checks the hand-over's signature before it gets here. A peer with a read past its
+deadline that may still land is "stalled": hand-overs from it are refused ("peer") until the
+read is over; a peer that died is removed from the connector; at most ``MAX_PEERS`` peers are
+kept.
 
 Called only from the engine thread (``LLMEngine`` owns one coordinator when its role is prefill or
 decode); ``poll`` runs every engine iteration, also while idle, so notifications, expiries and
@@ -174,10 +175,11 @@ class KVTransferCoordinator:
     def on_new_pins(self, pins: list[PinnedKV]) -> dict[str, dict[str, Any]]:
         """PINNED for each of the scheduler's new pins; returns each pinned request's
         ``kv_transfer_params`` (without ``handshake_url`` and ``signature``, which the server
-        adds). ``expires_at`` is in whole Unix seconds, no earlier than the pin's expiry."""
+        adds). ``expires_at`` is in whole Unix seconds, no later than the pin's expiry: a decode
+        instance refuses the hand-over before its blocks can be handed to another request."""
         params = {}
         expires_at = self._clock() + self.expiry_s
-        expires_at_unix = math.ceil(self._wall_clock() + self.expiry_s)
+        expires_at_unix = math.floor(self._wall_clock() + self.expiry_s)
         for pin in pins:
             transfer_id = f"{self.engine_id}/{pin.request_id}"
             self._pins[transfer_id] = PrefillHandover(transfer_id, pin.pin_id, len(pin.block_ids), expires_at)
@@ -224,11 +226,11 @@ class KVTransferCoordinator:
     def admit(self, request_id: str, remote: RemotePrefill, prompt_token_ids: Sequence[int],
               cache_salt: str | None = None) -> bool:
         """Check the hand-over of ``request_id`` (about to be added to the scheduler, with
-        ``cache_salt``) and make it ADMITTED. True: add the request with ``load_remote_kv``. False: no read will be made
-        (a mismatched prompt, a stalled peer) and the policy is "recompute": add it as an
-        ordinary request. Raises ``KVTransferReplayed`` for a used transfer id, ValueError for
-        an incompatible peer (compat hash, layout), ``KVTransferFailed`` where the policy is
-        "fail"."""
+        ``cache_salt``) and make it ADMITTED. True: add the request with ``load_remote_kv``.
+        False: no read will be made (a mismatched prompt or salt, a stalled peer) and the policy
+        is "recompute": add it as an ordinary request. Raises ``KVTransferReplayed`` for a used
+        transfer id, ValueError for an incompatible peer (compat hash, layout, a pool of no sane
+        size), ``KVTransferFailed`` where the policy is "fail"."""
         transfer_id = remote.transfer_id
         if transfer_id in self._loads or transfer_id in self._consumed:
             raise KVTransferReplayed(f"kv_transfer_params.transfer_id {transfer_id!r} has already "

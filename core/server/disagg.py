@@ -24,7 +24,8 @@ fetches, which are http(s) only, time-limited, size-limited and depth-limited.
 The hand-over itself is signed by the prefill instance under the same secret, its
 ``handshake_url`` included: a decode instance refuses (400) a hand-over that is unsigned, altered
 or signed under another secret before it fetches or reads anything, so a hand-over can be neither
-forged nor redirected, even by whoever can send the header. An expired one is a load failure.
+forged nor redirected by whoever gets params relayed with the header (a router passing on a
+client's). An expired one is a load failure.
 
 An instance ignores the half of the hand-over that is not its role's (a colocated instance
 ignores both): it serves the request as an ordinary one, so a router that mistakes its role still

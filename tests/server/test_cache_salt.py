@@ -52,7 +52,8 @@ def test_chat_requests_are_salted_too(server):
             "messages": [{"role": "user", "content": "Salted prefixes stay apart. " * 6}]}
 
     def cached(salt: str) -> int:
-        answer = httpx.post(f"{server.url}/v1/chat/completions", json={**chat, "cache_salt": salt}, timeout=60)
+        answer = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                            json={**chat, "cache_salt": salt})
         assert answer.status_code == 200, answer.text
         return answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 

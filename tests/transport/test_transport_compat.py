@@ -84,7 +84,8 @@ def test_a_peer_pool_of_no_sane_size_is_refused(num_blocks):
 
 
 def test_the_largest_sane_peer_pool_passes():
-    check_handshake(handshake("abc", block_bytes=4096), handshake("abc", block_bytes=4096, num_blocks=MAX_PEER_BLOCKS))
+    check_handshake(handshake("abc", block_bytes=4096),
+                    handshake("abc", block_bytes=4096, num_blocks=MAX_PEER_BLOCKS))
 
 
 @pytest.mark.parametrize("agent_name", [None, 7, "", "a" * 257])
