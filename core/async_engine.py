@@ -122,6 +122,7 @@ class _Add:
     future: asyncio.Future
     remote_decode: bool = False
     remote_prefill: RemotePrefill | None = None
+    cache_salt: str | None = None
 
 
 @dataclass(slots=True)
@@ -297,9 +298,10 @@ class AsyncEngine:
         priority: int = 0,
         remote_decode: bool = False,
         remote_prefill: RemotePrefill | None = None,
+        cache_salt: str | None = None,
     ) -> RequestStream:
-        """Admit a request and return its stream (``remote_decode`` / ``remote_prefill``: see
-        ``LLMEngine.add_request``).
+        """Admit a request and return its stream (``remote_decode``, ``remote_prefill``,
+        ``cache_salt``: see ``LLMEngine.add_request``).
 
         Raises at once: ``EngineUnavailable`` (not ready / shutting down), ``QueueFull`` (waiting
         queue at its bound), ``ValueError`` (the engine refuses it: empty prompt, ids outside the
@@ -319,7 +321,7 @@ class AsyncEngine:
         self._queued_requests += 1
         self._queued_tokens += stream.num_prompt_tokens
         self._inbox.put(_Add(request_id, token_ids, params, priority, future, remote_decode,
-                             remote_prefill))
+                             remote_prefill, cache_salt))
         try:
             await future
         except asyncio.CancelledError:
@@ -574,7 +576,8 @@ class AsyncEngine:
             return
         try:
             engine.add_request(cmd.token_ids, cmd.params, request_id=cmd.request_id, priority=cmd.priority,
-                               remote_decode=cmd.remote_decode, remote_prefill=cmd.remote_prefill)
+                               remote_decode=cmd.remote_decode, remote_prefill=cmd.remote_prefill,
+                               cache_salt=cmd.cache_salt)
         except (ValueError, KVTransferFailed) as exc:
             self._post(self._settle, cmd.future, exc)
         except Exception as exc:  # noqa: BLE001 — this request alone fails

@@ -34,7 +34,7 @@ from tandem.models.config import ModelArchConfig, kv_bytes_per_block
 from tandem.output_processor import OutputProcessor
 from tandem.outputs import RequestOutput
 from tandem.plugin_manager import call_observers, get_registry
-from tandem.sched.request import Request, RequestStatus
+from tandem.sched.request import Request, RequestStatus, check_cache_salt, request_cache_salt
 from tandem.sched.request_checks import InvalidRequest, RequestLimits, check_request, check_text
 from tandem.sched.sampling_params import SamplingParams
 from tandem.sched.scheduler import Scheduler, SchedulerConfig
@@ -160,7 +160,7 @@ class LLMEngine:
         )
         return Scheduler(cfg, kv, policy_cls())
 
-    def _rope_cache_salt(self, num_prompt_tokens: int) -> str | None:
+    def _kv_variant(self, num_prompt_tokens: int) -> str | None:
         """Longrope rotates a prompt with its long factors when the prompt is longer than the
         original context, so the same tokens' KV differs between short and long prompts: they
         must not share prefix-cache blocks."""
@@ -208,11 +208,13 @@ class LLMEngine:
             return None
         compat = self.kv_compat_hash()
         connector = self.executor.connect_kv(disagg.kv_connector, compat)
+        secret = disagg.kv_transfer_secret
         return KVTransferCoordinator(
             connector, self.scheduler, engine_id=uuid.uuid4().hex, compat_hash=compat,
             block_bytes=kv_bytes_per_block(self.arch, self.config.engine.block_size, self.dtype),
             transfer_timeout_s=disagg.kv_transfer_timeout_s, expiry_s=disagg.kv_expiry_s,
-            failure_policy=disagg.kv_load_failure_policy)
+            failure_policy=disagg.kv_load_failure_policy,
+            secret=secret.get_secret_value().encode() if secret is not None else None)
 
     def close(self) -> None:
         self.structured.close()
@@ -240,12 +242,15 @@ class LLMEngine:
         arrival_time: float | None = None,
         remote_decode: bool = False,
         remote_prefill: RemotePrefill | None = None,
+        cache_salt: str | None = None,
     ) -> str:
-        """Queue a request; returns its id. Raises ``InvalidRequest`` (a ValueError naming the
-        field) for input this engine refuses (``check_request``: token ids outside the
-        vocabulary, n above max_num_seqs, logprobs above max_logprobs, no room in the context, a
-        prompt that is not valid Unicode), RequestRejected (a ValueError) when the KV pool could
-        never hold it, and ValueError for other bad input.
+        """Queue a request; returns its id. ``cache_salt`` (vLLM's): its prompt shares
+        prefix-cache blocks only with requests of the same salt. Raises ``InvalidRequest`` (a
+        ValueError naming the field) for input this engine refuses (``check_request``: token ids
+        outside the vocabulary, a malformed ``cache_salt``, n above max_num_seqs, logprobs above
+        max_logprobs, no room in the context, a prompt that is not valid Unicode),
+        RequestRejected (a ValueError) when the KV pool could never hold it, and ValueError for
+        other bad input.
 
         On a prefill instance, ``remote_decode`` keeps the request's blocks pinned when it
         finishes; its final output carries the ``kv_transfer_params`` a decode instance needs.
@@ -255,6 +260,7 @@ class LLMEngine:
         policy ``KVTransferFailed``)."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
+        check_cache_salt(cache_salt)
         if request_id in self.outputs.states:
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
@@ -275,14 +281,14 @@ class LLMEngine:
             priority=priority,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             max_tokens=max_tokens,
-            cache_salt=self._rope_cache_salt(len(token_ids)),
+            cache_salt=request_cache_salt(cache_salt, self._kv_variant(len(token_ids))),
         )
         if (remote_decode or remote_prefill is not None) and self.kv_transfer is None:
             raise ValueError("kv_transfer_params need a prefill or decode instance; this one is "
                              "colocated (disaggregation.role = both)")
         try:  # all or nothing: a plugin or tokenizer that raises leaves no trace of the request
             load = remote_prefill is not None and self.kv_transfer.admit(request_id, remote_prefill,
-                                                                         token_ids)
+                                                                         token_ids, request.cache_salt)
             if params.structured_outputs is not None:
                 compiled = self.structured.submit(params.structured_outputs)
                 self._awaiting_grammar[request_id] = _AwaitingGrammar(request, compiled, load, remote_decode)

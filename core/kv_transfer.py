@@ -8,7 +8,8 @@ hand-over state machines of ``tandem.handover`` over one ``KVConnector`` and the
       → scheduler pins its blocks (PinnedKV)            RemotePrefill) arrives: admit() checks it
       → on_new_pins: PINNED, kv_transfer_params         is no replay, its prompt's digest, the
         (transfer_id, block_ids, num_tokens,            peer → ADMITTED; the scheduler gives it
-         prompt_digest, compat_hash)                    blocks for prompt positions 0..P-2
+         prompt_digest, compat_hash, expires_at;        blocks for prompt positions 0..P-2
+         the server adds handshake_url, signs them)
                                                       start_loads: a read of the blocks
                                                         [first_block, blocks_for(P-1)) → LOADING
     poll: notification for transfer_id  <──────────── (the connector notifies when the read ends,
@@ -23,10 +24,13 @@ hand-over state machines of ``tandem.handover`` over one ``KVConnector`` and the
 
 A transfer id is used once: one in flight, or among the last ``CONSUMED_IDS`` ended, is refused
 (``KVTransferReplayed``) and the first hand-over is left alone. A prompt whose digest differs
-from the prefilled one is never read (a load failure, "mismatch"), so KV of another prompt can
-neither be decoded on nor enter the prefix cache. A peer with a read past its deadline that may
-still land is "stalled": hand-overs from it are refused ("peer") until the read is over; a peer
-that died is removed from the connector; at most ``MAX_PEERS`` peers are kept.
+from the prefilled one is never read (a load failure, "mismatch"), so KV of another prompt, or of
+the same prompt under another cache salt, can neither be decoded on nor enter the prefix cache.
+The digest is keyed with the cluster secret (``tandem.handover_auth.prompt_digest``); the
+server checks the hand-over's signature before it gets here. A peer with a read past its
+deadline that may still land is "stalled": hand-overs from it are refused ("peer") until the
+read is over; a peer that died is removed from the connector; at most ``MAX_PEERS`` peers are
+kept.
 
 Called only from the engine thread (``LLMEngine`` owns one coordinator when its role is prefill or
 decode); ``poll`` runs every engine iteration, also while idle, so notifications, expiries and
@@ -34,7 +38,9 @@ late reads are seen without traffic. Transport failures are states, never except
 """
 from __future__ import annotations
 
+import hmac
 import logging
+import math
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
@@ -44,7 +50,7 @@ from typing import Any
 from tandem import handover
 from tandem.handover import DecodeHandover, DecodeState, PrefillHandover
 from tandem.interfaces import KVConnector
-from tandem.sched.block_pool import token_digest
+from tandem.handover_auth import prompt_digest
 from tandem.sched.scheduler import PinnedKV, RemoteKVLoad, Scheduler, load_hold_id
 
 logger = logging.getLogger("tandem")
@@ -69,8 +75,8 @@ class KVTransferReplayed(ValueError):
 @dataclass(slots=True, frozen=True)
 class RemotePrefill:
     """Where a decode request's prompt KV lives: the prefill answer's ``kv_transfer_params``
-    (``block_ids`` cover the ``num_tokens`` tokens, whose ``token_digest`` is ``prompt_digest``,
-    on engine ``engine_id``) and that engine's connector handshake."""
+    (``block_ids`` cover the ``num_tokens`` tokens, whose keyed digest with their cache salt is
+    ``prompt_digest``, on engine ``engine_id``) and that engine's connector handshake."""
 
     engine_id: str
     transfer_id: str
@@ -110,11 +116,15 @@ class KVTransferStats:
 
 class KVTransferCoordinator:
     """Pins and loads of one engine. ``engine_id`` names this engine in its hand-overs;
-    ``compat_hash`` is its pool's (see ``tandem.interfaces.compat_hash``)."""
+    ``compat_hash`` is its pool's (see ``tandem.interfaces.compat_hash``); ``secret`` (the
+    cluster's, None when the operator opted out) keys the prompt digests. ``clock`` times pins
+    and reads; ``wall_clock`` (Unix seconds) stamps a hand-over's ``expires_at``."""
 
     def __init__(self, connector: KVConnector, scheduler: Scheduler, *, engine_id: str,
                  compat_hash: str, block_bytes: int, transfer_timeout_s: float, expiry_s: float,
-                 failure_policy: str, clock: Callable[[], float] = time.monotonic) -> None:
+                 failure_policy: str, secret: bytes | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         self.connector = connector
         self.scheduler = scheduler
         self.engine_id = engine_id
@@ -123,7 +133,9 @@ class KVTransferCoordinator:
         self.transfer_timeout_s = transfer_timeout_s
         self.expiry_s = expiry_s
         self.failure_policy = failure_policy
+        self.secret = secret
         self._clock = clock
+        self._wall_clock = wall_clock
         self._pins: dict[str, PrefillHandover] = {}  # PINNED, by transfer id
         self._loads: dict[str, DecodeHandover] = {}  # not yet final, by transfer id
         self._consumed: OrderedDict[str, None] = OrderedDict()  # ended transfer ids
@@ -162,9 +174,12 @@ class KVTransferCoordinator:
 
     def on_new_pins(self, pins: list[PinnedKV]) -> dict[str, dict[str, Any]]:
         """PINNED for each of the scheduler's new pins; returns each pinned request's
-        ``kv_transfer_params`` (without ``handshake_url``, which the server adds)."""
+        ``kv_transfer_params`` (without ``handshake_url`` and ``signature``, which the server
+        adds). ``expires_at`` is in whole Unix seconds, no later than the pin's expiry: a decode
+        instance refuses the hand-over before its blocks can be handed to another request."""
         params = {}
         expires_at = self._clock() + self.expiry_s
+        expires_at_unix = math.floor(self._wall_clock() + self.expiry_s)
         for pin in pins:
             transfer_id = f"{self.engine_id}/{pin.request_id}"
             self._pins[transfer_id] = PrefillHandover(transfer_id, pin.pin_id, len(pin.block_ids), expires_at)
@@ -173,8 +188,9 @@ class KVTransferCoordinator:
                 "transfer_id": transfer_id,
                 "block_ids": list(pin.block_ids),
                 "num_tokens": pin.num_tokens,
-                "prompt_digest": pin.digest,
+                "prompt_digest": prompt_digest(pin.token_ids, pin.cache_salt, self.secret),
                 "compat_hash": self.compat_hash,
+                "expires_at": expires_at_unix,
             }
         return params
 
@@ -207,13 +223,14 @@ class KVTransferCoordinator:
 
     # ------------------------------------------------------------------ decode side
 
-    def admit(self, request_id: str, remote: RemotePrefill, prompt_token_ids: Sequence[int]) -> bool:
-        """Check the hand-over of ``request_id`` (about to be added to the scheduler) and make
-        it ADMITTED. True: add the request with ``load_remote_kv``. False: no read will be made
-        (a mismatched prompt, a stalled peer) and the policy is "recompute": add it as an
-        ordinary request. Raises ``KVTransferReplayed`` for a used transfer id, ValueError for
-        an incompatible peer (compat hash, layout), ``KVTransferFailed`` where the policy is
-        "fail"."""
+    def admit(self, request_id: str, remote: RemotePrefill, prompt_token_ids: Sequence[int],
+              cache_salt: str | None = None) -> bool:
+        """Check the hand-over of ``request_id`` (about to be added to the scheduler, with
+        ``cache_salt``) and make it ADMITTED. True: add the request with ``load_remote_kv``.
+        False: no read will be made (a mismatched prompt or salt, a stalled peer) and the policy
+        is "recompute": add it as an ordinary request. Raises ``KVTransferReplayed`` for a used
+        transfer id, ValueError for an incompatible peer (compat hash, layout, a pool of no sane
+        size), ``KVTransferFailed`` where the policy is "fail"."""
         transfer_id = remote.transfer_id
         if transfer_id in self._loads or transfer_id in self._consumed:
             raise KVTransferReplayed(f"kv_transfer_params.transfer_id {transfer_id!r} has already "
@@ -225,8 +242,10 @@ class KVTransferCoordinator:
                 "the same model and tokenizer with the same dtype, layer count, KV heads, head size, "
                 "block size, tensor_parallel_size and pipeline_parallel_size")
         reason = None
-        if remote.num_tokens != len(prompt_token_ids) or remote.prompt_digest != token_digest(prompt_token_ids):
-            reason = "mismatch"  # another prompt was prefilled: its KV must not be read
+        expected = prompt_digest(prompt_token_ids, cache_salt, self.secret)
+        if remote.num_tokens != len(prompt_token_ids) or not hmac.compare_digest(
+                remote.prompt_digest.encode(), expected.encode()):
+            reason = "mismatch"  # another prompt (or salt) was prefilled: its KV must not be read
         elif self._stalled(remote.engine_id):
             reason = "peer"
         peer = self._peer(remote) if reason is None else ""

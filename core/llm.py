@@ -5,6 +5,7 @@
     for out in llm.generate(["Hello", "The capital of"], SamplingParams(temperature=0, max_tokens=32)):
         print(out.outputs[0].text)
     llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(max_tokens=32))
+    llm.generate({"prompt": "Hello", "cache_salt": "tenant-1"})   # vLLM's prompt dict
 """
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from tandem.engine import LLMEngine
 from tandem.outputs import RequestOutput
 from tandem.sched.sampling_params import SamplingParams
 
-PromptType = str | Sequence[int]
+PromptType = str | Sequence[int] | Mapping[str, Any]
+"""A string, token ids, or vLLM's prompt dict: ``{"prompt": str}`` or ``{"prompt_token_ids":
+[...]}``, with an optional ``"cache_salt"``."""
 
 
 class LLM:
@@ -56,8 +59,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns one finished RequestOutput per prompt, in input order.
 
-        ``prompts``: a string, a list of token ids, or a list of either. ``sampling_params``: one
-        for all prompts or one per prompt; None: ``get_default_sampling_params()``. A prompt that can never be served raises ValueError
+        ``prompts``: a string, a list of token ids, a prompt dict (``PromptType``: its
+        ``cache_salt`` keeps its prefix-cache blocks apart from other salts'), or a list of any of
+        these. ``sampling_params``: one for all prompts or one per prompt; None: ``get_default_sampling_params()``. A prompt that can never be served raises ValueError
         before anything runs. A request the engine fails alone (see ``tandem.engine``) is
         returned finished with ``finish_reason`` "error" and its ``error`` message; an engine
         that cannot go on raises ``EngineDeadError``.
@@ -71,8 +75,8 @@ class LLM:
             raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
         ids = []
         try:
-            for prompt, p, prio in zip(prompt_list, params, priorities):
-                ids.append(self.engine.add_request(prompt, p, priority=prio))
+            for (prompt, salt), p, prio in zip(prompt_list, params, priorities):
+                ids.append(self.engine.add_request(prompt, p, priority=prio, cache_salt=salt))
         except BaseException:  # a refusal, or a plugin that raises: nothing stays queued
             self.engine.abort_request(ids)
             raise
@@ -84,18 +88,21 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         add_generation_prompt: bool = True,
+        cache_salt: str | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate a reply to each conversation, as vLLM's ``LLM.chat``: ``messages`` is one
         conversation (a list of ``{"role", "content"}`` dicts, content a string or text parts)
         or a list of them; each goes through the tokenizer's chat template (with the assistant's
         generation prompt unless ``add_generation_prompt`` is false) and is generated for as by
-        ``generate`` on its token ids — one output per conversation, in order. ValueError when
-        the tokenizer has no chat template or a message is malformed."""
+        ``generate`` on its token ids (with ``cache_salt``, as the server's ``cache_salt``) —
+        one output per conversation, in order. ValueError when the tokenizer has no chat
+        template or a message is malformed."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         tokenizer = self.get_tokenizer()
-        prompts = [apply_chat_template(tokenizer, [_turn(m) for m in conversation], add_generation_prompt)
-                   for conversation in conversations]
+        prompts = [{"prompt_token_ids": apply_chat_template(tokenizer, [_turn(m) for m in conversation],
+                                                            add_generation_prompt),
+                    "cache_salt": cache_salt} for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -122,16 +129,28 @@ def _turn(message: Mapping[str, Any]) -> dict[str, str]:
     return {"role": message["role"], "content": content_text(message["content"])}
 
 
-def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
-    if isinstance(prompts, str):
-        return [prompts]
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[tuple[str | list[int], str | None]]:
+    """(text or token ids, cache salt) of each prompt."""
+    if isinstance(prompts, (str, Mapping)):
+        return [_prompt_and_salt(prompts)]
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]
-    for p in prompts:
-        if not isinstance(p, str) and not all(isinstance(t, int) for t in p):
-            raise ValueError("each prompt must be a string or a list of token ids")
-    return prompts
+        return [(prompts, None)]
+    return [_prompt_and_salt(p) for p in prompts]
+
+
+def _prompt_and_salt(prompt: PromptType) -> tuple[str | list[int], str | None]:
+    salt = None
+    if isinstance(prompt, Mapping):
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+        if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+            raise ValueError("a prompt dict holds one of 'prompt' and 'prompt_token_ids', and "
+                             f"optionally 'cache_salt' (got the keys {sorted(prompt)})")
+        salt = prompt.get("cache_salt")
+        prompt = prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
+    if not isinstance(prompt, str) and not all(isinstance(t, int) for t in prompt):
+        raise ValueError("each prompt must be a string, a list of token ids or a prompt dict")
+    return (prompt if isinstance(prompt, str) else list(prompt)), salt
 
 
 def _as_params_list(params, n: int) -> list[SamplingParams]:

@@ -17,6 +17,11 @@ from typing import Any
 from tandem.interfaces import KVPoolDescriptor
 
 HANDSHAKE_VERSION = 1
+MAX_PEER_BLOCKS = 1 << 22
+"""The most blocks a peer may advertise: a connector prepares one descriptor per peer block, so
+the count bounds what ``add_peer`` allocates before it has read a byte."""
+MAX_PEER_POOL_BYTES = 1 << 44
+"""The largest pool a peer may advertise (16 TiB, beyond any one device's memory)."""
 
 
 class KVHandshakeError(ValueError):
@@ -57,8 +62,12 @@ def base_handshake(connector: str, agent_name: str, descriptor: KVPoolDescriptor
 
 
 def check_handshake(local: dict[str, Any], remote: dict[str, Any]) -> None:
-    """Raise ``KVHandshakeError`` unless ``remote``'s blocks can be read into ``local``'s pool."""
-    peer = remote.get("agent_name", "?")
+    """Raise ``KVHandshakeError`` unless ``remote``'s blocks can be read into ``local``'s pool:
+    the same version, connector, parallel sizes and layout, and a pool of sane size (checked
+    before anything is allocated for it)."""
+    peer = remote.get("agent_name")
+    if not isinstance(peer, str) or not 0 < len(peer) <= 256:
+        raise KVHandshakeError("a KV peer handshake's agent_name must be a string of 1 to 256 characters")
     for key in ("version", "connector"):
         if remote.get(key) != local[key]:
             raise KVHandshakeError(
@@ -78,6 +87,12 @@ def check_handshake(local: dict[str, Any], remote: dict[str, Any]) -> None:
             f"{local['block_bytes']} here; prefill and decode instances must serve the same model "
             f"with the same dtype, layer count, KV heads, head size, block size and parallel sizes"
         )
+    num_blocks = remote.get("num_blocks")
+    if (type(num_blocks) is not int or not 1 <= num_blocks <= MAX_PEER_BLOCKS
+            or num_blocks * local["block_bytes"] > MAX_PEER_POOL_BYTES):
+        raise KVHandshakeError(
+            f"KV peer {peer!r} advertises a pool of {num_blocks!r} blocks of {local['block_bytes']} "
+            f"bytes; a pool holds 1 to {MAX_PEER_BLOCKS} blocks and at most {MAX_PEER_POOL_BYTES} bytes")
 
 
 def check_read(

@@ -31,13 +31,6 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> by
     return digest.digest()
 
 
-def token_digest(token_ids: Sequence[int]) -> str:
-    """A 128-bit digest (hex) of a token sequence: equal digests mean equal sequences. A prefill
-    instance hands it over with a prompt's KV; the decode instance checks it against its own
-    prompt before it reads a byte."""
-    return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=16).hexdigest()
-
-
 @dataclass(slots=True, eq=False)
 class KVBlock:
     """One physical block. ``block_hash`` is set while the block is in the prefix cache."""

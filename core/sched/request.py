@@ -7,10 +7,34 @@ outputs sampled so far). A new prompt, a chunk of a long prompt and a decode tok
 from __future__ import annotations
 
 import enum
+import json
 import time
 from dataclasses import dataclass, field
 
+from tandem.sched.request_checks import InvalidRequest
 from tandem.sched.sampling_params import SamplingParams
+
+
+MAX_CACHE_SALT_CHARS = 256
+"""The longest ``cache_salt`` a client may send (a tenant's name or a random token fits)."""
+
+
+def check_cache_salt(cache_salt: object) -> None:
+    """Raise ``InvalidRequest`` unless ``cache_salt`` is None or a string of 1 to
+    ``MAX_CACHE_SALT_CHARS`` characters."""
+    if cache_salt is None:
+        return
+    if not isinstance(cache_salt, str) or not 1 <= len(cache_salt) <= MAX_CACHE_SALT_CHARS:
+        raise InvalidRequest("cache_salt", f"must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters")
+
+
+def request_cache_salt(client_salt: str | None, kv_variant: str | None) -> str | None:
+    """The ``Request.cache_salt`` of a request: the client's ``cache_salt`` (a tenant's) and the
+    engine's ``kv_variant`` (what makes the same tokens' KV differ, such as longrope's short or
+    long factors), both in it and never confused with each other; None when neither is set."""
+    if client_salt is None and kv_variant is None:
+        return None
+    return json.dumps([client_salt, kv_variant])
 
 
 class RequestStatus(enum.IntEnum):
@@ -63,7 +87,8 @@ class Request:
 
     ``eos_token_ids`` end generation unless ``sampling_params.ignore_eos``. ``max_tokens`` is the
     resolved output limit (``sampling_params.max_tokens`` or what fits the context).
-    ``cache_salt``: prefix-cache blocks are shared only between requests with the same salt.
+    ``cache_salt``: prefix-cache blocks are shared only between requests with the same salt
+    (``request_cache_salt``), and a hand-over's prompt digest covers it.
     """
 
     request_id: str

@@ -77,7 +77,6 @@ from tandem.sched.output import (
     NewRequestData,
     SchedulerOutput,
 )
-from tandem.sched.block_pool import token_digest
 from tandem.sched.ngram import propose_ngram
 from tandem.sched.request import Request, RequestStatus
 
@@ -119,14 +118,18 @@ class RemoteKVLoad:
 
 @dataclass(slots=True, frozen=True)
 class PinnedKV:
-    """The blocks a finished request left pinned under ``pin_id``; they hold the KV of its first
-    ``num_tokens`` tokens, whose ``token_digest`` is ``digest``."""
+    """The blocks a finished request left pinned under ``pin_id``; they hold the KV of
+    ``token_ids`` computed under ``cache_salt``."""
 
     request_id: str
     pin_id: str
     block_ids: list[int]
-    num_tokens: int
-    digest: str
+    token_ids: tuple[int, ...]
+    cache_salt: str | None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 def pin_hold_id(request_id: str) -> str:
@@ -359,9 +362,8 @@ class Scheduler:
         if request.pin_kv and was_running and status in (RequestStatus.FINISHED_STOPPED,
                                                          RequestStatus.FINISHED_LENGTH):
             pin_id = pin_hold_id(rid)
-            tokens = request.all_token_ids[:request.num_computed_tokens]
-            self._new_pins.append(PinnedKV(rid, pin_id, self._hold(rid, pin_id), len(tokens),
-                                           token_digest(tokens)))
+            tokens = tuple(request.all_token_ids[:request.num_computed_tokens])
+            self._new_pins.append(PinnedKV(rid, pin_id, self._hold(rid, pin_id), tokens, request.cache_salt))
         self.kv.free(rid)
         del self._requests[rid]
         self._finished_ids.add(rid)

@@ -79,7 +79,8 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     await prepare_grammar(ctx.engine.engine, params, body, "tools" if tools.schema is not None else None)
     kv_transfer = await kv_transfer_args(ctx.engine.engine, ctx.handshakes, body, 1)
     view = _ChatView(ctx, body, f"chatcmpl-{uuid.uuid4().hex}", len(token_ids), tools)
-    streams = await admit(ctx, [token_ids], params, view.request_id, body.priority, kv_transfer)
+    streams = await admit(ctx, [token_ids], params, view.request_id, body.priority, kv_transfer,
+                          body.cache_salt)
     if body.stream:
         return SSEResponse(view.stream(streams), ctx, streams)
     final = await until_disconnect(request, lambda: view.collect(streams))

@@ -56,7 +56,8 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     await prepare_grammar(ctx.engine.engine, params, body)
     kv_transfer = await kv_transfer_args(ctx.engine.engine, ctx.handshakes, body, len(prompts))
     view = _CompletionView(ctx, body, f"cmpl-{uuid.uuid4().hex}", prompts, texts)
-    streams = await admit(ctx, prompts, params, view.request_id, body.priority, kv_transfer)
+    streams = await admit(ctx, prompts, params, view.request_id, body.priority, kv_transfer,
+                          body.cache_salt)
     if body.stream:
         return SSEResponse(view.stream(streams), ctx, streams)
     finals = await until_disconnect(request, lambda: view.collect(streams))

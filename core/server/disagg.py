@@ -7,9 +7,10 @@ handshake, and the hand-over in a prefill answer.
     router → prefill instance   kv_transfer_params = {"do_remote_decode": true}, max_tokens 1,
                                 not streamed, n 1  → the answer carries kv_transfer_params =
                                 {engine_id, handshake_url, transfer_id, block_ids, num_tokens,
-                                 prompt_digest, compat_hash}
+                                 prompt_digest, compat_hash, expires_at, signature}
     router → decode instance    kv_transfer_params = that + {"do_remote_prefill": true}
-                                → GET handshake_url (once per prefill engine, on the event loop;
+                                → the signature checked (``tandem.handover_auth``), then
+                                  GET handshake_url (once per prefill engine, on the event loop;
                                   cached by engine_id) → the engine loads the blocks
     router → prefill instance   POST /kv/release {transfer_id} when no decode instance took
                                 the hand-over (it refused the request): the pin goes at once
@@ -18,7 +19,13 @@ Every one of these requests carries the header ``X-Tandem-KV-Secret`` when the c
 secret (``disaggregation.kv_transfer_secret``): an instance that has one answers 401 to
 ``kv_transfer_params``, ``/kv/handshake`` and ``/kv/release`` without it, before it does anything
 else (it pins nothing, fetches nothing). The decode instance sends the secret with its handshake
-fetches, which are http(s) only, time-limited and size-limited.
+fetches, which are http(s) only, time-limited, size-limited and depth-limited.
+
+The hand-over itself is signed by the prefill instance under the same secret, its
+``handshake_url`` included: a decode instance refuses (400) a hand-over that is unsigned, altered
+or signed under another secret before it fetches or reads anything, so a hand-over can be neither
+forged nor redirected by whoever gets params relayed with the header (a router passing on a
+client's). An expired one is a load failure.
 
 An instance ignores the half of the hand-over that is not its role's (a colocated instance
 ignores both): it serves the request as an ordinary one, so a router that mistakes its role still
@@ -30,8 +37,8 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +47,8 @@ import httpx
 from fastapi import Request
 from pydantic import BaseModel
 
+from tandem.handover_auth import HandOverExpired, HandOverRefused, sign, verify
+from tandem.json_bounds import loads_bounded
 from tandem.kv_transfer import RemotePrefill
 from tandem.outputs import RequestOutput
 from tandem.server.errors import APIError, bad_request
@@ -56,6 +65,8 @@ HANDSHAKE_MAX_BYTES = 1 << 20
 """A handshake is a few KiB of NIXL metadata; a larger answer is refused while it streams in."""
 HANDSHAKE_CACHE_SIZE = 256
 """Prefill engines whose handshake a decode instance keeps (least recently used goes first)."""
+HANDSHAKE_MAX_DEPTH = 8
+"""A handshake nests two or three levels (a TP instance lists its ranks); deeper is refused."""
 _PARAM = "kv_transfer_params"
 
 
@@ -84,8 +95,8 @@ def check_kv_secret(secret: str | None, request: Request) -> None:
 
 
 class HandshakeError(Exception):
-    """A handshake that could not be had: unreachable, an error status, too large, not JSON,
-    another engine's."""
+    """A handshake that could not be had: unreachable, an error status, too large, not JSON or
+    nested too deep, another engine's."""
 
 
 class HandshakeCache:
@@ -144,9 +155,9 @@ class HandshakeCache:
         except httpx.HTTPError as exc:
             raise HandshakeError(f"{url}: {type(exc).__name__}: {exc}") from exc
         try:
-            handshake = json.loads(body)
-        except ValueError:
-            raise HandshakeError(f"{url} answered something that is not JSON") from None
+            handshake = loads_bounded(bytes(body), HANDSHAKE_MAX_DEPTH)
+        except ValueError as exc:
+            raise HandshakeError(f"{url} answered something that is not a handshake: {exc}") from None
         if not isinstance(handshake, dict):
             raise HandshakeError(f"{url} answered JSON that is not an object")
         return handshake
@@ -174,6 +185,13 @@ async def kv_transfer_args(engine, handshakes: HandshakeCache, body: SamplingFie
     _require(num_prompts == 1, "do_remote_prefill needs one prompt")
     missing = params.missing_for_remote_prefill()
     _require(not missing, f"do_remote_prefill needs {', '.join(f'{_PARAM}.{m}' for m in missing)}")
+    remote = params.remote_prefill_params()
+    try:
+        verify(remote, engine.kv_transfer.secret, time.time())
+    except HandOverRefused as exc:
+        raise APIError(400, str(exc), param=_PARAM, code="invalid_kv_signature") from exc
+    except HandOverExpired as exc:
+        return _load_failure(engine, str(exc), exc)
     local = engine.kv_transfer.compat_hash
     if params.compat_hash != local:
         raise bad_request(f"KV compat hash mismatch: the prefill instance has {params.compat_hash!r}, "
@@ -183,15 +201,20 @@ async def kv_transfer_args(engine, handshakes: HandshakeCache, body: SamplingFie
     try:
         handshake = await handshakes.get(params.engine_id, params.handshake_url)
     except HandshakeError as exc:
-        message = f"cannot fetch the KV handshake of the prefill instance: {exc}"
-        if engine.config.disaggregation.kv_load_failure_policy == "fail":
-            raise APIError(502, message, code="kv_transfer_failed") from exc
-        logger.warning("%s; computing the prompt here", message)
-        return KVTransferArgs()
+        return _load_failure(engine, f"cannot fetch the KV handshake of the prefill instance: {exc}", exc)
     try:
-        return KVTransferArgs(remote_prefill=RemotePrefill.from_params(params.remote_prefill_params(), handshake))
+        return KVTransferArgs(remote_prefill=RemotePrefill.from_params(remote, handshake))
     except ValueError as exc:
         raise bad_request(str(exc), _PARAM) from exc
+
+
+def _load_failure(engine, message: str, cause: Exception) -> KVTransferArgs:
+    """A hand-over that will not be read: a 502 under ``kv_load_failure_policy = "fail"``, else
+    the prompt is computed here."""
+    if engine.config.disaggregation.kv_load_failure_policy == "fail":
+        raise APIError(502, message, code="kv_transfer_failed") from cause
+    logger.warning("%s; computing the prompt here", message)
+    return KVTransferArgs()
 
 
 def _require(condition: bool, message: str) -> None:
@@ -201,11 +224,14 @@ def _require(condition: bool, message: str) -> None:
 
 def hand_over(out: RequestOutput, request: Request) -> dict[str, Any] | None:
     """A prefill answer's ``kv_transfer_params``: the engine's, plus where to fetch the handshake
-    (this server, at the address the caller reached it by). None when nothing was pinned."""
+    (this server, at the address the caller reached it by), signed under the cluster secret.
+    None when nothing was pinned."""
     if out.kv_transfer_params is None:
         return None
-    return {**out.kv_transfer_params,
-            "handshake_url": str(request.base_url).rstrip("/") + HANDSHAKE_PATH}
+    secret = request.app.state.tandem.kv_secret
+    return sign({**out.kv_transfer_params,
+                 "handshake_url": str(request.base_url).rstrip("/") + HANDSHAKE_PATH},
+                secret.encode() if secret is not None else None)
 
 
 def dump(response: BaseModel) -> dict[str, Any]:

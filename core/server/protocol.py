@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from tandem.sched.request import MAX_CACHE_SALT_CHARS
 from tandem.sched.sampling_params import (
     MAX_BAD_WORDS,
     MAX_TOKEN_ID_ENTRIES,
@@ -84,8 +85,10 @@ class KVTransferParams(_Request):
 
         prefill form   {"do_remote_decode": true}
         decode form    {"do_remote_prefill": true, "engine_id", "transfer_id", "block_ids",
-                        "num_tokens", "prompt_digest", "compat_hash", "handshake_url"}
-                       (a prefill answer's kv_transfer_params plus the flag)
+                        "num_tokens", "prompt_digest", "compat_hash", "handshake_url",
+                        "expires_at", "signature"}
+                       (a prefill answer's kv_transfer_params plus the flag; "signature" only
+                        when the cluster has a secret)
 
     Exactly one flag is true; the prefill form has no other field. An unknown field or a
     malformed value is a 400 naming it, on every instance. The decode form's other fields are
@@ -100,15 +103,21 @@ class KVTransferParams(_Request):
     transfer_id: str | None = Field(None, min_length=1, max_length=512)
     block_ids: list[BlockId] | None = None
     num_tokens: int | None = Field(None, ge=1)
-    prompt_digest: str | None = Field(None, pattern=r"^[0-9a-f]{32}$")
-    """blake2b-128 (hex) of the prompt's token ids as int64, as the prefill instance computed it."""
+    prompt_digest: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    """The prefill instance's keyed digest of the prompt and its cache salt
+    (``tandem.handover_auth.prompt_digest``)."""
     compat_hash: str | None = Field(None, min_length=1, max_length=128)
     handshake_url: str | None = Field(None, max_length=2048)
     """Where the decode instance fetches the prefill instance's KV handshake: http(s) only."""
+    expires_at: int | None = Field(None, ge=0)
+    """Unix time (s) after which the hand-over is refused: its pin expires then."""
+    signature: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    """The prefill instance's HMAC-SHA256 of the other fields (``tandem.handover_auth``);
+    absent only when neither instance has a ``kv_transfer_secret``."""
 
     REMOTE_PREFILL_FIELDS: ClassVar[tuple[str, ...]] = (
         "engine_id", "transfer_id", "block_ids", "num_tokens", "prompt_digest", "compat_hash",
-        "handshake_url")
+        "handshake_url", "expires_at")
 
     @field_validator("handshake_url")
     @classmethod
@@ -124,7 +133,7 @@ class KVTransferParams(_Request):
         if self.do_remote_decode == self.do_remote_prefill:
             raise PydanticCustomError("kv_transfer_params", "set exactly one of do_remote_decode and "
                                       "do_remote_prefill to true")
-        given = [name for name in self.REMOTE_PREFILL_FIELDS if getattr(self, name) is not None]
+        given = [name for name in (*self.REMOTE_PREFILL_FIELDS, "signature") if getattr(self, name) is not None]
         if self.do_remote_decode and given:
             raise PydanticCustomError("kv_transfer_params", "do_remote_decode takes no other field "
                                       "(got {given})", {"given": ", ".join(given)})
@@ -135,8 +144,8 @@ class KVTransferParams(_Request):
         return [name for name in self.REMOTE_PREFILL_FIELDS if getattr(self, name) is None]
 
     def remote_prefill_params(self) -> dict[str, Any]:
-        """The prefill answer's fields (for ``RemotePrefill.from_params``), of a complete decode form."""
-        return self.model_dump(include=set(self.REMOTE_PREFILL_FIELDS) - {"handshake_url"})
+        """The prefill answer's fields and signature, of a complete decode form."""
+        return self.model_dump(include={*self.REMOTE_PREFILL_FIELDS, "signature"})
 
 
 class KVReleaseRequest(_Request):
@@ -191,6 +200,9 @@ class SamplingFields(_Request):
     prompt_logprobs: int | None = Field(None, ge=0)
     """vLLM's: logprobs of every prompt token with this many alternatives (at most
     ``engine.max_logprobs``); not with ``stream`` unless 0."""
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    """vLLM's: the prompt shares prefix-cache blocks (and ``cached_tokens``) only with requests
+    of the same salt (one per tenant, say)."""
     kv_transfer_params: KVTransferParams | None = None
     """Disaggregated prefill/decode, set by the router: ``{"do_remote_decode": true}`` on a
     prefill instance; the prefill answer's params plus ``"do_remote_prefill": true`` on a decode

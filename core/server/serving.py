@@ -160,15 +160,18 @@ def check_prompt(ctx: ServingContext, token_ids: list[int], params: SamplingPara
 
 async def admit(ctx: ServingContext, prompts: list[list[int]], params: SamplingParams,
                 request_id: str, priority: int,
-                kv_transfer: KVTransferArgs = KVTransferArgs()) -> list[RequestStream]:
+                kv_transfer: KVTransferArgs = KVTransferArgs(),
+                cache_salt: str | None = None) -> list[RequestStream]:
     """One engine request per prompt, all or none: a refusal aborts those already admitted and
-    raises the matching APIError (429, 400, 503). ``kv_transfer`` applies to a single prompt."""
+    raises the matching APIError (429, 400, 503). ``kv_transfer`` applies to a single prompt;
+    ``cache_salt`` to every prompt."""
     streams: list[RequestStream] = []
     try:
         for i, token_ids in enumerate(prompts):
             streams.append(await ctx.engine.add_request(
                 token_ids, params, f"{request_id}-{i}", priority,
-                remote_decode=kv_transfer.remote_decode, remote_prefill=kv_transfer.remote_prefill))
+                remote_decode=kv_transfer.remote_decode, remote_prefill=kv_transfer.remote_prefill,
+                cache_salt=cache_salt))
     except BaseException as exc:
         close_all(streams)
         if isinstance(exc, Exception):

@@ -1,7 +1,6 @@
 """The scheduler's disaggregation bookkeeping on hand-computed cases (block size 4): admission to
 WAITING_FOR_REMOTE_KV with local prefix hits, the end of a load (done, failed, after an abort),
 holds of blocks a read may still write into, and pins of finished requests."""
-from tandem.sched.block_pool import token_digest
 from tandem.sched.request import RequestStatus
 from tandem.sched.scheduler import load_hold_id, pin_hold_id
 from tests.sched.sched_helpers import make_request, make_scheduler, run_step
@@ -103,7 +102,7 @@ def test_finished_request_pins_its_blocks_until_released():
     (pin,) = s.take_new_pins()
     assert (pin.request_id, pin.num_tokens, len(pin.block_ids)) == ("p", 6, 2)
     assert s.kv.stats().num_used_blocks == 2
-    assert pin.pin_id == pin_hold_id("p") and pin.digest == token_digest(list(range(1, 7)))
+    assert pin.pin_id == pin_hold_id("p") and pin.token_ids == tuple(range(1, 7)) and pin.cache_salt is None
     assert s.release_hold(pin.pin_id) and not s.release_hold(pin.pin_id)
     assert s.kv.stats().num_used_blocks == 0
 

@@ -6,11 +6,9 @@ no block. With the header, the hand-over works and its greedy answer equals the 
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
-from array import array
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -20,6 +18,7 @@ import pytest
 from tandem.config import ConfigError
 from tandem.server.app import create_app
 from tests.engine.test_greedy_vs_hf import _prompts
+from tests.server.handover_oracle import prompt_digest, signed
 from tests.server.server_helpers import running_server, scrape, server_config
 
 SECRET = "cluster-secret-for-the-tests-0123"
@@ -87,12 +86,6 @@ def bait() -> Iterator[Bait]:
         yield server
 
 
-def token_digest(token_ids: list[int]) -> str:
-    """The prompt digest a prefill answer carries, as issue 12 states it: blake2b-128 (hex) of
-    the token ids as int64."""
-    return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=16).hexdigest()
-
-
 def body(prompt: list[int], **extra) -> dict:
     return {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
             "ignore_eos": True, "logprobs": 0, **extra}
@@ -100,10 +93,13 @@ def body(prompt: list[int], **extra) -> dict:
 
 def forged_hand_over(decode, prompt: list[int], handshake_url: str) -> dict:
     """A decode-form ``kv_transfer_params`` that passes every check before the handshake fetch
-    (the decode instance's own compat hash, the prompt's length and digest)."""
-    return {"do_remote_prefill": True, "engine_id": "stranger", "transfer_id": "stranger/1",
-            "block_ids": [1], "num_tokens": len(prompt), "prompt_digest": token_digest(prompt),
-            "compat_hash": decode.engine.engine.kv_transfer.compat_hash, "handshake_url": handshake_url}
+    (the decode instance's own compat hash, the prompt's length and digest, a signature under
+    the cluster secret, an expiry a minute away)."""
+    return {"do_remote_prefill": True, **signed(SECRET, {
+        "engine_id": "stranger", "transfer_id": "stranger/1", "block_ids": [1],
+        "num_tokens": len(prompt), "prompt_digest": prompt_digest(SECRET, prompt),
+        "compat_hash": decode.engine.engine.kv_transfer.compat_hash, "handshake_url": handshake_url,
+        "expires_at": int(time.time()) + 60})}
 
 
 def assert_401(response: httpx.Response) -> None:
@@ -159,7 +155,7 @@ def hand_over(prefill_url: str, prompt: list[int]) -> dict:
 def test_with_the_secret_the_hand_over_works_and_equals_colocated(server, prefill, decode):
     prompt = _prompts(61, [3 * 16 + 5])[0]
     params = hand_over(prefill.url, prompt)
-    assert params["prompt_digest"] == token_digest(prompt)
+    assert params["prompt_digest"] == prompt_digest(SECRET, prompt)
     before = scrape(decode.url)["tandem:kv_transfer_bytes_total"]
     answer = httpx.post(f"{decode.url}/v1/completions", json=body(prompt, kv_transfer_params=params),
                         headers={HEADER: SECRET}, timeout=60)
@@ -212,8 +208,8 @@ def test_a_disaggregated_instance_without_secret_refuses_to_start_unless_told_it
 
 
 GOOD_DECODE_FORM = {"do_remote_prefill": True, "engine_id": "e", "transfer_id": "e/1", "block_ids": [1],
-                    "num_tokens": 4, "prompt_digest": "0" * 32, "compat_hash": "c",
-                    "handshake_url": "http://127.0.0.1:9/kv/handshake"}
+                    "num_tokens": 4, "prompt_digest": "0" * 64, "compat_hash": "c",
+                    "handshake_url": "http://127.0.0.1:9/kv/handshake", "expires_at": 2**40}
 
 
 @pytest.mark.timeout(60)

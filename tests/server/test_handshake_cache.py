@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tandem.server.disagg import KV_SECRET_HEADER, HandshakeCache, HandshakeError
+from tandem.server.disagg import HANDSHAKE_MAX_BYTES, KV_SECRET_HEADER, HandshakeCache, HandshakeError
 
 Answer = Callable[[BaseHTTPRequestHandler], None]
 
@@ -156,6 +156,22 @@ def test_a_failed_fetch_raises_and_leaves_no_entry(peer, answer, reason):
     peer.answer = _handshake_of_path  # the next fetch of the same engine goes to the network again
     assert get(cache, "a", peer.url("a"))["engine_id"] == "a"
     assert peer.paths == ["/a", "/a"]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("payload, reason", [
+    (b"[" * HANDSHAKE_MAX_BYTES, f"nested {HANDSHAKE_MAX_BYTES} deep"),
+    (b'{"engine_id": "a", "x": ' + b"[" * 9 + b"]" * 9 + b"}", "nested 10 deep"),
+    (b'{"engine_id": "a", "x": [[1]], "y": "' + b"[" * 4096 + b'"', "not a handshake"),
+])
+def test_a_deep_or_broken_handshake_is_a_handshake_error(peer, payload, reason):
+    """A mebibyte of ``[`` is within the size limit; parsed, it would end in RecursionError.
+    Brackets inside a string are no nesting: that last body is refused only as broken JSON."""
+    peer.answer = lambda handler: _send(handler, 200, payload)
+    with pytest.raises(HandshakeError, match=reason):
+        get(HandshakeCache(), "a", peer.url("a"))
+    peer.answer = lambda handler: _send(handler, 200, b'{"engine_id": "a", "s": "' + b"[" * 4096 + b'"}')
+    assert get(HandshakeCache(), "a", peer.url("a"))["s"] == "[" * 4096
 
 
 @pytest.mark.timeout(30)

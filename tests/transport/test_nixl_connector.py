@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import resource
 import signal
 import threading
 import time
@@ -331,3 +332,20 @@ def test_register_pool_rejects_a_descriptor_of_another_buffer():
     with pytest.raises(ValueError, match="base address"):
         NixlConnector().register_pool(pool, descriptor)
 
+
+
+@pytest.mark.timeout(30)
+def test_a_peer_claiming_2_31_blocks_is_refused_before_its_descriptors_are_allocated():
+    """One descriptor (24 bytes) per advertised block: 2**31 blocks would be 48 GiB."""
+    pool = torch.zeros(SMALL.shape)
+    connector, other = make_connector(pool), make_connector(torch.zeros(SMALL.shape))
+    try:
+        liar = other.handshake_info() | {"num_blocks": 2**31}
+        peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        with pytest.raises(KVHandshakeError, match=f"advertises a pool of {2**31} blocks"):
+            connector.add_peer(liar)
+        assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_kib < 256 << 10
+        assert connector.add_peer(other.handshake_info()) == other.agent_name
+    finally:
+        connector.close()
+        other.close()

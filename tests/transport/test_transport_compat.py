@@ -5,7 +5,13 @@ import pytest
 import torch
 
 from tandem.interfaces import KVPoolDescriptor, compat_hash
-from tandem.transport.compat import KVHandshakeError, base_handshake, check_handshake, check_pool
+from tandem.transport.compat import (
+    MAX_PEER_BLOCKS,
+    KVHandshakeError,
+    base_handshake,
+    check_handshake,
+    check_pool,
+)
 
 FIELDS = dict(model="/models/llama", dtype="float32", num_layers=8, num_kv_heads=4, head_dim=64,
               block_size=16)
@@ -68,3 +74,21 @@ def test_block_size_mismatch_is_refused():
 def test_other_protocols_are_refused(field, value):
     with pytest.raises(KVHandshakeError, match=field):
         check_handshake(handshake("abc"), handshake("abc", **{field: value}))
+
+
+@pytest.mark.parametrize("num_blocks", [2**31, MAX_PEER_BLOCKS + 1, 0, -1, "4", 4.0, True, None])
+def test_a_peer_pool_of_no_sane_size_is_refused(num_blocks):
+    """A connector prepares one descriptor per peer block: the count is bounded first."""
+    with pytest.raises(KVHandshakeError, match="advertises a pool of"):
+        check_handshake(handshake("abc"), handshake("abc", num_blocks=num_blocks))
+
+
+def test_the_largest_sane_peer_pool_passes():
+    check_handshake(handshake("abc", block_bytes=4096),
+                    handshake("abc", block_bytes=4096, num_blocks=MAX_PEER_BLOCKS))
+
+
+@pytest.mark.parametrize("agent_name", [None, 7, "", "a" * 257])
+def test_a_peer_without_a_proper_agent_name_is_refused(agent_name):
+    with pytest.raises(KVHandshakeError, match="agent_name"):
+        check_handshake(handshake("abc"), handshake("abc", agent_name=agent_name))
