@@ -46,6 +46,7 @@ from tandem.router.metrics import RouterMetrics
 from tandem.router.prompts import PromptInfo, chat_prompt, completion_prompt
 from tandem.router.proxy import RawHeaders
 from tandem.router.registry import DuplicateInstance, InstanceRegistry
+from tandem.server.http_limits import BodyLimitMiddleware
 
 logger = logging.getLogger("tandem.router")
 
@@ -87,6 +88,7 @@ def create_router_app(config: TandemConfig, health_interval_s: float = 1.0) -> F
 
     app = FastAPI(title="tandem router", version=__version__, lifespan=lifespan,
                   description="Routes OpenAI requests over prefill and decode instances.")
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_request_body_bytes)
     _add_error_handlers(app)
     app.include_router(_v1_routes(dispatcher, config.server.api_key))
     app.include_router(_tokenizer_routes(dispatcher, config.server.api_key))
