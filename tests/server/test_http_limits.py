@@ -8,7 +8,6 @@ token count of a long prompt."""
 from __future__ import annotations
 
 import gc
-import json
 import socket
 import threading
 import time
@@ -18,6 +17,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
+from tests.helpers.raw_http import HEAD_64_MIB, connect, json_body, read_until_closed, send_chunked
 from tests.server.server_helpers import running_server, server_config
 
 BODY_LIMIT = 4 * 1024 * 1024  # the default of server.max_request_body_bytes
@@ -65,33 +65,14 @@ def health_timer(url: str) -> Iterator[list[float]]:
         thread.join(15)
 
 
-def _connect(port: int, timeout_s: float = 10.0) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
-
-
-def _read_all(sock: socket.socket) -> bytes:
-    """Everything the server sends until it closes the connection (a read timeout fails)."""
-    data = b""
-    while chunk := sock.recv(65536):
-        data += chunk
-    return data
-
-
-def _json_body(response: bytes) -> dict:
-    return json.loads(response.partition(b"\r\n\r\n")[2])
-
-
 def test_a_64_mib_content_length_is_refused_before_the_body_is_read(limited):
-    with _connect(limited.port, timeout_s=5) as sock:
+    with connect(limited.port, timeout_s=5) as sock:
         start = time.monotonic()
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n" % (64 * 1024 * 1024))
-        response = _read_all(sock)  # the server answers and closes without waiting for the body
+        sock.sendall(HEAD_64_MIB)
+        response = read_until_closed(sock)  # answered and closed without waiting for the body
         took = time.monotonic() - start
     assert response.startswith(b"HTTP/1.1 413 "), response[:200]
-    error = _json_body(response)["error"]
+    error = json_body(response)["error"]
     assert error["code"] == "request_too_large" and error["type"] == "invalid_request_error"
     assert "server.max_request_body_bytes" in error["message"]
     assert took < 2.0
@@ -101,19 +82,11 @@ def test_a_chunked_body_is_cut_off_at_the_limit_while_health_answers(limited):
     """No Content-Length: the body is counted as it is read; the first chunk past the limit
     ends the request. The client sends one byte more than the limit and no end of body, so a
     server that waited for the whole body would never answer."""
-    chunk = b"x" * (256 * 1024)
-    with health_timer(limited.url) as latencies, _connect(limited.port) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Transfer-Encoding: chunked\r\n\r\n")
-        sent = 0
-        while sent <= BODY_LIMIT:
-            piece = chunk[:BODY_LIMIT + 1 - sent]
-            sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
-            sent += len(piece)
-        response = _read_all(sock)
-    assert sent == BODY_LIMIT + 1
+    with health_timer(limited.url) as latencies, connect(limited.port) as sock:
+        send_chunked(sock, "/v1/completions", BODY_LIMIT + 1)
+        response = read_until_closed(sock)
     assert response.startswith(b"HTTP/1.1 413 "), response[:200]
-    assert _json_body(response)["error"]["code"] == "request_too_large"
+    assert json_body(response)["error"]["code"] == "request_too_large"
     assert latencies and max(latencies) < HEALTH_BOUND_S, latencies
 
 
@@ -174,8 +147,8 @@ def _is_closed(sock: socket.socket) -> bool:
 def test_slow_request_heads_are_closed_at_the_header_timeout(limited):
     """A head that trickles in a byte every 0.1 s is answered 408 and closed, and a connection
     that sends nothing is closed, both within the header timeout plus scheduling slack."""
-    idle = _connect(limited.port, timeout_s=HEADER_TIMEOUT_S + 5)
-    slow = _connect(limited.port, timeout_s=HEADER_TIMEOUT_S + 5)
+    idle = connect(limited.port, timeout_s=HEADER_TIMEOUT_S + 5)
+    slow = connect(limited.port, timeout_s=HEADER_TIMEOUT_S + 5)
     slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")
     start = time.monotonic()
     stop = threading.Event()
@@ -190,9 +163,9 @@ def test_slow_request_heads_are_closed_at_the_header_timeout(limited):
     trickler = threading.Thread(target=trickle, daemon=True)
     trickler.start()
     try:
-        answer = _read_all(slow)
+        answer = read_until_closed(slow)
         slow_took = time.monotonic() - start
-        assert _read_all(idle) == b""
+        assert read_until_closed(idle) == b""
         idle_took = time.monotonic() - start
     finally:
         stop.set()
@@ -213,7 +186,7 @@ def test_hundreds_of_half_open_sockets_leave_health_answering(model_dir):
         try:
             with health_timer(srv.url) as latencies:
                 for _ in range(5 * MAX_CONNECTIONS):
-                    sock = _connect(srv.port)
+                    sock = connect(srv.port)
                     sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
                     socks.append(sock)
                 assert _wait_until(lambda: len(state.connections) <= MAX_CONNECTIONS, 5), \
