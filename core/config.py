@@ -292,6 +292,27 @@ class ServerConfig(_Section):
     its calls from the output."""
     tool_call_parser: str | None = None
     """The tool parser plugin of tool_choice "auto" (built in: hermes, llama3_json)."""
+    max_request_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    """A request body larger than this gets 413, counted while it is read (the instance and the
+    router): a prompt of max_prompt_chars fits, with room for JSON escapes."""
+    max_prompt_chars: int = Field(1_048_576, ge=1)
+    """Characters of prompt text one request may send (all its prompts, or all its messages'
+    contents), 400 beyond them before anything is tokenized."""
+    max_messages: int = Field(1024, ge=1)
+    """Messages one chat request may hold; 400 beyond them."""
+    max_prompts: int = Field(256, ge=1)
+    """Prompts one /v1/completions request may batch; 400 beyond them."""
+    max_abs_priority: int = Field(1_000_000, ge=0)
+    """A request's priority must be an integer in [-max_abs_priority, max_abs_priority] (the
+    server and the offline API); 400 beyond it."""
+    header_timeout_s: float = Field(10.0, gt=0.0, le=300.0, allow_inf_nan=False)
+    """A connection that has not sent a complete request head this long after it opened (or
+    after its last response) is closed (408)."""
+    keep_alive_timeout_s: float = Field(5.0, gt=0.0, le=300.0, allow_inf_nan=False)
+    """An idle keep-alive connection that sends nothing this long is closed."""
+    max_connections: int = Field(1000, ge=1)
+    """Open connections beyond which a new one evicts the oldest connection still waiting for
+    its request head, or is closed when every connection has a request in flight."""
 
     @model_validator(mode="after")
     def _auto_tools_need_a_parser(self) -> ServerConfig:

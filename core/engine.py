@@ -35,7 +35,13 @@ from tandem.output_processor import OutputProcessor
 from tandem.outputs import RequestOutput
 from tandem.plugin_manager import call_observers, get_registry
 from tandem.sched.request import Request, RequestStatus, check_cache_salt, request_cache_salt
-from tandem.sched.request_checks import InvalidRequest, RequestLimits, check_request, check_text
+from tandem.sched.request_checks import (
+    InvalidRequest,
+    RequestLimits,
+    check_priority,
+    check_request,
+    check_text,
+)
 from tandem.sched.sampling_params import SamplingParams
 from tandem.sched.scheduler import Scheduler, SchedulerConfig
 from tandem.structured_outputs import StructuredOutputManager
@@ -231,7 +237,8 @@ class LLMEngine:
         """What ``add_request`` lets through (see ``tandem.sched.request_checks``)."""
         return RequestLimits(vocab_size=self.arch.vocab_size, max_model_len=self.max_model_len,
                              max_num_seqs=self.config.engine.max_num_seqs,
-                             max_logprobs=self.config.engine.max_logprobs)
+                             max_logprobs=self.config.engine.max_logprobs,
+                             max_abs_priority=self.config.server.max_abs_priority)
 
     def add_request(
         self,
@@ -246,8 +253,9 @@ class LLMEngine:
     ) -> str:
         """Queue a request; returns its id. ``cache_salt`` (vLLM's): its prompt shares
         prefix-cache blocks only with requests of the same salt. Raises ``InvalidRequest`` (a
-        ValueError naming the field) for input this engine refuses (``check_request``: token ids
-        outside the vocabulary, a malformed ``cache_salt``, n above max_num_seqs, logprobs above
+        ValueError naming the field) for input this engine refuses (``check_priority``: a
+        priority outside ``server.max_abs_priority``; ``check_request``: token ids outside the
+        vocabulary, a malformed ``cache_salt``, n above max_num_seqs, logprobs above
         max_logprobs, no room in the context, a prompt that is not valid Unicode),
         RequestRejected (a ValueError) when the KV pool could never hold it, and ValueError for
         other bad input.
@@ -259,6 +267,7 @@ class LLMEngine:
         ``KVTransferReplayed``, a compat mismatch ValueError, a load refused under the "fail"
         policy ``KVTransferFailed``)."""
         params = params or SamplingParams()
+        check_priority(priority, self.request_limits.max_abs_priority)
         request_id = request_id if request_id is not None else str(next(self._ids))
         check_cache_salt(cache_salt)
         if request_id in self.outputs.states:

@@ -53,6 +53,7 @@ from tandem.router.model_ids import is_valid_model_id
 from tandem.router.prompts import PromptInfo, chat_prompt, completion_prompt
 from tandem.router.proxy import RawHeaders, timed_out
 from tandem.router.registry import InstanceRegistry
+from tandem.server.http_limits import BodyLimitMiddleware
 
 logger = logging.getLogger("tandem.router")
 
@@ -93,6 +94,7 @@ def create_router_app(config: TandemConfig, health_interval_s: float = 1.0) -> F
 
     app = FastAPI(title="tandem router", version=__version__, lifespan=lifespan,
                   description="Routes OpenAI requests over prefill and decode instances.")
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_request_body_bytes)
     _add_error_handlers(app)
     app.include_router(_v1_routes(dispatcher, config.server.api_key))
     app.include_router(_tokenizer_routes(dispatcher, config.server.api_key))

@@ -17,6 +17,7 @@ import uvicorn
 from tandem.config import ConfigError, load_config
 from tandem.plugin_manager import UnknownPluginError
 from tandem.router.app import create_router_app
+from tandem.server.http_limits import uvicorn_config
 
 logger = logging.getLogger("tandem.router")
 
@@ -68,7 +69,7 @@ def run_router(args: argparse.Namespace) -> int:
     print(f"tandem: routing {len(disagg.instances)} instance(s) at http://{srv.host}:{srv.port} "
           f"(prefill policy {disagg.routing_policy}, decode policy {disagg.decode_routing_policy})",
           flush=True)
-    server = _Server(uvicorn.Config(app, host=srv.host, port=srv.port, log_level=args.uvicorn_log_level,
+    server = _Server(uvicorn_config(app, srv, host=srv.host, port=srv.port, log_level=args.uvicorn_log_level,
                                     timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
     server.run()
     return EXIT_OK

@@ -43,6 +43,8 @@ class RequestLimits:
     max_model_len: int
     max_num_seqs: int
     max_logprobs: int
+    max_abs_priority: int = 1_000_000
+    """A request's priority lies in [-max_abs_priority, max_abs_priority] (``check_priority``)."""
 
 
 def check_request(token_ids: Sequence[int], params: SamplingParams, limits: RequestLimits) -> None:
@@ -72,6 +74,17 @@ def check_request(token_ids: Sequence[int], params: SamplingParams, limits: Requ
                                        f"{limits.max_logprobs}, vocabulary {limits.vocab_size}); "
                                        f"got {value}")
     _check_room(len(token_ids), params, limits.max_model_len)
+
+
+def check_priority(priority: object, max_abs: int) -> None:
+    """Raise ``InvalidRequest`` unless ``priority`` is an integer (not a bool) in
+    [-max_abs, max_abs] (``server.max_abs_priority``): an unbounded one lets any client jump
+    every queue of the priority scheduler."""
+    if isinstance(priority, int) and not isinstance(priority, bool) and -max_abs <= priority <= max_abs:
+        return
+    shown = repr(priority) if not isinstance(priority, int) or abs(priority) < 10**30 else "a larger integer"
+    raise InvalidRequest("priority", f"must be an integer in [-{max_abs}, {max_abs}] "
+                                     f"(server.max_abs_priority); got {shown[:40]}")
 
 
 def _check_ids(name: str, token_ids: Sequence[int], vocab_size: int) -> None:

@@ -6,9 +6,10 @@
 starts the engine in the app's lifespan: the model loads in the engine thread while the server
 already answers /health with 503. Every /v1 route, /tokenize and /detokenize need
 ``Authorization: Bearer KEY`` when ``server.api_key`` is set; requests with ``kv_transfer_params`` and the /kv routes need the
-cluster secret (``X-Tandem-KV-Secret``) when ``disaggregation.kv_transfer_secret`` is set. Errors
-use OpenAI's body; FastAPI's 422 becomes a 400; a 500 names an error id, never the exception's
-text (the log has it under that id). A prefill or decode instance refuses to start without the
+cluster secret (``X-Tandem-KV-Secret``) when ``disaggregation.kv_transfer_secret`` is set. A body
+past ``server.max_request_body_bytes`` is a 413 (``tandem.server.http_limits``). Errors use
+OpenAI's body; FastAPI's 422 becomes a 400; a 500 names an error id, never the exception's text
+(the log has it under that id). A prefill or decode instance refuses to start without the
 cluster secret (``tandem.config.require_cluster_secret``).
 """
 from __future__ import annotations
@@ -31,10 +32,12 @@ from tandem.config import TandemConfig, require_cluster_secret
 from tandem.engine import LLMEngine
 from tandem.interfaces import ToolParser
 from tandem.plugin_manager import get_registry
+from tandem.server.bounds import RequestBounds
 from tandem.server.chat import create_chat_completion
 from tandem.server.completions import create_completion
 from tandem.server.disagg import HANDSHAKE_PATH, RELEASE_PATH, HandshakeCache, check_kv_secret
 from tandem.server.errors import APIError, api_error_from, internal_error
+from tandem.server.http_limits import BodyLimitMiddleware
 from tandem.server.metrics import ServerMetrics
 from tandem.server.protocol import (
     ChatCompletionRequest,
@@ -78,7 +81,8 @@ def create_app(config: TandemConfig, engine_factory: Callable[[], LLMEngine] | N
     ctx = ServingContext(engine, config.model.served_model_name or config.model.path,
                          config.model.path, metrics, config.server.log_requests,
                          config.server.stream_stall_timeout_s, kv_secret,
-                         HandshakeCache(secret=kv_secret), _auto_tool_parser(config))
+                         HandshakeCache(secret=kv_secret), _auto_tool_parser(config),
+                         RequestBounds.of(config.server))
     role = config.disaggregation.role
     if role != "both" and kv_secret is None:
         logger.warning("disaggregation.role is %s and disaggregation.kv_transfer_secret is unset "
@@ -90,10 +94,12 @@ def create_app(config: TandemConfig, engine_factory: Callable[[], LLMEngine] | N
         await engine.start()
         yield
         await engine.shutdown(config.server.shutdown_timeout_s)
+        ctx.tokenizer_thread.close()
 
     app = FastAPI(title="tandem", version=__version__, lifespan=lifespan,
                   description="An OpenAI-compatible LLM inference server.")
     app.state.tandem = ctx
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_request_body_bytes)
     _add_error_handlers(app, metrics)
     app.include_router(_v1_router(ctx, config.server.api_key))
     app.include_router(_tokenizer_router(ctx, config.server.api_key))
@@ -163,12 +169,12 @@ def _tokenizer_router(ctx: ServingContext, api_key: SecretStr | None) -> APIRout
     async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:
         """A prompt (as /v1/completions tokenizes it) or messages (through the chat template)
         to token ids, with the context length."""
-        return tokenize(ctx, body)
+        return await tokenize(ctx, body)
 
     @router.post("/detokenize", response_model=DetokenizeResponse)
     async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
         """Token ids to text."""
-        return detokenize(ctx, body)
+        return await detokenize(ctx, body)
 
     return router
 

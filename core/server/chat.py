@@ -62,6 +62,8 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     log_unknown_fields(body, ROUTE)
     check_body(body, ROUTE)
     check_messages(body)
+    ctx.bounds.check_messages(body.messages)
+    ctx.bounds.check_priority(body.priority)
     ctx.check_model(body.model)
     ctx.check_ready()
     if body.top_logprobs is not None and not body.logprobs:
@@ -69,10 +71,10 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     check_prompt_logprobs(body)
     tools = tool_use(body, ctx.tool_parser)
     max_tokens = body.max_completion_tokens or body.max_tokens
-    params = tools.constrain(request_params(ctx, body, max_tokens,
-                                            (body.top_logprobs or 0) if body.logprobs else None,
-                                            body.prompt_logprobs))
-    token_ids = render_chat(ctx, body)
+    params = tools.constrain(await request_params(ctx, body, max_tokens,
+                                                  (body.top_logprobs or 0) if body.logprobs else None,
+                                                  body.prompt_logprobs))
+    token_ids = await render_chat(ctx, body)
     max_tokens_name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     check_prompt(ctx, token_ids, params, {"prompt": "messages", "logprobs": "top_logprobs",
                                           "max_tokens": max_tokens_name})
@@ -90,26 +92,31 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     return JSONResponse(dump(response))
 
 
-def render_chat(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
+async def render_chat(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
     """The prompt token ids of the conversation, through the tokenizer's chat template. The
     tools are rendered whatever tool_choice says ("none" too, as vLLM by default)."""
-    return chat_token_ids(ctx, body.messages, body.add_generation_prompt, tools=body.tools)
+    return await chat_token_ids(ctx, body.messages, body.add_generation_prompt, tools=body.tools)
 
 
-def chat_token_ids(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool,
-                   add_special_tokens: bool = False,
-                   tools: list[ChatCompletionTool] | None = None) -> list[int]:
+async def chat_token_ids(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool,
+                         add_special_tokens: bool = False,
+                         tools: list[ChatCompletionTool] | None = None) -> list[int]:
     """The token ids of ``messages`` (and ``tools``) rendered by the tokenizer's chat template
-    (a 400 when the model has none or the template refuses them)."""
-    turns = [template_turn(i, m) for i, m in enumerate(messages)]
+    on the tokenizer thread (a 400 when the model has none or the template refuses them)."""
     try:
-        return apply_chat_template(ctx.tokenizer, turns, add_generation_prompt, add_special_tokens,
-                                   tools=[t.template_dict() for t in tools or []] or None)
+        return await ctx.tokenize(_render, messages, add_generation_prompt, add_special_tokens, tools)
     except NoChatTemplate as exc:
         raise bad_request(f"the model {ctx.model_name!r} has no chat template, so it cannot serve "
                           "/v1/chat/completions; use /v1/completions", "messages") from exc
     except ValueError as exc:
         raise bad_request(str(exc), "messages") from exc
+
+
+def _render(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
+            add_special_tokens: bool, tools: list[ChatCompletionTool] | None) -> list[int]:
+    turns = [template_turn(i, m) for i, m in enumerate(messages)]
+    return apply_chat_template(tokenizer, turns, add_generation_prompt, add_special_tokens,
+                               tools=[t.template_dict() for t in tools or []] or None)
 
 
 def template_turn(index: int, message: ChatMessage) -> dict:

@@ -48,11 +48,15 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     ctx.check_model(body.model)
     ctx.check_ready()
     check_prompt_logprobs(body)
+    ctx.bounds.check_priority(body.priority)
+    ctx.bounds.check_prompts(body.prompt)
     prompt_logprobs, prompt_logprobs_name = _prompt_logprobs(body)
-    params = request_params(ctx, body, body.max_tokens, body.logprobs, prompt_logprobs)
-    prompts, texts = _prompts(ctx, body.prompt)
+    params = await request_params(ctx, body, body.max_tokens, body.logprobs, prompt_logprobs)
+    prompts, texts = await ctx.tokenize(_prompts, body.prompt)
     for token_ids in prompts:
         check_prompt(ctx, token_ids, params, {"prompt_logprobs": prompt_logprobs_name})
+    if body.echo:
+        texts = await ctx.tokenize(_echoed_texts, prompts, texts)
     await prepare_grammar(ctx.engine.engine, params, body)
     kv_transfer = await kv_transfer_args(ctx.engine.engine, ctx.handshakes, body, len(prompts))
     view = _CompletionView(ctx, body, f"cmpl-{uuid.uuid4().hex}", prompts, texts)
@@ -76,8 +80,9 @@ def _prompt_logprobs(body: CompletionRequest) -> tuple[int | None, str]:
     return body.prompt_logprobs, "prompt_logprobs"
 
 
-def _prompts(ctx: ServingContext, prompt) -> tuple[list[list[int]], list[str | None]]:
-    """Token ids and text of each prompt (text None for a token-id prompt)."""
+def _prompts(tokenizer, prompt) -> tuple[list[list[int]], list[str | None]]:
+    """Token ids and text of each prompt (text None for a token-id prompt), on the tokenizer
+    thread."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
@@ -89,12 +94,17 @@ def _prompts(ctx: ServingContext, prompt) -> tuple[list[list[int]], list[str | N
         if isinstance(p, str):
             if not p:
                 raise bad_request("the prompt is empty", "prompt")
-            ids.append(ctx.engine.tokenize(p))
+            ids.append(tokenizer.encode(p))
             texts.append(p)
         else:
             ids.append(list(p))
             texts.append(None)
     return ids, texts
+
+
+def _echoed_texts(tokenizer, prompts: list[list[int]], texts: list[str | None]) -> list[str]:
+    """The text each prompt echoes: as sent, or its token ids decoded (checked already)."""
+    return [text if text is not None else tokenizer.decode(ids) for ids, text in zip(prompts, texts)]
 
 
 @dataclass(slots=True)
@@ -116,6 +126,7 @@ class _CompletionView:
     request_id: str
     prompts: list[list[int]]
     texts: list[str | None]
+    """Each prompt's text: all set when the body echoes."""
     states: dict[int, _ChoiceState] = field(default_factory=dict)
 
     async def collect(self, streams) -> list[RequestOutput]:
@@ -181,17 +192,11 @@ class _CompletionView:
                 self._add_prompt_logprobs(lp, index, out, st)
             self._add_logprobs(lp, seq.token_ids[st.num_tokens:], seq.logprobs[st.num_tokens:], st)
         if first and self.body.echo:
-            text = self._prompt_text(index) + text
+            text = self.texts[index] + text
         st.text_len, st.num_tokens, st.finished = len(seq.text), len(seq.token_ids), seq.finished
         return CompletionChoice(index=index * self.body.n + seq.index, text=text, logprobs=lp,
                                 finish_reason=seq.finish_reason if last else None,
                                 stop_reason=seq.stop_reason if last else None)
-
-    def _prompt_text(self, index: int) -> str:
-        text = self.texts[index]
-        if text is None:
-            text = self.ctx.tokenizer.decode(self.prompts[index])
-        return text
 
     def _add_prompt_logprobs(self, lp: CompletionLogprobs, index: int, out: RequestOutput,
                              st: _ChoiceState) -> None:

@@ -11,7 +11,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from starlette.responses import StreamingResponse
@@ -22,13 +22,17 @@ from tandem.server.disagg import HandshakeCache, KVTransferArgs
 from tandem.outputs import Logprob, RequestOutput
 from tandem.sched.request_checks import InvalidRequest, check_request
 from tandem.sched.sampling_params import SamplingParams
+from tandem.server.bounds import RequestBounds
 from tandem.server.errors import APIError, api_error_from, bad_request
 from tandem.server.metrics import RequestTimer, ServerMetrics
 from tandem.server.protocol import PromptLogprob, PromptLogprobs, SamplingFields
 from tandem.server.structured import structured_outputs_of
+from tandem.server.tokenizer_thread import TokenizerThread
 from tandem.server.validation import UNKNOWN_FIELDS, unknown_fields
 
 logger = logging.getLogger("tandem.server")
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -47,11 +51,25 @@ class ServingContext:
     tool_parser: ToolParser | None = None
     """The parser of tool_choice "auto" (``server.tool_call_parser``); None unless
     ``server.enable_auto_tool_choice``."""
+    bounds: RequestBounds = field(default_factory=RequestBounds)
+    tokenizer_thread: TokenizerThread | None = None
+    """Where prompts are encoded and chat templates rendered (``tokenize``); made from the
+    engine's loop tokenizer when None."""
+
+    def __post_init__(self) -> None:
+        if self.tokenizer_thread is None:
+            self.tokenizer_thread = TokenizerThread(lambda: self.engine.tokenizer)
 
     @property
     def tokenizer(self):
-        """The event loop's tokenizer (never the engine thread's)."""
+        """The event loop's tokenizer (never the engine thread's), for single-token decodes
+        while rendering; anything longer goes through ``tokenize``."""
         return self.engine.tokenizer
+
+    async def tokenize(self, fn: Callable[..., T], *args) -> T:
+        """``fn(tokenizer, *args)`` on the tokenizer thread (``TokenizerThread``), off the
+        event loop."""
+        return await self.tokenizer_thread.run(fn, *args)
 
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested != self.model_name:
@@ -73,15 +91,17 @@ def log_unknown_fields(body: SamplingFields, route: str) -> None:
         UNKNOWN_FIELDS.log(route, names)
 
 
-def request_params(ctx: ServingContext, body: SamplingFields, max_tokens: int | None,
-                   logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+async def request_params(ctx: ServingContext, body: SamplingFields, max_tokens: int | None,
+                         logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
     """``sampling_params`` with this model's defaults (``LLMEngine.default_sampling``: its
     generation_config.json) for the fields the body leaves out, and the bad words tokenized
-    with the event loop's tokenizer; a value refused is a 400."""
+    on the tokenizer thread; a value refused is a 400."""
     params = sampling_params(body, max_tokens, logprobs, prompt_logprobs,
                              defaults=ctx.engine.engine.default_sampling)
+    if not params.bad_words:
+        return params
     try:
-        return params.tokenize_bad_words(ctx.tokenizer)
+        return await ctx.tokenize(params.tokenize_bad_words)
     except ValueError as exc:
         raise api_error_from(exc) from exc
 

@@ -1,5 +1,5 @@
 """POST /tokenize and POST /detokenize, in vLLM's shapes: the engine's own tokenizer (and chat
-template) without running the model. Refusals are 400s in OpenAI's error shape: both or neither
+template) without running the model, on the tokenizer thread. Refusals are 400s in OpenAI's error shape: both or neither
 of ``prompt`` and ``messages``, a lone surrogate in the text, token ids outside the vocabulary.
 """
 from __future__ import annotations
@@ -16,24 +16,28 @@ from tandem.server.serving import ServingContext
 from tandem.server.validation import check_text
 
 
-def tokenize(ctx: ServingContext, body: TokenizeRequest) -> TokenizeResponse:
+async def tokenize(ctx: ServingContext, body: TokenizeRequest) -> TokenizeResponse:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt (a string) and messages (a chat)", "prompt")
     check_text(body)
+    if body.prompt is not None:
+        ctx.bounds.check_prompts(body.prompt)
+    else:
+        ctx.bounds.check_messages(body.messages)
     ctx.check_model(body.model)
     ctx.check_ready()
     if body.prompt is not None:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
-        token_ids = ctx.tokenizer.encode(body.prompt, add_special_tokens=add_special)
+        token_ids = await ctx.tokenize(_encode, body.prompt, add_special)
     else:
-        token_ids = chat_token_ids(ctx, body.messages, body.add_generation_prompt,
-                                   bool(body.add_special_tokens), body.tools)
-    strs = ctx.tokenizer.convert_ids_to_tokens(token_ids) if body.return_token_strs else None
+        token_ids = await chat_token_ids(ctx, body.messages, body.add_generation_prompt,
+                                         bool(body.add_special_tokens), body.tools)
+    strs = await ctx.tokenize(_token_strs, token_ids) if body.return_token_strs else None
     return TokenizeResponse(count=len(token_ids), max_model_len=ctx.engine.engine.max_model_len,
                             tokens=token_ids, token_strs=strs)
 
 
-def detokenize(ctx: ServingContext, body: DetokenizeRequest) -> DetokenizeResponse:
+async def detokenize(ctx: ServingContext, body: DetokenizeRequest) -> DetokenizeResponse:
     ctx.check_model(body.model)
     ctx.check_ready()
     vocab_size = min(ctx.engine.engine.request_limits.vocab_size, len(ctx.tokenizer))
@@ -41,4 +45,16 @@ def detokenize(ctx: ServingContext, body: DetokenizeRequest) -> DetokenizeRespon
     if bad:
         raise bad_request(f"tokens holds token ids {bad[:5]} outside the vocabulary [0, {vocab_size})",
                           "tokens")
-    return DetokenizeResponse(prompt=ctx.tokenizer.decode(body.tokens))
+    return DetokenizeResponse(prompt=await ctx.tokenize(_decode, body.tokens))
+
+
+def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def _token_strs(tokenizer, token_ids: list[int]) -> list[str]:
+    return tokenizer.convert_ids_to_tokens(token_ids)
+
+
+def _decode(tokenizer, token_ids: list[int]) -> str:
+    return tokenizer.decode(token_ids)

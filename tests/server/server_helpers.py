@@ -13,8 +13,9 @@ import httpx
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from tandem.config import TandemConfig, load_config
+from tandem.config import ServerConfig, TandemConfig, load_config
 from tandem.server.app import create_app
+from tandem.server.http_limits import uvicorn_config
 
 # The engine knobs every server test and its offline oracle share.
 ENGINE = {"num_kv_blocks": 64, "max_num_seqs": 8, "max_num_batched_tokens": 256, "num_threads": 1}
@@ -25,16 +26,17 @@ def server_config(model: str | Path, **overrides) -> TandemConfig:
 
 
 class ServerThread:
-    """uvicorn serving ``app`` on a socket bound to a free port, in a daemon thread."""
+    """uvicorn serving ``app`` on a socket bound to a free port, in a daemon thread, under the
+    connection limits of ``server`` (as ``tandem serve`` runs it; the defaults when None)."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, server: ServerConfig | None = None) -> None:
         self.app = app
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn_config(app, server or ServerConfig(), log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        daemon=True)
 
@@ -63,7 +65,7 @@ class ServerThread:
 
 @contextmanager
 def running_server(config: TandemConfig, **app_kwargs) -> Iterator[ServerThread]:
-    server = ServerThread(create_app(config, **app_kwargs)).start()
+    server = ServerThread(create_app(config, **app_kwargs), config.server).start()
     try:
         yield server
     finally:

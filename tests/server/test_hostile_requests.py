@@ -150,6 +150,12 @@ COMPLETIONS = [
     ({**P, "priority": math.nan}, 400, "priority"),
     ({**P, "temperature": Raw("1" * 400)}, 400, "temperature"),  # an integer too big for a float
     ({**P, "priority": Raw("9" * 5000)}, 400, None),  # past Python's integer-parsing limit
+    # --- priority within server.max_abs_priority (1e6 by default): a client cannot jump every queue
+    ({**P, "priority": 1_000_000}, 200, None),
+    ({**P, "priority": -1_000_000}, 200, None),
+    ({**P, "priority": -1_000_001}, 400, "priority"),
+    ({**P, "priority": Raw("-1e30")}, 400, "priority"),
+    ({**P, "priority": -(2**63)}, 400, "priority"),
     # --- text that is not valid UTF-8 (lone surrogates)
     ({**P, "prompt": "\ud800"}, 400, "prompt"),
     ({**P, "prompt": ["ok", "a\udfffb"]}, 400, "prompt"),

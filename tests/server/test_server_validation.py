@@ -61,6 +61,20 @@ CASES = [
     ("chat/completions", {**CHAT, "model": "other"}, 404, "model", "does not exist"),
     ("chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      400, "response_format", "needs json_schema.schema"),
+    # --- bounds checked before anything is tokenized (server.max_prompts and the rest, defaults)
+    ("completions", {"prompt": ["x"] * 257, "max_tokens": 1}, 400, "prompt",
+     "257 prompts; at most 256 per request (server.max_prompts)"),
+    ("completions", {"prompt": "ab" * 524_288 + "c"}, 400, "prompt",
+     "1048577 characters of text; at most 1048576 per request (server.max_prompt_chars)"),
+    ("completions", {"prompt": ["a" * 524_288, "b" * 524_289]}, 400, "prompt", "server.max_prompt_chars"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}] * 1025}, 400, "messages",
+     "1025 messages; at most 1024 per request (server.max_messages)"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "a" * 524_288},
+                                       {"role": "user", "content": [{"type": "text", "text": "b" * 524_289}]}]},
+     400, "messages", "1048577 characters of text"),
+    ("completions", {"prompt": "x", "priority": 1_000_001}, 400, "priority",
+     "must be an integer in [-1000000, 1000000] (server.max_abs_priority); got 1000001"),
+    ("chat/completions", {**CHAT, "priority": -(2**62)}, 400, "priority", "server.max_abs_priority"),
 ]
 
 
