@@ -76,8 +76,9 @@ def api_error_from(exc: BaseException) -> APIError:
         return APIError(500, str(exc), code="engine_exception")
     if isinstance(exc, EngineError):
         return APIError(500, str(exc), code="engine_error")
-    if isinstance(exc, InvalidRequest):
-        return bad_request(f"{exc.param} {exc.detail}", exc.param)
+    if isinstance(exc, InvalidRequest):  # a subclass may name its own code (grammar_too_complex)
+        return APIError(400, f"{exc.param} {exc.detail}", param=exc.param,
+                        code=getattr(exc, "code", "invalid_request"))
     if isinstance(exc, ValueError):
         return bad_request(str(exc))
     return APIError(500, f"internal error: {exc}", code="internal_error")
