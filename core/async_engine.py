@@ -465,6 +465,7 @@ class AsyncEngine:
         try:
             self.engine = self._factory()
             self.engine.delta_outputs = True
+            self.engine.report_grammar_admissions = True
             self.tokenizer = copy.deepcopy(self.engine.tokenizer)
         except BaseException as exc:  # noqa: BLE001 — reported to the loop, which decides
             logger.exception("the engine failed to load")

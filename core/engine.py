@@ -113,6 +113,9 @@ class LLMEngine:
         self._num_failed_steps_in_row = 0
         self.structured = self._build_structured_outputs()
         self._awaiting_grammar: dict[str, _AwaitingGrammar] = {}
+        self.report_grammar_admissions = False
+        """Record the ends of grammar waits for ``take_grammar_admissions`` (the async engine
+        sets it)."""
         self._grammar_admissions: list[tuple[str, BaseException | None]] = []
         call_observers("tandem_engine_started", config=config)
 
@@ -336,11 +339,11 @@ class LLMEngine:
             except Exception as exc:  # noqa: BLE001 - this request alone fails
                 if adding:
                     raise
-                self._grammar_admissions.append((rid, exc))
+                self._report_admission(rid, exc)
                 outputs.append(self._fail(rid, exc, "starting its grammar"))
             else:
                 if not adding:
-                    self._grammar_admissions.append((rid, None))
+                    self._report_admission(rid, None)
         return outputs
 
     def is_awaiting_grammar(self, request_id: str) -> bool:
@@ -352,6 +355,10 @@ class LLMEngine:
         whose grammar wait ended since the last call (``add_request``'s own are not listed)."""
         taken, self._grammar_admissions = self._grammar_admissions, []
         return taken
+
+    def _report_admission(self, request_id: str, error: BaseException | None) -> None:
+        if self.report_grammar_admissions:
+            self._grammar_admissions.append((request_id, error))
 
     def _drop_awaiting(self, request_id: str) -> _AwaitingGrammar | None:
         waiting = self._awaiting_grammar.pop(request_id, None)

@@ -12,17 +12,25 @@ to make, than the compile itself), so compiles run on threads of the engine proc
 ``abandon`` marks a running job's result as unwanted and, while the pool has fewer than twice
 its threads, starts a replacement thread so that the pool keeps its capacity; the thread of the
 abandoned job exits when the compile returns. Threads are never more than ``2 * num_threads``.
+
+A pool's threads may run at a lower CPU priority (``nice``, Linux: a thread's nice value is its
+own and passes to the threads it starts, such as xgrammar's), so that compiles take the CPU the
+engine's steps leave.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
+import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
+
+logger = logging.getLogger("tandem.structured_outputs")
 
 
 @dataclass(slots=True, eq=False)
@@ -42,11 +50,13 @@ class CompileJob:
 
 
 class CompilePool:
-    """``num_threads`` daemon threads running ``CompileJob``s, smallest ``size`` first."""
+    """``num_threads`` daemon threads running ``CompileJob``s, smallest ``size`` first, at
+    ``nice`` (added to the process's niceness)."""
 
-    def __init__(self, num_threads: int, name: str) -> None:
+    def __init__(self, num_threads: int, name: str, nice: int = 0) -> None:
         self.num_threads = num_threads
         self._name = name
+        self._nice = nice
         self._heap: list[tuple[int, int, CompileJob]] = []
         self._order = itertools.count()
         self._cv = threading.Condition()
@@ -112,6 +122,11 @@ class CompilePool:
                     return job
 
     def _work(self) -> None:
+        if self._nice and hasattr(os, "setpriority"):
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
+            except OSError as exc:
+                logger.debug("could not lower the priority of a compile thread: %s", exc)
         while (job := self._take()) is not None:
             try:
                 job.future.set_result(job.fn())

@@ -30,6 +30,7 @@ grammar is found without timing every row of every step.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -51,8 +52,14 @@ logger = logging.getLogger("tandem.structured_outputs")
 
 SMALL_GRAMMAR_CHARS = 2048
 """Grammars whose canonical text is at most this long compile on a lane of their own."""
+LARGE_GRAMMAR_NICE = 10
+"""The large lane's threads run at this much lower CPU priority than the engine's steps and the
+small lane (a nice-10 thread gets about a tenth of a contended core)."""
 TOO_COMPLEX_REMEMBERED = 1024
 """Grammars that timed out, remembered (least recently seen out) to be refused at once."""
+VALIDATED_REMEMBERED = 4096
+"""Digests of grammars the backend accepted, so that the engine thread does not parse again a
+grammar the server checked (a large schema's parse is not free)."""
 OVER_BUDGET_STEPS = 3
 """Steps in a row over ``max_grammar_ms_per_token`` that finish a request (one slow step may
 be the machine's, not the grammar's)."""
@@ -92,11 +99,12 @@ class StructuredOutputManager:
         threading.Thread(target=self._build_backend, args=(backend_cls, load_tokenizer, stop_token_ids),
                          name="tandem-grammar-backend", daemon=True).start()
         self._small = CompilePool(1, "small")
-        self._large = CompilePool(compile_threads, "large")
+        self._large = CompilePool(compile_threads, "large", nice=LARGE_GRAMMAR_NICE)
         self._lock = threading.Lock()
         self._cache = GrammarCache()
         self._inflight: dict[tuple, CompileJob] = {}
         self._too_complex: OrderedDict[tuple, None] = OrderedDict()
+        self._validated: OrderedDict[bytes, None] = OrderedDict()
         self._grammars: dict[str, StructuredOutputGrammar] = {}
         self._fill_ms: dict[str, float] = {}
         self._over_budget: dict[str, int] = {}
@@ -111,6 +119,10 @@ class StructuredOutputManager:
     def backend(self) -> StructuredOutputBackend:
         return self._backend.result()
 
+    def is_cheap_to_validate(self, params: StructuredOutputsParams) -> bool:
+        """True when ``validate`` would not block: the backend is built and the grammar small."""
+        return self._backend.done() and len(repr(params.key)) <= SMALL_GRAMMAR_CHARS
+
     def validate(self, params: StructuredOutputsParams) -> None:
         """Raise ``InvalidRequest`` (field ``structured_outputs``) naming what the backend
         refuses; ``GrammarTooComplex`` for a grammar that timed out before."""
@@ -120,11 +132,20 @@ class StructuredOutputManager:
                 raise GrammarTooComplex(self.compile_timeout_s)
             if params.key in self._cache:
                 return
+        digest = hashlib.sha256(repr(params.key).encode()).digest()
+        with self._lock:
+            if digest in self._validated:
+                self._validated.move_to_end(digest)
+                return
         try:
             self.backend.validate(params)
         except ValueError as exc:
             raise InvalidRequest("structured_outputs", f"is not a grammar the {self.backend_name} "
                                  f"backend can follow: {exc}") from None
+        with self._lock:
+            self._validated[digest] = None
+            if len(self._validated) > VALIDATED_REMEMBERED:
+                self._validated.popitem(last=False)
 
     # ----------------------------------------------------------------------------- compiles
 

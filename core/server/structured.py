@@ -56,15 +56,20 @@ def _schema(schema: dict | bool) -> dict:
 
 async def prepare_grammar(engine, params: SamplingParams, body: SamplingFields,
                           param: str | None = None) -> None:
-    """Check ``params``' grammar with the engine's backend (a parse, on a thread); a refusal
+    """Check ``params``' grammar with the engine's backend (a parse: on a thread unless the
+    grammar is small, so that small grammars never queue behind the parses of huge ones); a refusal
     is a 400 naming ``param``, else ``response_format`` or ``structured_outputs``. Nothing
     compiles here: the engine compiles the grammar once the request is admitted (queue checks
     first), and answers the admission when the grammar is ready."""
     spec = params.structured_outputs
     if spec is None:
         return
+    manager = engine.structured
     try:
-        await asyncio.to_thread(engine.structured.validate, spec)
+        if manager.is_cheap_to_validate(spec):
+            manager.validate(spec)
+        else:
+            await asyncio.to_thread(manager.validate, spec)
     except InvalidRequest as exc:
         name = param or ("structured_outputs" if body.structured_outputs is not None else "response_format")
         raise APIError(400, f"{name} {exc.detail}", param=name,
