@@ -238,6 +238,8 @@ class AsyncEngine:
         self._queued_requests = 0
         self._queued_tokens = 0
         self._live: set[str] = set()  # engine thread only: ids the engine holds
+        self._grammar_adds: dict[str, asyncio.Future] = {}
+        """Engine thread only: admissions answered once the request's grammar has compiled."""
 
     # ------------------------------------------------------------------ lifecycle (event loop)
 
@@ -465,6 +467,7 @@ class AsyncEngine:
         try:
             self.engine = self._factory()
             self.engine.delta_outputs = True
+            self.engine.report_grammar_admissions = True
             self.tokenizer = copy.deepcopy(self.engine.tokenizer)
         except BaseException as exc:  # noqa: BLE001 — reported to the loop, which decides
             logger.exception("the engine failed to load")
@@ -512,7 +515,7 @@ class AsyncEngine:
         """One step (or a poll of the KV transfers while idle), then publish the outputs and
         the snapshot."""
         if engine.has_unfinished_requests():
-            outputs = engine.step()
+            outputs = self._settle_grammar_adds(engine, engine.step())
             if self._step_listener is not None and engine.last_step is not None:
                 try:
                     self._step_listener(engine.last_step)
@@ -533,6 +536,20 @@ class AsyncEngine:
             num_preemptions=engine.scheduler.num_preemptions,
             kv_transfer=kv_transfer.stats() if kv_transfer is not None else None,
         )
+
+    def _settle_grammar_adds(self, engine: LLMEngine, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Answer the admissions whose grammar wait ended: a compile that failed or timed out
+        refuses the request (its ``add_request`` raises, as for any refusal: an HTTP 400)."""
+        refused = set()
+        for request_id, error in engine.take_grammar_admissions():
+            future = self._grammar_adds.pop(request_id, None)
+            if future is None:
+                continue
+            if error is not None:
+                refused.add(request_id)
+                self._live.discard(request_id)
+            self._post(self._settle, future, error)
+        return [out for out in outputs if out.request_id not in refused] if refused else outputs
 
     @staticmethod
     def _wait_s(engine: LLMEngine) -> float | None:
@@ -567,6 +584,7 @@ class AsyncEngine:
             self._post(_set_result, cmd.future, released)
             return
         if isinstance(cmd, _Abort):
+            self._grammar_adds.pop(cmd.request_id, None)
             if cmd.request_id in self._live:
                 self._live.discard(cmd.request_id)
                 try:
@@ -586,11 +604,17 @@ class AsyncEngine:
                 f"request {cmd.request_id} failed in the engine (admission): {type(exc).__name__}: {exc}"))
         else:
             self._live.add(cmd.request_id)
-            self._post(self._settle, cmd.future, None)
+            if engine.is_awaiting_grammar(cmd.request_id):
+                self._grammar_adds[cmd.request_id] = cmd.future
+            else:
+                self._post(self._settle, cmd.future, None)
 
     def _abort_all(self, engine: LLMEngine, error: BaseException) -> None:
         ids = sorted(self._live)
         self._live.clear()
+        for future in self._grammar_adds.values():
+            self._post(self._settle, future, error)
+        self._grammar_adds.clear()
         if ids:
             engine.abort_request(ids)
             self._post(self._fail, ids, error)

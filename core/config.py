@@ -199,6 +199,17 @@ class EngineConfig(_Section):
     worker_timeout_s: float = Field(300.0, gt=0.0)
     """Under the mp executor: a step (or a collective) that takes longer, or other hosts that do
     not join within it at start-up, make the instance fail (not ready, exit 1)."""
+    grammar_compile_threads: int = Field(2, ge=1, le=64)
+    """Threads compiling the grammars of large structured-output requests (xgrammar releases
+    the GIL while it compiles); grammars of at most 2048 characters have one more thread of
+    their own, so a small grammar never waits behind large ones."""
+    grammar_compile_timeout_s: float = Field(10.0, gt=0.0)
+    """A grammar still compiling this long after its compile started fails its requests
+    (HTTP 400 ``grammar_too_complex``); the same grammar is refused at once afterwards."""
+    max_grammar_ms_per_token: float = Field(50.0, gt=0.0)
+    """Engine-thread time a constrained request's grammar may take per output token (its
+    token mask and accepting its token); a request over it for 3 tokens in a row is finished
+    with an error saying so, and the rest of the batch goes on."""
 
     @model_validator(mode="after")
     def _check_ngram(self) -> EngineConfig:

@@ -33,6 +33,7 @@ from tandem.kv_transfer import KVTransferCoordinator, RemotePrefill
 from tandem.models.config import ModelArchConfig, kv_bytes_per_block
 from tandem.output_processor import OutputProcessor
 from tandem.outputs import RequestOutput
+from tandem.grammar_pool import CompileJob
 from tandem.plugin_manager import call_observers, get_registry
 from tandem.sched.request import Request, RequestStatus, check_cache_salt, request_cache_salt
 from tandem.sched.request_checks import (
@@ -44,7 +45,7 @@ from tandem.sched.request_checks import (
 )
 from tandem.sched.sampling_params import SamplingParams
 from tandem.sched.scheduler import Scheduler, SchedulerConfig
-from tandem.structured_outputs import StructuredOutputManager
+from tandem.structured_outputs import GrammarTooComplex, StructuredOutputManager
 
 logger = logging.getLogger("tandem")
 
@@ -61,7 +62,7 @@ class _AwaitingGrammar:
     """A request added while its grammar compiles: it joins the scheduler once it has."""
 
     request: Request
-    compiled: Any
+    compiled: CompileJob
     load_remote_kv: bool
     pin_kv_on_finish: bool
 
@@ -118,6 +119,10 @@ class LLMEngine:
         self._num_failed_steps_in_row = 0
         self.structured = self._build_structured_outputs()
         self._awaiting_grammar: dict[str, _AwaitingGrammar] = {}
+        self.report_grammar_admissions = False
+        """Record the ends of grammar waits for ``take_grammar_admissions`` (the async engine
+        sets it)."""
+        self._grammar_admissions: list[tuple[str, BaseException | None]] = []
         call_observers("tandem_engine_started", config=config)
 
     # ----------------------------------------------------------------------------- start-up
@@ -202,10 +207,13 @@ class LLMEngine:
         on the compile thread, while the engine starts)."""
         from tandem.models.loader import load_tokenizer
 
-        backend = self.registry.get("structured_output_backend", self.config.engine.structured_output_backend)
+        eng = self.config.engine
+        backend = self.registry.get("structured_output_backend", eng.structured_output_backend)
         path = self.config.model.tokenizer or self.config.model.path
         return StructuredOutputManager(backend, lambda: load_tokenizer(path), self.arch.vocab_size,
-                                       self.eos_token_ids)
+                                       self.eos_token_ids, compile_threads=eng.grammar_compile_threads,
+                                       compile_timeout_s=eng.grammar_compile_timeout_s,
+                                       max_ms_per_token=eng.max_grammar_ms_per_token)
 
     def _build_kv_transfer(self) -> KVTransferCoordinator | None:
         """A prefill or decode instance registers its KV pool with the configured connector."""
@@ -309,7 +317,7 @@ class LLMEngine:
         except BaseException:
             if self.kv_transfer is not None:
                 self.kv_transfer.forget(request_id)
-            self._awaiting_grammar.pop(request_id, None)
+            self._drop_awaiting(request_id)
             self.structured.release(request_id)
             self.scheduler.abort_requests([request_id])
             self.outputs.states.pop(request_id, None)
@@ -324,25 +332,54 @@ class LLMEngine:
 
     def _admit_compiled(self, request_ids: list[str], adding: bool = False) -> list[RequestOutput]:
         """Move the requests of ``request_ids`` whose grammar has compiled into the scheduler;
-        a compile that failed, or a request the scheduler rejects, fails the request. With
-        ``adding`` (``add_request``'s own request) it raises instead."""
+        a compile that failed or passed its time limit, or a request the scheduler rejects,
+        fails the request. With ``adding`` (``add_request``'s own request) it raises instead.
+        Each request settled here is recorded for ``take_grammar_admissions``."""
         outputs = []
         for rid in request_ids:
             waiting = self._awaiting_grammar[rid]
-            if not waiting.compiled.done():
+            job = waiting.compiled
+            too_complex = not job.future.done() and self.structured.timed_out(job)
+            if not (job.future.done() or too_complex):
                 continue
             del self._awaiting_grammar[rid]
             try:
-                exc = waiting.compiled.exception()
+                if too_complex:
+                    raise GrammarTooComplex(self.structured.compile_timeout_s)
+                exc = job.future.exception()
                 if exc is not None:
                     raise InvalidRequest("structured_outputs", f"could not be compiled: {exc}")
-                self.structured.start(rid, waiting.compiled.result(), waiting.request.output_token_ids)
+                self.structured.start(rid, job.future.result(), waiting.request.output_token_ids)
                 self._schedule(waiting.request, waiting.load_remote_kv, waiting.pin_kv_on_finish)
             except Exception as exc:  # noqa: BLE001 - this request alone fails
                 if adding:
                     raise
+                self._report_admission(rid, exc)
                 outputs.append(self._fail(rid, exc, "starting its grammar"))
+            else:
+                if not adding:
+                    self._report_admission(rid, None)
         return outputs
+
+    def is_awaiting_grammar(self, request_id: str) -> bool:
+        """True while ``request_id``'s grammar compiles (it is not in the scheduler yet)."""
+        return request_id in self._awaiting_grammar
+
+    def take_grammar_admissions(self) -> list[tuple[str, BaseException | None]]:
+        """(request id, None when it joined the scheduler, else why it failed) of the requests
+        whose grammar wait ended since the last call (``add_request``'s own are not listed)."""
+        taken, self._grammar_admissions = self._grammar_admissions, []
+        return taken
+
+    def _report_admission(self, request_id: str, error: BaseException | None) -> None:
+        if self.report_grammar_admissions:
+            self._grammar_admissions.append((request_id, error))
+
+    def _drop_awaiting(self, request_id: str) -> _AwaitingGrammar | None:
+        waiting = self._awaiting_grammar.pop(request_id, None)
+        if waiting is not None:
+            self.structured.drop(waiting.compiled)
+        return waiting
 
     def abort_request(self, request_ids: str | list[str], error: str | None = None) -> list[RequestOutput]:
         """Abort requests at any moment: their blocks are free when this returns. Returns their
@@ -355,7 +392,7 @@ class LLMEngine:
                 self.kv_transfer.forget(rid)
         for rid in ids:
             self.outputs.finish_all(rid, reason, error)
-            waiting = self._awaiting_grammar.pop(rid, None)
+            waiting = self._drop_awaiting(rid)
             if waiting is not None:
                 self._on_finished(waiting.request, reason)
         for request in self.scheduler.abort_requests(ids):
@@ -439,8 +476,8 @@ class LLMEngine:
         if not self._awaiting_grammar:
             return []
         if not self.scheduler.has_unfinished_requests():
-            wait(list({id(w.compiled): w.compiled for w in self._awaiting_grammar.values()}.values()),
-                 timeout=_GRAMMAR_POLL_S, return_when=FIRST_COMPLETED)
+            jobs = {id(w.compiled): w.compiled.future for w in self._awaiting_grammar.values()}
+            wait(list(jobs.values()), timeout=_GRAMMAR_POLL_S, return_when=FIRST_COMPLETED)
         return self._admit_compiled(list(self._awaiting_grammar))
 
     def _process_update(self, req: Request, new_token_ids: list[int], runner_out: Any) -> None:

@@ -621,6 +621,13 @@ class ToolParser(ABC):
         parses as ``ToolCallParse(text)``: all content, no calls (a stream that already sent
         calls keeps them)."""
 
+    def cursor(self) -> Any:
+        """Optional: a fresh ``tandem.server.tools.incremental.ToolCallCursor`` that streams
+        one choice's calls reading each character once (what ``parse`` finds, as positions in
+        the text). None (the default): a stream calls ``parse`` with the whole output on every
+        chunk, which costs time quadratic in the output's length."""
+        return None
+
 
 # --------------------------------------------------------------------------- routing policies
 

@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
 
     engine.structured.backend  # the backend reads the vocabulary once, at start-up: not a compile
     t0 = time.perf_counter()
-    engine.structured.submit(constrained.structured_outputs).result()
+    engine.structured.submit(constrained.structured_outputs).future.result()
     first_compile_s = time.perf_counter() - t0
     print(f"model {path}: {args.num_requests} requests at once, prompts {args.prompt_len}, outputs {n} "
           f"tokens, {args.dtype}, torch threads {torch.get_num_threads()}")

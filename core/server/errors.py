@@ -82,8 +82,9 @@ def api_error_from(exc: BaseException) -> APIError:
         return internal_error(exc, "the engine failed this request", "engine_exception")
     if isinstance(exc, EngineError):
         return internal_error(exc, "the engine failed", "engine_error")
-    if isinstance(exc, InvalidRequest):
-        return bad_request(f"{exc.param} {exc.detail}", exc.param)
+    if isinstance(exc, InvalidRequest):  # a subclass may name its own code (grammar_too_complex)
+        return APIError(400, f"{exc.param} {exc.detail}", param=exc.param,
+                        code=getattr(exc, "code", "invalid_request"))
     if isinstance(exc, ValueError):
         return bad_request(str(exc))
     return internal_error(exc, "internal error", "internal_error")

@@ -27,6 +27,7 @@ from typing import Any
 
 from tandem.interfaces import ParsedToolCall, ToolCallParse, ToolParser
 from tandem.server.protocol import ChatCompletionTool
+from tandem.server.tools.incremental import CallListCursor, ToolCallCursor, WholeTextCall
 from tandem.server.tools.json_scan import CallKeys, Malformed, scan_call_list, skip_ws
 
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -73,6 +74,9 @@ class NamedCallParser(ToolParser):
     def parse(self, text: str, final: bool) -> ToolCallParse:
         return ToolCallParse("", (ParsedToolCall(self.function_name, text),))
 
+    def cursor(self) -> NamedCallCursor:
+        return NamedCallCursor(self.function_name)
+
 
 class RequiredCallsParser(ToolParser):
     """The output is a JSON array of ``{"name", "parameters"}`` objects."""
@@ -92,3 +96,41 @@ class RequiredCallsParser(ToolParser):
         if final and not complete:
             return ToolCallParse(text)
         return ToolCallParse("", tuple(calls))
+
+    def cursor(self) -> RequiredCallsCursor:
+        return RequiredCallsCursor()
+
+
+class NamedCallCursor(ToolCallCursor):
+    """The whole output is the arguments: nothing to scan."""
+
+    def __init__(self, function_name: str) -> None:
+        super().__init__()
+        self.calls.append(WholeTextCall(function_name))
+
+    def _scan(self, text: str, final: bool) -> None:
+        return
+
+
+class RequiredCallsCursor(CallListCursor):
+    """``RequiredCallsParser.parse`` one character at a time (see
+    tandem.server.tools.incremental)."""
+
+    def __init__(self) -> None:
+        super().__init__(_KEYS, ",", "]")
+        self._mode: str | None = None
+        self._start = 0
+
+    def _scan(self, text: str, final: bool) -> None:
+        if self._mode is None:
+            self._start = start = skip_ws(text, self._start)
+            if start == len(text):
+                self.content_end = len(text) if final else 0
+                return
+            self._mode = "calls" if text[start] == "[" else "content"
+            if self._mode == "calls":
+                self.start_calls(start + 1)
+        if self._mode == "content":
+            self.content_end = len(text)
+            return
+        self._scan_list(text, final)

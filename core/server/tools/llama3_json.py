@@ -11,11 +11,15 @@ decides.
 """
 from __future__ import annotations
 
+import re
+
 from tandem.interfaces import ToolCallParse, ToolParser
+from tandem.server.tools.incremental import CallListCursor
 from tandem.server.tools.json_scan import CallKeys, Malformed, scan_call_list
 
 PYTHON_TAG = "<|python_tag|>"
 _KEYS = CallKeys("name", ("parameters", "arguments"))
+_LEADING_SPACE = re.compile(r"\s*")
 
 
 class Llama3JsonToolParser(ToolParser):
@@ -36,3 +40,34 @@ class Llama3JsonToolParser(ToolParser):
         if final and not complete:
             return ToolCallParse(text)
         return ToolCallParse("", tuple(calls))
+
+    def cursor(self) -> Llama3JsonCursor:
+        return Llama3JsonCursor()
+
+
+class Llama3JsonCursor(CallListCursor):
+    """``Llama3JsonToolParser.parse`` one character at a time (see
+    tandem.server.tools.incremental)."""
+
+    def __init__(self) -> None:
+        super().__init__(_KEYS, ";", None)
+        self._mode: str | None = None  # None: undecided; "calls" or "content"
+        self._body = 0
+
+    def _scan(self, text: str, final: bool) -> None:
+        if self._mode is None:
+            self._body = body = _LEADING_SPACE.match(text, self._body).end()
+            if text.startswith(PYTHON_TAG, body):
+                self._mode = "calls"
+                self.start_calls(body + len(PYTHON_TAG))
+            elif text.startswith("{", body):
+                self._mode = "calls"
+                self.start_calls(body)
+            elif not final and len(text) - body < len(PYTHON_TAG) and PYTHON_TAG.startswith(text[body:]):
+                return
+            else:
+                self._mode = "content"
+        if self._mode == "content":
+            self.content_end = len(text)
+            return
+        self._scan_list(text, final)

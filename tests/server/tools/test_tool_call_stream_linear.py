@@ -1,0 +1,97 @@
+"""A 100 KB tool-call stream is parsed in time linear in its length: the parser is never asked
+to re-parse the whole output per chunk, and doubling the output about doubles the time (not
+four times). The calls streamed are those of the non-streamed parse and of ``json.loads`` of
+the hand-built calls."""
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import pytest
+
+from tandem.server.tools.forced import RequiredCallsParser
+from tandem.server.tools.hermes import HermesToolParser
+from tandem.server.tools.llama3_json import Llama3JsonToolParser
+from tests.server.tools.test_tool_call_stream import streamed
+
+
+def hand_built_calls(num_bytes: int, seed: int) -> list[dict]:
+    """Calls of varied arguments (escapes, nesting, one long string) of about ``num_bytes``."""
+    rng = random.Random(seed)
+    calls, size = [], 0
+    while size < num_bytes:
+        i = len(calls)
+        arguments = {"city": f"Par\"is {i}\\", "days": [rng.randint(0, 9) for _ in range(rng.randint(0, 6))],
+                     "nested": {"a": [{"b": None}, True, -1.5e3], "text": "x}]{[" * rng.randint(0, 20)}}
+        if i % 50 == 7:
+            arguments["long"] = "".join(rng.choice("ab \"\\{}[]") for _ in range(8000))
+        calls.append({"name": f"tool_{i}", "arguments": arguments})
+        size += len(json.dumps(arguments)) + 40
+    return calls
+
+
+def output_of(fmt: str, calls: list[dict]) -> str:
+    if fmt == "hermes":
+        return "Let me look.\n" + "\n".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in calls)
+    if fmt == "llama3_json":
+        return "; ".join(json.dumps({"name": c["name"], "parameters": c["arguments"]}) for c in calls)
+    return json.dumps([{"name": c["name"], "parameters": c["arguments"]} for c in calls])
+
+
+PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "required": RequiredCallsParser}
+
+
+class CountingParser:
+    """Counts ``parse`` calls of a parser class (a stream must not re-parse per chunk)."""
+
+    def __init__(self, cls) -> None:
+        self.calls = 0
+        counter = self
+
+        class Counted(cls):
+            def parse(self, text, final):
+                counter.calls += 1
+                return super().parse(text, final)
+
+        self.parser = Counted()
+
+
+def chunks_of(text: str, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    out, i = [], 0
+    while i < len(text):
+        n = rng.randint(1, 8)
+        out.append(text[i:i + n])
+        i += n
+    return out
+
+
+def _stream_s(parser, chunks: list[str]) -> float:
+    t0 = time.perf_counter()
+    streamed(parser, chunks)
+    return time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("fmt", sorted(PARSERS))
+def test_a_100kb_stream_gives_the_calls_of_the_whole_parse(fmt):
+    calls = hand_built_calls(100_000, seed=1)
+    text = output_of(fmt, calls)
+    assert len(text) >= 100_000
+    counting = CountingParser(PARSERS[fmt])
+    content, got, ids = streamed(counting.parser, chunks_of(text, seed=2))
+    assert counting.calls == 0  # fed only the new text, never the whole output again
+    whole = PARSERS[fmt]().parse(text, final=True)
+    assert got == [(c.name, c.arguments) for c in whole.calls]
+    assert [(name, json.loads(arguments)) for name, arguments in got] == \
+        [(c["name"], c["arguments"]) for c in calls]
+    assert content == whole.content and len(ids) == len(calls)
+
+
+def test_doubling_the_stream_about_doubles_its_time():
+    half = chunks_of(output_of("hermes", hand_built_calls(50_000, seed=3)), seed=4)
+    full = chunks_of(output_of("hermes", hand_built_calls(100_000, seed=3)), seed=4)
+    t_half = min(_stream_s(HermesToolParser(), half) for _ in range(3))
+    t_full = min(_stream_s(HermesToolParser(), full) for _ in range(3))
+    size_ratio = sum(map(len, full)) / sum(map(len, half))
+    assert t_full / t_half < 1.5 * size_ratio, (t_half, t_full, size_ratio)
