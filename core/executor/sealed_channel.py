@@ -22,6 +22,8 @@ import torch
 from tandem.executor.rank_auth import SECRET_SETTING, ClusterAuthError
 
 TAG_BYTES = 32
+MAX_FRAME_BYTES = 1 << 32
+"""What one frame may make a rank allocate before its tag can be checked."""
 
 
 class SealedChannel:
@@ -76,7 +78,7 @@ class SealedChannel:
 
         size = torch.empty(1, dtype=torch.int64)
         dist.recv(size, src, group=self._group)
-        if not TAG_BYTES <= int(size) <= 1 << 40:
+        if not TAG_BYTES <= int(size) <= MAX_FRAME_BYTES:
             raise ClusterAuthError(f"rank {self.rank}: a frame of {int(size)} bytes from rank {src} "
                                    "cannot be a sealed message")
         data = torch.empty(int(size), dtype=torch.uint8)
