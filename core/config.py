@@ -252,9 +252,11 @@ class ParallelConfig(_Section):
     node_rank: int = Field(0, ge=0)
     """This host's number: 0 is the head."""
     master_addr: str = "127.0.0.1"
-    """The head's address that every host reaches (torch.distributed's TCP rendezvous). With
-    nnodes > 1 each host's gloo binds to the interface its route to this address leaves from,
-    unless GLOO_SOCKET_IFNAME names one."""
+    """The head's address that every host reaches (torch.distributed's TCP rendezvous, which
+    listens on this address only). With nnodes > 1 each host's gloo binds to the interface its
+    route to this address leaves from, unless GLOO_SOCKET_IFNAME names one, and every rank proves
+    it holds the cluster secret disaggregation.kv_transfer_secret; without a secret, nnodes > 1
+    needs a loopback address here (every rank on this host)."""
     master_port: int = Field(0, ge=0, le=65535)
     """The rendezvous port on the head; 0 = a free port, on one host only."""
 

@@ -9,5 +9,8 @@ and runs each step's ``SchedulerOutput`` on them.
     uniproc.py    "uniproc": one worker in the engine's own process
     mp.py         "mp": one process per rank, started by the engine; other hosts run --headless
     worker_process.py   a rank's process: torch.distributed set-up and the step loop
+    rendezvous.py       the rendezvous store, listening on parallel.master_addr only
+    rank_auth.py        every rank proves the cluster key (and rank 0 proves it back) before any step
+    sealed_channel.py   the step messages and replies between ranks, sealed under the session key
     plugin.py     registers the built-in executors
 """

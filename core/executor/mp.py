@@ -11,6 +11,10 @@ protocol). ``execute`` sends the step and waits for rank 0's reply:
   and ``tandem serve`` exits 1; the remaining ranks are terminated;
 - a step every rank failed in its Python code raises that exception, which the engine isolates
   as it does in one process.
+
+Every rank proves it holds the launch's key before it is sent anything (tandem.executor.rank_auth):
+on one host a random key made here, across hosts the cluster secret
+``disaggregation.kv_transfer_secret``.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import pickle
 import socket
 import time
 from tandem.config import ConfigError, TandemConfig
+from tandem.executor.rank_auth import cluster_key
 from tandem.executor.worker_process import STOP, WorkerSpec, run_worker
 from tandem.interfaces import Executor, KVConnector
 from tandem.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -46,6 +51,7 @@ class MultiprocExecutor(Executor):
         if par.node_rank != 0:
             raise ConfigError(f"parallel.node_rank = {par.node_rank}: the other hosts run "
                               "`tandem serve --headless`; the head (node_rank 0) runs the engine")
+        key = cluster_key(config)
         config = config.model_copy(deep=True)
         if par.master_port == 0:
             config.parallel.master_port = free_port(par.master_addr)
@@ -60,7 +66,7 @@ class MultiprocExecutor(Executor):
         level = logging.getLogger("tandem").getEffectiveLevel()
         self.procs = []
         for rank in range(local):
-            spec = WorkerSpec(config, eos_token_ids, rank, rank, local, level)
+            spec = WorkerSpec(config, eos_token_ids, rank, rank, local, key, level)
             proc = ctx.Process(target=run_worker, args=(spec, child if rank == 0 else None),
                                name=f"tandem-rank-{rank}", daemon=True)
             proc.start()

@@ -9,6 +9,11 @@ Which process runs what (tp × pp ranks, ``rank = pp_rank * tp + tp_rank``)::
        │  gloo "cpu group": broadcast of the step bytes; gather of every rank's reply
     ranks 1 .. world-1           Worker; on the head or on other hosts (``tandem serve --headless``)
 
+Before the process group is made, every rank proves it holds the launch's cluster key and rank
+0 proves it back (tandem.executor.rank_auth, over the rendezvous store); the step bytes and the
+replies then travel sealed under the session key (tandem.executor.sealed_channel), and a first
+sealed round checks every rank's connection to rank 0 before any step is sent.
+
 Each step crosses the pipe once each way: the scheduler's diff (new requests in full, running
 ones as ids, new blocks and new tokens) and the driver's ``ModelRunnerOutput`` (sampled tokens
 and logprobs). Tensors — all-reduces, logits gathers, stage-to-stage hidden states — travel on
@@ -27,7 +32,7 @@ import pickle
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -40,6 +45,7 @@ logger = logging.getLogger("tandem")
 STOP = b""
 """The step message that ends the loop (also sent by rank 0 when its pipe closes)."""
 IDLE_TIMEOUT = timedelta(days=3650)
+HELLO = b"tandem-ranks/hello"
 
 
 @dataclass(slots=True)
@@ -51,6 +57,8 @@ class WorkerSpec:
     rank: int
     local_rank: int
     local_world_size: int
+    cluster_key: bytes = field(repr=False)
+    """What the ranks prove themselves with (tandem.executor.rank_auth.cluster_key)."""
     log_level: int = logging.INFO
 
     @property
@@ -58,13 +66,18 @@ class WorkerSpec:
         return self.config.parallel.world_size
 
 
-def init_distributed(spec: WorkerSpec):
-    """Join the rendezvous at ``parallel.master_addr:master_port`` and build the groups; returns
-    this rank's ``ParallelContext``. Raises RuntimeError naming the hosts that did not join."""
+def init_distributed(spec: WorkerSpec) -> tuple[Any, Any]:
+    """Join the rendezvous at ``parallel.master_addr:master_port``, prove the cluster key, build
+    the groups and check the sealed channel; returns this rank's ``ParallelContext`` and its
+    ``SealedChannel``. Raises ClusterAuthError when a rank or the head has not the key, and
+    RuntimeError naming the hosts that did not join."""
     import torch.distributed as dist
 
     from tandem.executor.netif import choose_gloo_interface
     from tandem.executor.parallel import ParallelContext
+    from tandem.executor.rank_auth import ClusterAuthError, admit_ranks, is_loopback, prove_rank
+    from tandem.executor.rendezvous import open_store
+    from tandem.executor.sealed_channel import SealedChannel
 
     par, eng = spec.config.parallel, spec.config.engine
     cuda = spec.config.engine.device.startswith("cuda") or (
@@ -73,15 +86,23 @@ def init_distributed(spec: WorkerSpec):
     if cuda:
         torch.cuda.set_device(spec.local_rank)
     timeout = timedelta(seconds=eng.worker_timeout_s)
-    interface = choose_gloo_interface(par.master_addr) if par.nnodes > 1 else None
+    # on one host over the loopback, gloo listens there too
+    interface = choose_gloo_interface(par.master_addr) if par.nnodes > 1 or is_loopback(par.master_addr) else None
+    where = f"{par.master_addr}:{par.master_port}"
     try:
-        dist.init_process_group(backend, init_method=f"tcp://{par.master_addr}:{par.master_port}",
-                                rank=spec.rank, world_size=spec.world_size, timeout=timeout)
+        store = open_store(par.master_addr, par.master_port, spec.rank == 0, timeout)
+        if spec.rank == 0:
+            session = admit_ranks(store, spec.cluster_key, spec.world_size, eng.worker_timeout_s)
+        else:
+            session = prove_rank(store, spec.cluster_key, spec.rank, where, eng.worker_timeout_s)
+        dist.init_process_group(backend, store=store, rank=spec.rank, world_size=spec.world_size,
+                                timeout=timeout)
+    except ClusterAuthError:
+        raise
     except Exception as exc:  # noqa: BLE001 - torch raises several kinds on a failed rendezvous
         raise RuntimeError(
             f"rank {spec.rank}: the {spec.world_size} ranks did not all join the rendezvous at "
-            f"{par.master_addr}:{par.master_port} within {eng.worker_timeout_s:g} s "
-            f"({_rendezvous_hint(par, interface)}): {exc}") from exc
+            f"{where} within {eng.worker_timeout_s:g} s ({_rendezvous_hint(par, interface)}): {exc}") from exc
     tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
     cpu_group = dist.new_group(list(range(spec.world_size)), backend="gloo", timeout=IDLE_TIMEOUT)
     tp_group = None
@@ -89,8 +110,14 @@ def init_distributed(spec: WorkerSpec):
         group = dist.new_group([stage * tp + i for i in range(tp)], timeout=timeout)
         if stage == spec.rank // tp:
             tp_group = group
-    return ParallelContext(tp_size=tp, tp_rank=spec.rank % tp, pp_size=pp, pp_rank=spec.rank // tp,
-                           tp_group=tp_group, pp_group=dist.group.WORLD, cpu_group=cpu_group)
+    channel = SealedChannel(session, spec.rank, spec.world_size, cpu_group)
+    hello = channel.broadcast(HELLO)  # checks each rank's connection to rank 0, both ways
+    replies = channel.gather(hello)
+    if hello != HELLO or (replies is not None and set(replies) != {HELLO}):
+        raise ClusterAuthError(f"rank {spec.rank}: the first sealed round carried another message")
+    context = ParallelContext(tp_size=tp, tp_rank=spec.rank % tp, pp_size=pp, pp_rank=spec.rank // tp,
+                              tp_group=tp_group, pp_group=dist.group.WORLD, cpu_group=cpu_group)
+    return context, channel
 
 
 def _rendezvous_hint(par: Any, interface: str | None) -> str:
@@ -129,7 +156,7 @@ def run_worker(spec: WorkerSpec, conn: Any = None) -> None:
     from tandem.executor.worker import Worker
 
     try:
-        context = init_distributed(spec)
+        context, channel = init_distributed(spec)
         set_current(context)
         worker = Worker(spec.config, spec.eos_token_ids)
     except BaseException as exc:  # noqa: BLE001 - reported to the engine, then the process ends
@@ -142,7 +169,7 @@ def run_worker(spec: WorkerSpec, conn: Any = None) -> None:
     if conn is not None:
         conn.send_bytes(pickle.dumps(("ready", worker.info)))
     try:
-        _loop(worker, context, conn)
+        _loop(worker, context, channel, conn)
     except Exception as exc:  # noqa: BLE001 - the ranks are out of step: end this process
         logger.error("the step loop failed: %s: %s", type(exc).__name__, exc)
         if conn is not None:
@@ -155,9 +182,7 @@ def run_worker(spec: WorkerSpec, conn: Any = None) -> None:
         worker.close()
 
 
-def _loop(worker: Any, context: Any, conn: Any) -> None:
-    import torch.distributed as dist
-
+def _loop(worker: Any, context: Any, channel: Any, conn: Any) -> None:
     rank, world = context.rank, context.world_size
     while True:
         if conn is not None:
@@ -166,22 +191,19 @@ def _loop(worker: Any, context: Any, conn: Any) -> None:
             except (EOFError, OSError):  # the engine is gone
                 message = STOP
             if world > 1:
-                dist.broadcast_object_list([message], src=0, group=context.cpu_group)
+                channel.broadcast(message)
         else:
-            box = [None]
-            dist.broadcast_object_list(box, src=0, group=context.cpu_group)
-            message = box[0]
+            message = channel.broadcast(None)
         if message == STOP:
             return
         reply = _run_step(worker, message)
         if world > 1:
-            replies = [None] * world if rank == 0 else None
-            dist.gather_object(reply, replies, dst=0, group=context.cpu_group)
+            replies = channel.gather(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
             if rank != 0:
                 if reply[0] == "fatal":
                     raise RuntimeError(reply[1])
                 continue
-            reply = _combine(replies, context.driver_rank)
+            reply = _combine([pickle.loads(r) for r in replies], context.driver_rank)
         elif reply[0] == "kv":
             reply = ("kv", [reply[1]])
         conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
@@ -269,15 +291,18 @@ def run_headless(config: TandemConfig, eos_token_ids: frozenset[int]) -> int:
 
     import torch.multiprocessing as mp
 
+    from tandem.executor.rank_auth import cluster_key
+
     par = config.parallel
     if par.node_rank == 0:
         raise ValueError("--headless runs the ranks of another host: give it --node-rank 1 or above "
                          "(node 0, the head, runs `tandem serve` itself)")
+    key = cluster_key(config)
     local = par.world_size // par.nnodes
     ctx = mp.get_context("spawn")
     procs = []
     for i in range(local):
-        spec = WorkerSpec(config, eos_token_ids, par.node_rank * local + i, i, local,
+        spec = WorkerSpec(config, eos_token_ids, par.node_rank * local + i, i, local, key,
                           logging.getLogger("tandem").getEffectiveLevel())
         proc = ctx.Process(target=run_worker, args=(spec,), name=f"tandem-rank-{spec.rank}")
         proc.start()

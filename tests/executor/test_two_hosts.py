@@ -4,9 +4,11 @@ namespaces on a veth bridge, tests/helpers/netns.py), gloo over TCP between them
     host 1  10.A.B.2   tandem serve -tp 2 --nnodes 2 --node-rank 0   API :8000, rank 0, rendezvous :29500
     host 2  10.A.B.3   tandem serve --headless ... --node-rank 1     rank 1
 
-No GLOO_SOCKET_IFNAME is set: a namespace's hostname resolves to none of its addresses (here, to
-127.0.0.1), where gloo would bind the loopback; tandem must pick the veth interface itself
-(tandem.executor.netif). The oracle is HF transformers' greedy ``generate`` on the same
+Both hosts get the cluster secret (``disaggregation.kv_transfer_secret``, by the environment),
+which every rank proves it holds before any step is exchanged (test_rank_auth.py has the
+refusals). No GLOO_SOCKET_IFNAME is set: a namespace's hostname resolves to none of its
+addresses (here, to 127.0.0.1), where gloo would bind the loopback; tandem must pick the veth
+interface itself (tandem.executor.netif). The oracle is HF transformers' greedy ``generate`` on the same
 checkpoint; a head alone, and a head whose other host is killed -9 mid-stream, must exit
 non-zero within ``--worker-timeout-s``, saying why.
 
@@ -40,17 +42,23 @@ START_TIMEOUT_S = 120.0
 """Both hosts import torch and spawn a rank on the same cores: 20 to 35 s on two busy cores."""
 MAX_TOKENS = 12
 LENGTHS = [3, 17, 33, 48]
+SECRET_ENV = "TANDEM_DISAGGREGATION__KV_TRANSFER_SECRET"
+CLUSTER_SECRET = "two-hosts-cluster-secret-0123456789"
 
 
-def child_env() -> dict[str, str]:
+def child_env(secret: str | None = CLUSTER_SECRET) -> dict[str, str]:
+    """The test's environment without TANDEM_ and gloo settings, with ``secret`` as the cluster
+    secret (by the environment: never on a command line)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "GLOO_", "TP_SOCKET"))}
-    return {**env, "OMP_NUM_THREADS": "1", "TANDEM_ENGINE__NUM_THREADS": "1"}
+    env = {**env, "OMP_NUM_THREADS": "1", "TANDEM_ENGINE__NUM_THREADS": "1"}
+    return env if secret is None else {**env, SECRET_ENV: secret}
 
 
-def serve_argv(model_dir: Path, head: Host, node_rank: int, master_port: int, worker_timeout_s: float) -> list[str]:
+def serve_argv(model_dir: Path, master_addr: str, node_rank: int, master_port: int,
+               worker_timeout_s: float) -> list[str]:
     return [sys.executable, "-m", "tandem.cli", "serve", str(model_dir), "--served-model-name", MODEL_NAME,
             "--num-kv-blocks", "64", "--worker-timeout-s", f"{worker_timeout_s:g}", "-tp", "2",
-            "--nnodes", "2", "--node-rank", str(node_rank), "--master-addr", head.address,
+            "--nnodes", "2", "--node-rank", str(node_rank), "--master-addr", master_addr,
             "--master-port", str(master_port)]
 
 
@@ -76,10 +84,10 @@ class TwoHostInstance:
     def start(self) -> TwoHostInstance:
         self.stop()
         head_host = self.net[0]
-        argv = serve_argv(self.model_dir, head_host, 0, MASTER_PORT, WORKER_TIMEOUT_S)
+        argv = serve_argv(self.model_dir, head_host.address, 0, MASTER_PORT, WORKER_TIMEOUT_S)
         self.head = _popen(head_host, [*argv, "--host", head_host.address, "--port", str(API_PORT)],
                            self.log_dir / "head.log")
-        argv = serve_argv(self.model_dir, head_host, 1, MASTER_PORT, WORKER_TIMEOUT_S)
+        argv = serve_argv(self.model_dir, head_host.address, 1, MASTER_PORT, WORKER_TIMEOUT_S)
         self.headless = _popen(self.net[1], [*argv, "--headless"], self.log_dir / "headless.log")
         return self
 
@@ -156,7 +164,7 @@ def test_greedy_tokens_across_two_hosts_equal_hf(instance):
 def test_head_fails_start_up_when_the_other_host_never_joins(hosts, model_dir, tmp_path):
     worker_timeout_s = 10.0
     head = hosts[0]
-    argv = serve_argv(model_dir, head, 0, MASTER_PORT + 1, worker_timeout_s)
+    argv = serve_argv(model_dir, head.address, 0, MASTER_PORT + 1, worker_timeout_s)
     log_path = tmp_path / "head-alone.log"
     started = time.monotonic()
     proc = _popen(head, [*argv, "--host", head.address, "--port", str(API_PORT + 1)], log_path)
