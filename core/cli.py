@@ -102,7 +102,8 @@ def add_config_flags(parser: argparse.ArgumentParser, positional_model: bool = T
                        help="TOML config file (see examples/config.toml)")
     if positional_model:
         parser.add_argument(_POSITIONAL_MODEL, nargs="?", metavar="MODEL",
-                            help="model folder, the same as --model")
+                            help="model folder, .gguf file or preset name (demo, bench-100m), the same "
+                                 "as --model")
     for flag in CONFIG_FLAGS:
         names = (flag.flag, flag.short) if flag.short else (flag.flag,)
         group.add_argument(*names, dest=flag.key, help=_flag_help(flag), **_flag_options(flag))
@@ -273,7 +274,8 @@ def _run_quantize(args: argparse.Namespace) -> int:
 
 
 SUBCOMMANDS: list[Subcommand] = [
-    Subcommand("serve", "serve a model over an OpenAI-compatible HTTP API (default: the demo model)",
+    Subcommand("serve", "serve a model over an OpenAI-compatible HTTP API (default: SmolLM2-135M-Instruct "
+               "when its wheel is installed, else the demo model)",
                _run_serve, _add_serve_arguments),
     Subcommand("router", "route OpenAI requests over prefill and decode instances (--config FILE)",
                _run_router, _add_router_arguments),

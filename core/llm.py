@@ -26,7 +26,8 @@ PromptType = str | Sequence[int] | Mapping[str, Any]
 class LLM:
     """Loads a model and generates for batches of prompts with continuous batching.
 
-    ``model`` is a local Hugging Face folder; any other keyword overrides a config field by its
+    ``model`` is a local Hugging Face folder or llama.cpp GGUF file (None: the default model,
+    ``tandem.models.default_model``); any other keyword overrides a config field by its
     name (``max_num_seqs=8``, ``num_kv_blocks=64``, ``dtype="float32"``, ``"engine.block_size"``…),
     on top of ``config_file`` (TOML) and ``TANDEM_*`` environment variables.
     """
@@ -35,10 +36,10 @@ class LLM:
         if model is not None:
             overrides["model.path"] = model
         self.config = load_config(config_file, overrides)
-        if self.config.model.path is None:
-            from tandem.models.presets import default_model_path
+        from tandem.models.default_model import resolve_model
 
-            self.config.model.path = str(default_model_path("demo"))
+        self.config.model.path, served_name = resolve_model(self.config.model.path)
+        self.config.model.served_model_name = self.config.model.served_model_name or served_name
         self.engine = LLMEngine(self.config)
 
     def get_tokenizer(self):

@@ -103,6 +103,14 @@ class ModelArchConfig:
 
     @classmethod
     def from_pretrained_dir(cls, path: str | Path) -> ModelArchConfig:
+        """From the folder's config.json, or from the metadata of a GGUF file (``path`` ending
+        in .gguf; ``tandem.models.gguf_config``)."""
+        from tandem.models.gguf_file import is_gguf, read_gguf
+
+        if is_gguf(path):
+            from tandem.models.gguf_config import gguf_config_dict
+
+            return cls.from_dict(gguf_config_dict(read_gguf(path)))
         config_file = Path(path) / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"{config_file} does not exist: not a Hugging Face model folder")

@@ -1,6 +1,7 @@
 """Load a Hugging Face model folder: config.json → model class (through the plugin registry),
 safetensors weights (one file or shards with an index; pytorch_model.bin as a fallback),
-generation config and tokenizer.
+generation config and tokenizer. A path ending in .gguf is a llama.cpp GGUF file instead, which
+holds all of these (``tandem.models.gguf_*``): every function here takes either.
 
     model, arch = load_model(path, dtype=torch.float32, device=torch.device("cpu"),
                              registry=get_registry(), attn_backend_cls=TorchAttentionBackend,
@@ -20,6 +21,7 @@ from tqdm import tqdm
 
 from tandem.interfaces import AttentionBackend, QuantMethod
 from tandem.models.config import ModelArchConfig
+from tandem.models.gguf_file import is_gguf, read_gguf
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -75,8 +77,11 @@ def load_model(
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
-    """The weight files of the folder, safetensors preferred, shards in name order."""
+    """The weight files of the folder, safetensors preferred, shards in name order (a GGUF
+    file: itself)."""
     root = Path(path)
+    if is_gguf(path):
+        return [root]
     for index_name, single in ((SAFETENSORS_INDEX, SAFETENSORS_FILE), (TORCH_INDEX, TORCH_FILE)):
         index = root / index_name
         if index.is_file():
@@ -89,7 +94,17 @@ def checkpoint_files(path: str | Path) -> list[Path]:
 
 def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Every (name, tensor) of the checkpoint, on the CPU, with a progress bar over tensors
-    (shown on a terminal only)."""
+    (shown on a terminal only). A GGUF file's tensors come dequantized to float32 under their
+    HF names (``tandem.models.gguf_weights``)."""
+    if is_gguf(path):
+        from tandem.models.gguf_weights import iter_gguf_weights
+
+        file = read_gguf(path)
+        with tqdm(desc="dequantizing weights", unit="tensor", disable=None, total=len(file.tensors)) as bar:
+            for item in iter_gguf_weights(file):
+                yield item
+                bar.update(1)
+        return
     files = checkpoint_files(path)
     with tqdm(desc="loading weights", unit="tensor", disable=None, total=_count_tensors(files)) as bar:
         for file in files:
@@ -104,7 +119,12 @@ _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 def estimate_weight_bytes(path: str | Path, dtype: torch.dtype) -> int | None:
     """Bytes the checkpoint's tensors take once loaded with floating-point weights in ``dtype``
     (integer and FP8 tensors keep their size), read from the safetensors headers alone; None for
-    pytorch_model.bin checkpoints. Tied or fused copies are counted as stored."""
+    pytorch_model.bin checkpoints. Tied or fused copies are counted as stored; every tensor of a
+    GGUF file is counted in ``dtype`` (it is dequantized)."""
+    if is_gguf(path):
+        from tandem.models.gguf_weights import gguf_weight_count
+
+        return gguf_weight_count(read_gguf(path)) * dtype.itemsize
     files = checkpoint_files(path)
     if files[0].suffix != ".safetensors":
         return None
@@ -146,7 +166,12 @@ def _iter_file(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_generation_config(path: str | Path) -> dict[str, Any]:
     """generation_config.json's fields (empty without the file) plus ``eos_token_ids``: the set of
-    its ``eos_token_id`` (an int or a list), else config.json's."""
+    its ``eos_token_id`` (an int or a list), else config.json's. A GGUF file: its metadata's
+    (``tandem.models.gguf_config.gguf_generation_config``)."""
+    if is_gguf(path):
+        from tandem.models.gguf_config import gguf_generation_config
+
+        return gguf_generation_config(read_gguf(path))
     root = Path(path)
     gen_file = root / "generation_config.json"
     gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
@@ -171,21 +196,26 @@ def sampling_defaults(setting: str, model_path: str | Path) -> dict[str, Any]:
     """The sampling defaults a model's requests get where they set none, as vLLM's
     ``--generation-config``: ``"vllm"`` none (tandem's ``SamplingParams`` defaults); ``"auto"``
     the ``GENERATION_DEFAULT_FIELDS`` that the model folder's generation_config.json sets (none
-    without the file); any other value is a folder whose generation_config.json is read so
-    (ValueError when it has none). HF's ``do_sample`` is ignored, as vLLM does."""
+    without the file; a GGUF file's ``general.sampling.*`` metadata); any other value is a folder
+    whose generation_config.json is read so (ValueError when it has none). HF's ``do_sample`` is
+    ignored, as vLLM does."""
     if setting == "vllm":
         return {}
     folder = Path(model_path if setting == "auto" else setting)
     if setting != "auto" and not (folder / "generation_config.json").is_file():
         raise ValueError(f"model.generation_config: {folder} holds no generation_config.json "
                          "(use auto, vllm or a folder that has one)")
-    gen = load_generation_config(folder)
+    gen = load_generation_config(model_path if setting == "auto" else folder)
     return {name: gen[name] for name in GENERATION_DEFAULT_FIELDS if gen.get(name) is not None}
 
 
 def load_tokenizer(path: str | Path) -> Any:
     """The folder's tokenizer through ``transformers.AutoTokenizer``; ValueError naming the folder
-    (and what to install or add) when it cannot be loaded."""
+    (and what to install or add) when it cannot be loaded. A GGUF file's tokenizer is rebuilt
+    from its metadata by transformers' GGUF conversion (vocabulary, merges, special tokens and
+    chat template)."""
+    if is_gguf(path):
+        return _load_gguf_tokenizer(Path(path))
     from transformers import AutoTokenizer
 
     try:
@@ -200,3 +230,20 @@ def load_tokenizer(path: str | Path) -> Any:
         else:
             hint = f"{type(exc).__name__}: {exc}"
         raise ValueError(f"cannot load the tokenizer of {path}: {hint}") from exc
+
+
+def _load_gguf_tokenizer(path: Path) -> Any:
+    """What ``AutoTokenizer.from_pretrained(folder, gguf_file=name)`` builds (the tokenizer class
+    of the file's model type, from transformers' GGUF conversion), without that call's second,
+    slow parse of the file for its config."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+
+    model_type = ModelArchConfig.from_pretrained_dir(path).model_type
+    class_name = TOKENIZER_MAPPING_NAMES.get(model_type)
+    cls = tokenizer_class_from_name(class_name) if class_name else PreTrainedTokenizerFast
+    try:
+        return cls.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds here
+        raise ValueError(f"cannot build the tokenizer of {path} from its GGUF metadata: "
+                         f"{type(exc).__name__}: {exc}") from exc

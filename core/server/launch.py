@@ -78,11 +78,10 @@ def run_serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"tandem serve: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    if config.model.path is None:
-        from tandem.models.presets import default_model_path
+    from tandem.models.default_model import resolve_model
 
-        config.model.path = str(default_model_path("demo"))
-        config.model.served_model_name = config.model.served_model_name or "demo"
+    config.model.path, served_name = resolve_model(config.model.path)
+    config.model.served_model_name = config.model.served_model_name or served_name
     if getattr(args, "headless", False):
         return _run_headless(config)
     if getattr(args, "disaggregated", False):

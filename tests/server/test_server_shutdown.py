@@ -1,4 +1,4 @@
-"""``tandem serve`` as a subprocess: with no model it builds and serves the demo preset, it prints
+"""``tandem serve`` as a subprocess: named by its preset name, it builds and serves the demo model, it prints
 where it listens and what it serves, and on SIGTERM it stops admitting, lets a running stream
 finish within server.shutdown_timeout_s (or aborts it with an error when the timeout is shorter
 than the stream), and exits 0."""
@@ -59,8 +59,8 @@ def _stream_until_sigterm(proc: subprocess.Popen, url: str, max_tokens: int) -> 
 
 
 @pytest.mark.timeout(240)
-def test_no_model_serves_the_demo_preset_and_sigterm_lets_the_stream_finish(tmp_path):
-    proc, url = _start([], shutdown_timeout_s=60, TANDEM_CACHE_DIR=str(tmp_path))
+def test_the_demo_preset_by_name_is_built_and_served_and_sigterm_lets_the_stream_finish(tmp_path):
+    proc, url = _start(["demo"], shutdown_timeout_s=60, TANDEM_CACHE_DIR=str(tmp_path))
     try:
         events = _stream_until_sigterm(proc, url, max_tokens=300)
         texts = [e for e in events if "choices" in e]

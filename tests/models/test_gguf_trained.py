@@ -1,0 +1,77 @@
+"""Trained GGUF checkpoints from the package registry (tandem.models.registry_weights):
+SmolLM2-135M-Instruct (Q4_1, llama, chat template in the metadata) and Gemma 3 270M (Q4_K_M
+with Q5_0/Q6_K/Q8_0 tensors, sliding-window layers). Each is loaded once per module by tandem
+and by transformers (``from_pretrained(folder, gguf_file=name)``, the oracle), both float32;
+greedy tokens must be identical."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tandem import LLM, SamplingParams
+from tandem.models.gguf_file import read_gguf
+from tests.helpers.gguf_files import registry_gguf
+
+QUESTIONS = ["What is the capital of France?", "Name a primary colour."]
+NEW_TOKENS = 12
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
+
+
+def _hf(path):
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def _hf_greedy(model, prompt: list[int], eos: set[int]) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                         eos_token_id=sorted(eos), pad_token_id=sorted(eos)[0])
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    path = registry_gguf("smollm2-135m-instruct")
+    llm = LLM(model=str(path), num_kv_blocks=32, dtype="float32")
+    outs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS], GREEDY)
+    yield path, llm, outs
+    del llm
+
+
+def test_smollm2_answers_like_transformers(smollm2):
+    path, llm, outs = smollm2
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    hf = _hf(path)
+    for question, out in zip(QUESTIONS, outs):
+        prompt = list(tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                              return_dict=True)["input_ids"])
+        assert out.prompt_token_ids == prompt
+        assert out.outputs[0].token_ids == _hf_greedy(hf, prompt, set(llm.engine.eos_token_ids))
+    assert "Paris" in outs[0].outputs[0].text
+
+
+def test_smollm2_chat_template_and_special_tokens_come_from_the_metadata(smollm2):
+    path, llm, _ = smollm2
+    meta = read_gguf(path).metadata
+    tok = llm.get_tokenizer()
+    assert tok.chat_template == meta["tokenizer.chat_template"]
+    assert llm.engine.eos_token_ids == {meta["tokenizer.ggml.eos_token_id"]}
+    assert tok.convert_tokens_to_ids(tok.eos_token) == meta["tokenizer.ggml.eos_token_id"]
+    assert llm.engine.arch.num_key_value_heads == 3 and llm.engine.arch.tie_word_embeddings
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    path = registry_gguf("gemma3-270m")
+    llm = LLM(model=str(path), num_kv_blocks=32, dtype="float32")
+    yield path, llm
+    del llm
+
+
+def test_gemma3_continues_like_transformers(gemma3):
+    path, llm = gemma3
+    assert llm.engine.arch.layer_types.count("full_attention") == 3  # of 18: every 6th layer
+    out = llm.generate(["The capital of France is"], GREEDY)[0]
+    hf = _hf(path)
+    assert tuple(hf.config.layer_types) == llm.engine.arch.layer_types
+    assert out.outputs[0].token_ids == _hf_greedy(hf, out.prompt_token_ids, set(llm.engine.eos_token_ids))
+    assert "France" in out.outputs[0].text  # a base model: it continues, on topic
