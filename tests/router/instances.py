@@ -26,6 +26,8 @@ CLUSTER_SECRET = "cluster-secret-of-the-router-tests"
 ADMIN_KEY = "admin-key-of-the-router-tests"
 """``running_router``'s admin key (unless told otherwise)."""
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+KV_SECRET = {"X-Tandem-KV-Secret": CLUSTER_SECRET}
+"""The header of a request carrying kv_transfer_params, as the router sends it."""
 INSTANCE_FLAGS = ["--served-model-name", MODEL_NAME, "--num-kv-blocks", "64", "--max-num-seqs", "8",
                   "--max-num-batched-tokens", "256"]
 

@@ -19,6 +19,7 @@ import pytest
 
 from tests.engine.test_greedy_vs_hf import _prompts
 from tests.router.instances import (
+    KV_SECRET,
     MODEL_NAME,
     InstanceProcess,
     dispatched,
@@ -40,7 +41,7 @@ def body(prompt: list[int], **extra) -> dict:
 
 
 def answer_tokens(url: str, prompt: list[int], **extra) -> list[str]:
-    response = httpx.post(f"{url}/v1/completions", json=body(prompt, **extra), timeout=120)
+    response = httpx.post(f"{url}/v1/completions", json=body(prompt, **extra), timeout=120, headers=KV_SECRET)
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]["logprobs"]["tokens"]
 
@@ -198,7 +199,7 @@ def test_decode_killed_mid_request_client_gets_error_and_prefill_frees_at_expiry
 
 def _hand_over(prefill_url: str, prompt: list[int]) -> dict:
     reduced = body(prompt, max_tokens=1, logprobs=None, kv_transfer_params={"do_remote_decode": True})
-    response = httpx.post(f"{prefill_url}/v1/completions", json=reduced, timeout=60)
+    response = httpx.post(f"{prefill_url}/v1/completions", json=reduced, timeout=60, headers=KV_SECRET)
     assert response.status_code == 200, response.text
     return {**response.json()["kv_transfer_params"], "do_remote_prefill": True}
 
@@ -220,7 +221,7 @@ def test_prefill_killed_decode_follows_its_failure_policy(model_dir, log_dir, or
         prefill.kill()
         recomputed = answer_tokens(lenient.url, prompt, kv_transfer_params=pending[0])
         assert recomputed == answer_tokens(oracle.url, prompt)
-        failed = httpx.post(f"{strict.url}/v1/completions", timeout=60,
+        failed = httpx.post(f"{strict.url}/v1/completions", timeout=60, headers=KV_SECRET,
                             json=body(prompt, kv_transfer_params=pending[1]))
         assert failed.status_code == 502 and failed.json()["error"]["code"] == "kv_transfer_failed"
         for decode in (lenient, strict):

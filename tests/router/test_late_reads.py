@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.engine.test_greedy_vs_hf import _prompts
-from tests.router.instances import InstanceProcess, role_env, scrape, wait_for
+from tests.router.instances import KV_SECRET, InstanceProcess, role_env, scrape, wait_for
 from tests.router.test_disaggregated_flow import BLOCK, _hand_over, body
 
 pytest.importorskip("nixl_cu12", reason="the nixl KV connector needs nixl-cu12")
@@ -46,12 +46,12 @@ def test_a_resumed_prefill_instance_writes_only_into_quarantined_blocks(model_di
         frozen_prompt, *others = _prompts(61, [10 * BLOCK + 3, 3 * BLOCK, 5 * BLOCK + 1, 2 * BLOCK, 4 * BLOCK])
         want = _texts(oracle.url, others)
         warm = _hand_over(prefill.url, _prompts(62, [BLOCK + 1])[0])  # the decode side meets its peer
-        assert httpx.post(f"{decode.url}/v1/completions", timeout=60, json=body(
+        assert httpx.post(f"{decode.url}/v1/completions", timeout=60, headers=KV_SECRET, json=body(
             _prompts(62, [BLOCK + 1])[0], kv_transfer_params=warm)).status_code == 200
         params = _hand_over(prefill.url, frozen_prompt)
         prefill.send_signal(signal.SIGSTOP)
         start = time.monotonic()
-        failed = httpx.post(f"{decode.url}/v1/completions", timeout=60,
+        failed = httpx.post(f"{decode.url}/v1/completions", timeout=60, headers=KV_SECRET,
                             json=body(frozen_prompt, kv_transfer_params=params))
         assert failed.status_code == 502 and failed.json()["error"]["code"] == "kv_transfer_failed"
         assert time.monotonic() - start >= TIMEOUT_S
