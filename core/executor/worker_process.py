@@ -6,7 +6,7 @@ Which process runs what (tp × pp ranks, ``rank = pp_rank * tp + tp_rank``)::
     engine process (head)        scheduler, detokenizer, API; MultiprocExecutor
        │  pipe: one pickled SchedulerOutput per step  ▼   ▲  one reply per step
     rank 0 (head)                Worker; relays each step to the other ranks and gathers replies
-       │  gloo "cpu group": broadcast of the step bytes; gather of every rank's reply
+       │  gloo "cpu group", rank 0 ↔ each rank: the sealed step bytes; each rank's sealed reply
     ranks 1 .. world-1           Worker; on the head or on other hosts (``tandem serve --headless``)
 
 Before the process group is made, every rank proves it holds the launch's cluster key and rank
@@ -69,7 +69,7 @@ class WorkerSpec:
 def init_distributed(spec: WorkerSpec) -> tuple[Any, Any]:
     """Join the rendezvous at ``parallel.master_addr:master_port``, prove the cluster key, build
     the groups and check the sealed channel; returns this rank's ``ParallelContext`` and its
-    ``SealedChannel``. Raises ClusterAuthError when a rank or the head has not the key, and
+    ``SealedChannel``. Raises ClusterAuthError when a rank or the head lacks the key, and
     RuntimeError naming the hosts that did not join."""
     import torch.distributed as dist
 
