@@ -254,17 +254,24 @@ def test_every_server_setting_has_a_flag():
     argv = [
         "--max-queued-requests", "7", "--max-queued-tokens", "900", "--shutdown-timeout-s", "2.5",
         "--stream-stall-timeout-s", "12.5", "--log-requests", "--max-logprobs", "5",
-        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--max-request-body-bytes", "65536",
+        "--max-prompt-chars", "900", "--max-messages", "9", "--max-prompts", "3", "--max-abs-priority", "10",
+        "--header-timeout-s", "4.5", "--keep-alive-timeout-s", "2", "--max-connections", "50",
     ]
     assert flags_to_overrides(parse(argv)) == {
         "server.max_queued_requests": 7, "server.max_queued_tokens": 900,
         "server.shutdown_timeout_s": 2.5, "server.stream_stall_timeout_s": 12.5,
         "server.log_requests": True, "engine.max_logprobs": 5,
         "server.enable_auto_tool_choice": True, "server.tool_call_parser": "hermes",
+        "server.max_request_body_bytes": 65536, "server.max_prompt_chars": 900, "server.max_messages": 9,
+        "server.max_prompts": 3, "server.max_abs_priority": 10, "server.header_timeout_s": 4.5,
+        "server.keep_alive_timeout_s": 2.0, "server.max_connections": 50,
     }
     server_fields = {"host", "port", "api_key", "api_key_file", "max_queued_requests", "max_queued_tokens",
                      "shutdown_timeout_s", "log_requests", "stream_stall_timeout_s",
-                     "enable_auto_tool_choice", "tool_call_parser"}
+                     "enable_auto_tool_choice", "tool_call_parser", "max_request_body_bytes",
+                     "max_prompt_chars", "max_messages", "max_prompts", "max_abs_priority",
+                     "header_timeout_s", "keep_alive_timeout_s", "max_connections"}
     assert server_fields == set(ServerConfig.model_fields), "a [server] field was added: give it a flag"
     assert {f"server.{name}" for name in server_fields} <= {flag.key for flag in CONFIG_FLAGS}
 

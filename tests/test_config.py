@@ -35,7 +35,8 @@ DEFAULTS = {
         "speculative_ngram_min": 2, "speculative_ngram_max": 4, "enforce_eager": False,
         "cuda_graph_max_batch_size": 256, "max_logprobs": 20, "distributed_executor_backend": "auto",
         "structured_output_backend": "xgrammar",
-        "worker_timeout_s": 300.0,
+        "worker_timeout_s": 300.0, "grammar_compile_threads": 2, "grammar_compile_timeout_s": 10.0,
+        "max_grammar_ms_per_token": 50.0,
     },
     "parallel": {
         "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "nnodes": 1, "node_rank": 0,
@@ -44,7 +45,9 @@ DEFAULTS = {
     "server": {
         "host": "127.0.0.1", "port": 8000, "api_key": None, "api_key_file": None, "max_queued_requests": 256,
         "max_queued_tokens": 262144, "shutdown_timeout_s": 30.0, "log_requests": False, "enable_auto_tool_choice": False, "tool_call_parser": None,
-        "stream_stall_timeout_s": 60.0,
+        "stream_stall_timeout_s": 60.0, "max_request_body_bytes": 4 * 1024 * 1024,
+        "max_prompt_chars": 1_048_576, "max_messages": 1024, "max_prompts": 256, "max_abs_priority": 1_000_000,
+        "header_timeout_s": 10.0, "keep_alive_timeout_s": 5.0, "max_connections": 1000,
     },
     "disaggregation": {
         "role": "both", "instances": [], "kv_connector": "nixl", "routing_policy": "round_robin",

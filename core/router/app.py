@@ -53,7 +53,7 @@ from tandem.router.model_ids import is_valid_model_id
 from tandem.router.prompts import PromptInfo, chat_prompt, completion_prompt
 from tandem.router.proxy import RawHeaders, timed_out
 from tandem.router.registry import InstanceRegistry
-from tandem.server.http_limits import BodyLimitMiddleware
+from tandem.http_limits import BodyLimitMiddleware
 
 logger = logging.getLogger("tandem.router")
 

@@ -17,7 +17,7 @@ import uvicorn
 from tandem.config import ConfigError, load_config
 from tandem.plugin_manager import UnknownPluginError
 from tandem.router.app import create_router_app
-from tandem.server.http_limits import uvicorn_config
+from tandem.http_limits import uvicorn_config
 
 logger = logging.getLogger("tandem.router")
 

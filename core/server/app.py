@@ -7,7 +7,7 @@ starts the engine in the app's lifespan: the model loads in the engine thread wh
 already answers /health with 503. Every /v1 route, /tokenize and /detokenize need
 ``Authorization: Bearer KEY`` when ``server.api_key`` is set; requests with ``kv_transfer_params`` and the /kv routes need the
 cluster secret (``X-Tandem-KV-Secret``) when ``disaggregation.kv_transfer_secret`` is set. A body
-past ``server.max_request_body_bytes`` is a 413 (``tandem.server.http_limits``). Errors use
+past ``server.max_request_body_bytes`` is a 413 (``tandem.http_limits``). Errors use
 OpenAI's body; FastAPI's 422 becomes a 400; a 500 names an error id, never the exception's text
 (the log has it under that id). A prefill or decode instance refuses to start without the
 cluster secret (``tandem.config.require_cluster_secret``).
@@ -37,7 +37,7 @@ from tandem.server.chat import create_chat_completion
 from tandem.server.completions import create_completion
 from tandem.server.disagg import HANDSHAKE_PATH, RELEASE_PATH, HandshakeCache, check_kv_secret
 from tandem.server.errors import APIError, api_error_from, internal_error
-from tandem.server.http_limits import BodyLimitMiddleware
+from tandem.http_limits import BodyLimitMiddleware
 from tandem.server.metrics import ServerMetrics
 from tandem.server.protocol import (
     ChatCompletionRequest,

@@ -2,7 +2,7 @@
 (``server.max_prompt_chars``), messages per chat (``server.max_messages``), prompts per batch
 completion (``server.max_prompts``) and the priority's range (``server.max_abs_priority``).
 Each refusal is a 400 naming the field and the setting. The body itself is bounded earlier,
-while it is read (``tandem.server.http_limits``).
+while it is read (``tandem.http_limits``).
 """
 from __future__ import annotations
 

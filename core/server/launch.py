@@ -106,7 +106,7 @@ def _run_headless(config: TandemConfig) -> int:
 async def serve(config: TandemConfig, uvicorn_log_level: str = "warning") -> int:
     """Serve ``config`` (model path resolved) until a signal; returns the exit status."""
     from tandem.server.app import create_app
-    from tandem.server.http_limits import uvicorn_config
+    from tandem.http_limits import uvicorn_config
 
     app = create_app(config)
     ctx = app.state.tandem

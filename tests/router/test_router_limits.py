@@ -1,4 +1,4 @@
-"""The router runs under the same HTTP limits as an instance (``tandem.server.http_limits``):
+"""The router runs under the same HTTP limits as an instance (``tandem.http_limits``):
 a body past ``server.max_request_body_bytes`` is a 413 before it is read through, and a request
 head that trickles in is closed at ``server.header_timeout_s``. A real router app under uvicorn
 configured as ``tandem router`` configures it; the statuses are stated by hand."""

@@ -110,7 +110,7 @@ def test_only_the_public_routes_are_relayed(router, method, target):
 def test_a_clients_own_kv_transfer_params_never_reach_the_instance(router, decode):
     canary = FakeInstance(json_reply({}))
     forged = {"do_remote_prefill": True, "engine_id": "forged", "transfer_id": "forged/1", "block_ids": [1, 2],
-              "num_tokens": 6, "prompt_digest": "0" * 32, "compat_hash": "x",
+              "num_tokens": 6, "prompt_digest": "0" * 64, "compat_hash": "x",
               "handshake_url": f"{canary.url}/kv/handshake"}
     with canary:
         refused = httpx.post(f"{decode.url}/v1/completions", json={**BODY, "kv_transfer_params": forged},

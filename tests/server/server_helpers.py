@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.config import ServerConfig, TandemConfig, load_config
 from tandem.server.app import create_app
-from tandem.server.http_limits import uvicorn_config
+from tandem.http_limits import uvicorn_config
 
 # The engine knobs every server test and its offline oracle share.
 ENGINE = {"num_kv_blocks": 64, "max_num_seqs": 8, "max_num_batched_tokens": 256, "num_threads": 1}

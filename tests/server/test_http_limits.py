@@ -1,5 +1,5 @@
 """Bounded work per connection and per request, against a real uvicorn run as ``tandem serve``
-runs it (``tandem.server.http_limits``): a body past ``server.max_request_body_bytes`` is a 413
+runs it (``tandem.http_limits``): a body past ``server.max_request_body_bytes`` is a 413
 before it is all read, long prompts are tokenized off the event loop, a request head that does
 not arrive within ``server.header_timeout_s`` closes its connection, and sockets past
 ``server.max_connections`` evict the oldest half-open ones. Meanwhile /health answers within a
