@@ -35,10 +35,11 @@ from tandem.output_processor import OutputProcessor
 from tandem.outputs import RequestOutput
 from tandem.grammar_pool import CompileJob
 from tandem.plugin_manager import call_observers, get_registry
-from tandem.sched.request import Request, RequestStatus, check_cache_salt, request_cache_salt
+from tandem.sched.request import Request, RequestStatus, request_cache_salt
 from tandem.sched.request_checks import (
     InvalidRequest,
     RequestLimits,
+    check_cache_salt,
     check_priority,
     check_request,
     check_text,

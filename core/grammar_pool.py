@@ -7,11 +7,12 @@ to make, than the compile itself), so compiles run on threads of the engine proc
 
     submit(job) ─► heap (size, order) ─► worker: set_running ─► fn() ─► future result
                         │                           │
-    cancel(job) ────────┘ queued: dropped           └─ running: abandon(job)
+    cancel(job) ────────┘ queued: dropped           └─ running: abandoned, replaced
 
-``abandon`` marks a running job's result as unwanted and, while the pool has fewer than twice
-its threads, starts a replacement thread so that the pool keeps its capacity; the thread of the
-abandoned job exits when the compile returns. Threads are never more than ``2 * num_threads``.
+``cancel`` of a running job (its requests went away, or it passed its time limit) marks its
+result as unwanted and, while the pool has fewer than twice its threads, starts a replacement
+thread so that the pool keeps its capacity; the thread of the abandoned job exits when the
+compile returns. Threads are never more than ``2 * num_threads``.
 
 A pool's threads may run at a lower CPU priority (``nice``, Linux: a thread's nice value is its
 own and passes to the threads it starts, such as xgrammar's), so that compiles take the CPU the
@@ -50,8 +51,8 @@ class CompileJob:
 
 
 class CompilePool:
-    """``num_threads`` daemon threads running ``CompileJob``s, smallest ``size`` first, at
-    ``nice`` (added to the process's niceness)."""
+    """``num_threads`` daemon threads running ``CompileJob``s, smallest ``size`` first, each at
+    niceness ``nice`` (0 leaves them at the process's)."""
 
     def __init__(self, num_threads: int, name: str, nice: int = 0) -> None:
         self.num_threads = num_threads
@@ -85,10 +86,6 @@ class CompilePool:
                 job.future.cancel()
             else:
                 self._replace(job)
-
-    def abandon(self, job: CompileJob) -> None:
-        """Drop the result of ``job``, which has run too long, keeping the pool's capacity."""
-        self.cancel(job)
 
     def close(self) -> None:
         with self._cv:

@@ -196,7 +196,7 @@ class StructuredOutputManager:
             if len(self._too_complex) > TOO_COMPLEX_REMEMBERED:
                 self._too_complex.popitem(last=False)
             self._forget(job)
-        self._pool_of(job).abandon(job)
+        self._pool_of(job).cancel(job)
         return True
 
     def _pool_of(self, job: CompileJob) -> CompilePool:

@@ -11,21 +11,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from tandem.sched.request_checks import InvalidRequest
 from tandem.sched.sampling_params import SamplingParams
-
-
-MAX_CACHE_SALT_CHARS = 256
-"""The longest ``cache_salt`` a client may send (a tenant's name or a random token fits)."""
-
-
-def check_cache_salt(cache_salt: object) -> None:
-    """Raise ``InvalidRequest`` unless ``cache_salt`` is None or a string of 1 to
-    ``MAX_CACHE_SALT_CHARS`` characters."""
-    if cache_salt is None:
-        return
-    if not isinstance(cache_salt, str) or not 1 <= len(cache_salt) <= MAX_CACHE_SALT_CHARS:
-        raise InvalidRequest("cache_salt", f"must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters")
 
 
 def request_cache_salt(client_salt: str | None, kv_variant: str | None) -> str | None:

@@ -76,6 +76,19 @@ def check_request(token_ids: Sequence[int], params: SamplingParams, limits: Requ
     _check_room(len(token_ids), params, limits.max_model_len)
 
 
+MAX_CACHE_SALT_CHARS = 256
+"""The longest ``cache_salt`` a client may send (a tenant's name or a random token fits)."""
+
+
+def check_cache_salt(cache_salt: object) -> None:
+    """Raise ``InvalidRequest`` unless ``cache_salt`` is None or a string of 1 to
+    ``MAX_CACHE_SALT_CHARS`` characters."""
+    if cache_salt is None:
+        return
+    if not isinstance(cache_salt, str) or not 1 <= len(cache_salt) <= MAX_CACHE_SALT_CHARS:
+        raise InvalidRequest("cache_salt", f"must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters")
+
+
 def check_priority(priority: object, max_abs: int) -> None:
     """Raise ``InvalidRequest`` unless ``priority`` is an integer (not a bool) in
     [-max_abs, max_abs] (``server.max_abs_priority``): an unbounded one lets any client jump

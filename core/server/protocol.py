@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from tandem.sched.request import MAX_CACHE_SALT_CHARS
+from tandem.sched.request_checks import MAX_CACHE_SALT_CHARS
 from tandem.sched.sampling_params import (
     MAX_BAD_WORDS,
     MAX_TOKEN_ID_ENTRIES,
