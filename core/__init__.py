@@ -17,8 +17,8 @@ hookimpl = pluggy.HookimplMarker("tandem")
 
 _LAZY = {
     "LLM": "tandem.llm",
-    "SamplingParams": "tandem.sched.sampling_params",
-    "StructuredOutputsParams": "tandem.sched.sampling_params",
+    "SamplingParams": "tandem.sampling_params",
+    "StructuredOutputsParams": "tandem.sampling_params",
     "RequestOutput": "tandem.outputs",
     "CompletionOutput": "tandem.outputs",
     "TandemConfig": "tandem.config",

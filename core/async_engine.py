@@ -37,13 +37,21 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from tandem.engine import MAX_FAILED_STEPS_IN_ROW, EngineDeadError, LLMEngine, StepStats
+from tandem.errors import (
+    EngineError,
+    EngineUnavailable,
+    QueueFull,
+    RequestAbortedByShutdown,
+    RequestFailed,
+)
+from tandem.engine import MAX_FAILED_STEPS_IN_ROW, LLMEngine, StepStats
+from tandem.errors import EngineDeadError
 from tandem.interfaces import KVStats
 from tandem.kv_transfer import KVTransferFailed, KVTransferStats, RemotePrefill
 from tandem.outputs import RequestOutput
-from tandem.sched.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams
 
 logger = logging.getLogger("tandem")
 
@@ -54,31 +62,6 @@ release notifications and expiries."""
 _LOAD_WAIT_S = 0.002
 """A step that computed nothing (every request waits for remote KV) waits this long for
 commands before polling the transfers again, instead of spinning."""
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine is loading, failed, or shutting down: the request was not admitted (HTTP 503)."""
-
-
-class QueueFull(RuntimeError):
-    """The waiting queue is at its bound; retry after ``retry_after_s`` (HTTP 429)."""
-
-    def __init__(self, message: str, retry_after_s: int = 1) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class EngineError(RuntimeError):
-    """The engine thread died while the request was in flight."""
-
-
-class RequestFailed(RuntimeError):
-    """The engine failed this request alone (an exception in a step it was in by itself, or
-    while admitting or post-processing it); the message names the request and the exception."""
-
-
-class RequestAbortedByShutdown(RuntimeError):
-    """The request was still running when the graceful-shutdown deadline passed."""
 
 
 class EngineState(str, enum.Enum):

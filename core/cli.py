@@ -216,7 +216,7 @@ def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     """Generate for the given prompts with the offline engine and print each completion."""
     from tandem.llm import LLM
-    from tandem.sched.sampling_params import SamplingParams
+    from tandem.sampling_params import SamplingParams
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,

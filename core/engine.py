@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from tandem.errors import EngineDeadError, RequestRejected
 from tandem.config import ConfigError, TandemConfig
 from tandem.device import resolve_device, resolve_dtype
 from tandem.interfaces import compat_hash
@@ -37,14 +38,13 @@ from tandem.grammar_pool import CompileJob
 from tandem.plugin_manager import call_observers, get_registry
 from tandem.sched.request import Request, RequestStatus, request_cache_salt
 from tandem.sched.request_checks import (
-    InvalidRequest,
     RequestLimits,
     check_cache_salt,
     check_priority,
     check_request,
-    check_text,
 )
-from tandem.sched.sampling_params import SamplingParams
+from tandem.errors import InvalidRequest, check_text
+from tandem.sampling_params import SamplingParams
 from tandem.sched.scheduler import Scheduler, SchedulerConfig
 from tandem.structured_outputs import GrammarTooComplex, StructuredOutputManager
 
@@ -66,15 +66,6 @@ class _AwaitingGrammar:
     compiled: CompileJob
     load_remote_kv: bool
     pin_kv_on_finish: bool
-
-
-class RequestRejected(ValueError):
-    """A request that can never be served (too long, too many sequences for the KV pool…)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine cannot go on: fail what is in flight and stop the process (see the module
-    docstring for when)."""
 
 
 @dataclass(slots=True, frozen=True)

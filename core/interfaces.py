@@ -540,7 +540,7 @@ class StructuredOutputGrammar(ABC):
 
 
 class StructuredOutputBackend(ABC):
-    """Turns ``StructuredOutputsParams`` (tandem.sched.sampling_params) into grammars: xgrammar
+    """Turns ``StructuredOutputsParams`` (tandem.sampling_params) into grammars: xgrammar
     is built in; a plugin may add another (``tandem_register_structured_output_backends``),
     selected by ``engine.structured_output_backend``.
 

@@ -16,7 +16,7 @@ from tandem.chat_template import apply_chat_template, content_text
 from tandem.config import load_config
 from tandem.engine import LLMEngine
 from tandem.outputs import RequestOutput
-from tandem.sched.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams
 
 PromptType = str | Sequence[int] | Mapping[str, Any]
 """A string, token ids, or vLLM's prompt dict: ``{"prompt": str}`` or ``{"prompt_token_ids":

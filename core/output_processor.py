@@ -16,7 +16,7 @@ from tandem.detokenizer import IncrementalDetokenizer
 from tandem.outputs import CompletionOutput, Logprob, RequestOutput
 from tandem.sched.output import ModelRunnerOutput, TokenLogprobs
 from tandem.sched.request import Request, RequestStatus
-from tandem.sched.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -45,8 +45,8 @@ from tandem.grammar_cache import GrammarCache
 from tandem.grammar_pool import CompileJob, CompilePool
 from tandem.interfaces import StructuredOutputBackend, StructuredOutputGrammar
 from tandem.sched.output import GrammarBitmask, SchedulerOutput
-from tandem.sched.request_checks import InvalidRequest
-from tandem.sched.sampling_params import StructuredOutputsParams
+from tandem.errors import InvalidRequest
+from tandem.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger("tandem.structured_outputs")
 

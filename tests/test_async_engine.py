@@ -10,16 +10,8 @@ import time
 import pytest
 
 from tandem import LLM, SamplingParams
-from tandem.async_engine import (
-    AsyncEngine,
-    EngineError,
-    EngineState,
-    EngineUnavailable,
-    QueueFull,
-    QueueLimits,
-    RequestAbortedByShutdown,
-    RequestStream,
-)
+from tandem.async_engine import AsyncEngine, EngineState, QueueLimits, RequestStream
+from tandem.errors import EngineError, EngineUnavailable, QueueFull, RequestAbortedByShutdown
 from tandem.config import load_config
 from tandem.engine import LLMEngine
 from tandem.outputs import CompletionOutput, RequestOutput

@@ -13,7 +13,7 @@ from tandem.config import load_config
 from tandem.engine import LLMEngine
 from tandem.kv_transfer import KVTransferReplayed, RemotePrefill
 from tandem.sched.scheduler import load_hold_id
-from tandem.sched.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams
 from tests.engine.test_greedy_vs_hf import _prompts, hf_greedy
 from tests.helpers.tiny_models import tiny_model_dir
 

@@ -45,7 +45,7 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: TandemConfig, eos_token_ids: frozenset[int]) -> None:
         import torch.multiprocessing as mp
 
-        from tandem.engine import EngineDeadError
+        from tandem.errors import EngineDeadError
 
         par = config.parallel
         if par.node_rank != 0:
@@ -98,7 +98,7 @@ class MultiprocExecutor(Executor):
         return self.info.max_model_len
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        from tandem.engine import EngineDeadError
+        from tandem.errors import EngineDeadError
 
         if self._closed:
             raise EngineDeadError("the mp executor's workers are stopped")
@@ -197,7 +197,7 @@ class MultiprocExecutor(Executor):
         raise AssertionError("unreachable")
 
     def _die(self, message: str) -> None:
-        from tandem.engine import EngineDeadError
+        from tandem.errors import EngineDeadError
 
         logger.error("mp executor: %s; stopping the workers", message)
         self._closed = True

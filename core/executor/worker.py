@@ -4,7 +4,7 @@ its KV connector.
 A ``Worker`` is built in the process that runs it — the engine's own under the "uniproc"
 executor, a worker process per rank under "mp" (tandem.executor.worker_process) — from the
 configuration alone: it resolves the device and dtype, loads its share of the weights (the
-parallel context, ``tandem.executor.parallel.current()``, says which) through the quantization
+parallel context, ``tandem.distributed.current()``, says which) through the quantization
 method, allocates its block-major KV pool (its stage's layers, its KV heads; the same number of
 blocks on every rank) and captures the decode graphs. It never sees the scheduler: each step it
 gets the scheduler's diff (``SchedulerOutput``) and returns what the step sampled
@@ -20,7 +20,7 @@ import torch
 
 from tandem.config import TandemConfig, parse_bytes
 from tandem.device import check_weights_fit, resolve_device, resolve_dtype
-from tandem.executor.parallel import current
+from tandem.distributed import current
 from tandem.interfaces import KVConnector, KVPoolDescriptor
 from tandem.models.config import ModelArchConfig, kv_bytes_per_block, kv_cache_shape
 from tandem.plugin_manager import get_registry

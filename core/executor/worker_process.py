@@ -74,7 +74,7 @@ def init_distributed(spec: WorkerSpec) -> tuple[Any, Any]:
     import torch.distributed as dist
 
     from tandem.executor.netif import choose_gloo_interface
-    from tandem.executor.parallel import ParallelContext
+    from tandem.distributed import ParallelContext
     from tandem.executor.rank_auth import ClusterAuthError, admit_ranks, is_loopback, prove_rank
     from tandem.executor.rendezvous import open_store
     from tandem.executor.sealed_channel import SealedChannel
@@ -152,7 +152,7 @@ def run_worker(spec: WorkerSpec, conn: Any = None) -> None:
     the engine over ``conn``; the others get their steps from rank 0. Exits 1 on a failure that
     leaves the ranks out of step."""
     _configure(spec)
-    from tandem.executor.parallel import set_current
+    from tandem.distributed import set_current
     from tandem.executor.worker import Worker
 
     try:

@@ -253,7 +253,7 @@ def kv_cache_shape(config: ModelArchConfig, num_blocks: int, block_size: int,
                    parallel: Any = None) -> tuple[int, ...]:
     """``(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)``: block-major, so one
     block's K and V of every layer are one contiguous region. With ``parallel`` (a
-    ``tandem.executor.parallel.ParallelContext``): one rank's pool, the layers of its pipeline
+    ``tandem.distributed.ParallelContext``): one rank's pool, the layers of its pipeline
     stage and the KV heads it holds."""
     layers, heads = config.num_hidden_layers, config.num_key_value_heads
     if parallel is not None:

@@ -5,7 +5,7 @@ loader sets both — and filled by ``load_weights``; nothing here initialises we
 Linear layers get their parameters from a ``tandem.interfaces.QuantMethod`` so that quantized
 formats plug in without touching the models; the embedding and the LM head stay unquantized.
 
-Under tensor parallelism (``tandem.executor.parallel``, read when a layer is built) each rank
+Under tensor parallelism (``tandem.distributed``, read when a layer is built) each rank
 builds its share and cuts each checkpoint tensor as it loads (Megatron's layout):
 
     qkv_proj, gate_up_proj   column-parallel: each fused shard's outputs cut tp ways (K and V
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.executor.parallel import ParallelContext, check_tensor_parallel, current
+from tandem.distributed import ParallelContext, check_tensor_parallel, current
 from tandem.interfaces import AttentionBackend, AttentionMetadata, QuantMethod, TensorSplit
 from tandem.models import cpu_fusion
 from tandem.models.rotary import rotate

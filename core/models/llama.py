@@ -12,7 +12,7 @@ layer ``l`` hands ``kv_cache[:, l - first layer of the stage]`` to its attention
 names follow HF's, except the fused projections: ``self_attn.qkv_proj`` (q, k, v) and
 ``mlp.gate_up_proj`` (gate, up).
 
-Pipeline parallelism (``tandem.executor.parallel``): a rank builds only its stage's layers (the
+Pipeline parallelism (``tandem.distributed``): a rank builds only its stage's layers (the
 others are ``MissingLayer`` placeholders, so module names keep their global layer numbers),
 the embedding on the first stage, the final norm and LM head on the last (and the embedding
 there too when the head is tied to it). A stage after the first is called with
@@ -27,7 +27,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from tandem.executor.parallel import current
+from tandem.distributed import current
 from tandem.interfaces import AttentionBackend, AttentionMetadata, QuantMethod
 from tandem.models.config import ModelArchConfig
 from tandem.models.layers import (

@@ -11,7 +11,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from tandem.sched.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams
 
 
 def request_cache_salt(client_salt: str | None, kv_variant: str | None) -> str | None:

@@ -10,28 +10,13 @@ Pure Python: the scheduler side imports this, so it must never import torch.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+from tandem.errors import InvalidRequest
 
 if TYPE_CHECKING:
-    from tandem.sched.sampling_params import SamplingParams
-
-
-class InvalidRequest(ValueError):
-    """A request refused at the boundary. ``param`` is the field (a ``SamplingParams`` name, or
-    ``prompt``); ``detail`` what is wrong with it, readable after the field's name. ``owner``
-    prefixes the name in the message (``SamplingParams.temperature must be…``)."""
-
-    def __init__(self, param: str, detail: str, owner: str | None = None) -> None:
-        self.param = param
-        self.detail = detail
-        super().__init__(f"{owner}.{param} {detail}" if owner else f"{param} {detail}")
-
-    def renamed(self, names: Mapping[str, str]) -> InvalidRequest:
-        """The same refusal under the name a client used for the field (the chat API's
-        ``top_logprobs`` is ``SamplingParams.logprobs``)."""
-        return InvalidRequest(names.get(self.param, self.param), self.detail)
+    from tandem.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,22 +106,3 @@ def _check_room(num_prompt_tokens: int, params: SamplingParams, max_model_len: i
         raise InvalidRequest("min_tokens", f"({params.min_tokens}) exceeds the room for output: the "
                                            f"context length ({max_model_len}) minus the prompt "
                                            f"({num_prompt_tokens} tokens) is {max(room, 0)}")
-
-
-def lone_surrogate(text: str) -> int | None:
-    """The index of the first lone surrogate (U+D800–U+DFFF) in ``text``, None when it is valid
-    Unicode. JSON's ``"\\ud800"`` decodes to one; it has no UTF-8 encoding, so no tokenizer can
-    take it."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        return exc.start
-    return None
-
-
-def check_text(name: str, text: str, owner: str | None = None) -> None:
-    """Raise ``InvalidRequest`` when ``text`` (the field ``name``) is not valid Unicode."""
-    index = lone_surrogate(text)
-    if index is not None:
-        raise InvalidRequest(name, f"is not valid UTF-8 text: it holds the lone surrogate "
-                                   f"U+{ord(text[index]):04X} at index {index}", owner)

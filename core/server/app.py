@@ -27,7 +27,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem import __version__
-from tandem.async_engine import AsyncEngine, EngineError, EngineState, EngineUnavailable, QueueLimits
+from tandem.async_engine import AsyncEngine, EngineState, QueueLimits
+from tandem.errors import EngineError, EngineUnavailable
 from tandem.config import TandemConfig, require_cluster_secret
 from tandem.engine import LLMEngine
 from tandem.interfaces import ToolParser

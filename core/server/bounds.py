@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tandem.config import ServerConfig
-from tandem.sched.request_checks import InvalidRequest, check_priority
+from tandem.sched.request_checks import check_priority
+from tandem.errors import InvalidRequest
 from tandem.server.errors import api_error_from, bad_request
 from tandem.server.protocol import ChatMessage
 

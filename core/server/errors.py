@@ -12,15 +12,9 @@ import secrets
 
 from fastapi.responses import JSONResponse
 
-from tandem.async_engine import (
-    EngineError,
-    EngineUnavailable,
-    QueueFull,
-    RequestAbortedByShutdown,
-    RequestFailed,
-)
+from tandem.errors import EngineError, EngineUnavailable, QueueFull, RequestAbortedByShutdown, RequestFailed
 from tandem.kv_transfer import KVTransferFailed, KVTransferReplayed
-from tandem.sched.request_checks import InvalidRequest
+from tandem.errors import InvalidRequest
 from tandem.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("tandem.server")

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from tandem.sched.request_checks import MAX_CACHE_SALT_CHARS
-from tandem.sched.sampling_params import (
+from tandem.sampling_params import (
     MAX_BAD_WORDS,
     MAX_TOKEN_ID_ENTRIES,
     SEED_MAX,
@@ -190,7 +190,7 @@ class SamplingFields(_Request):
     structured_outputs: dict[str, Any] | None = None
     """vLLM's constrained decoding: exactly one of ``json`` (a schema), ``regex``, ``choice``,
     ``grammar`` (EBNF), ``json_object``, ``structural_tag`` (see
-    ``tandem.sched.sampling_params.StructuredOutputsParams``)."""
+    ``tandem.sampling_params.StructuredOutputsParams``)."""
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_TOKEN_ID_ENTRIES)
     """OpenAI's: token id (a decimal string) → bias in [-100, 100], added to its logit."""
     allowed_token_ids: list[int] | None = Field(None, max_length=MAX_TOKEN_ID_ENTRIES)

@@ -16,12 +16,14 @@ from typing import Any, TypeVar
 from fastapi import Request
 from starlette.responses import StreamingResponse
 
-from tandem.async_engine import AsyncEngine, EngineUnavailable, RequestStream
+from tandem.async_engine import AsyncEngine, RequestStream
+from tandem.errors import EngineUnavailable
 from tandem.interfaces import ToolParser
 from tandem.server.disagg import HandshakeCache, KVTransferArgs
 from tandem.outputs import Logprob, RequestOutput
-from tandem.sched.request_checks import InvalidRequest, check_request
-from tandem.sched.sampling_params import SamplingParams
+from tandem.sched.request_checks import check_request
+from tandem.errors import InvalidRequest
+from tandem.sampling_params import SamplingParams
 from tandem.server.bounds import RequestBounds
 from tandem.server.errors import APIError, api_error_from, bad_request
 from tandem.server.metrics import RequestTimer, ServerMetrics

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 
-from tandem.sched.request_checks import InvalidRequest
-from tandem.sched.sampling_params import SamplingParams, StructuredOutputsParams
+from tandem.errors import InvalidRequest
+from tandem.sampling_params import SamplingParams, StructuredOutputsParams
 from tandem.server.errors import APIError, api_error_from, bad_request
 from tandem.server.protocol import SamplingFields
 

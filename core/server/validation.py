@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tandem.sched.request_checks import lone_surrogate
+from tandem.errors import lone_surrogate
 from tandem.server.errors import bad_request
 from tandem.server.protocol import ChatCompletionRequest, SamplingFields
 

@@ -19,7 +19,7 @@ import torch
 from tandem.interfaces import AttentionMetadata
 from tandem.models.rotary import PROMPT_LENS_KEY
 from tandem.sched.output import NewRequestData, SchedulerOutput
-from tandem.sched.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.executor.parallel import ParallelContext
+from tandem.distributed import ParallelContext
 from tandem.sched.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from tandem.worker.cuda_graphs import DecodeGraphs
 from tandem.worker.input_batch import RunnerRequest, StepInputs, build_step_inputs, split_microbatches

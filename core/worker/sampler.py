@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.sched.output import TokenLogprobs
-from tandem.sched.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams
 from tandem.worker.logits_processing import process_logits, select_rows
 
 _LOGPROB_CHUNK_ROWS = 512

@@ -15,9 +15,11 @@ import pytest
 
 import tandem
 from tandem import LLM, SamplingParams
-from tandem.async_engine import AsyncEngine, RequestFailed
+from tandem.async_engine import AsyncEngine
+from tandem.errors import RequestFailed
 from tandem.config import load_config
-from tandem.engine import MAX_FAILED_STEPS_IN_ROW, EngineDeadError, LLMEngine
+from tandem.engine import MAX_FAILED_STEPS_IN_ROW, LLMEngine
+from tandem.errors import EngineDeadError
 from tandem.plugins.policies import FCFSPolicy
 from tests.engine.test_greedy_vs_hf import hf_greedy
 from tests.helpers.poison_plugin import POISON_TOKEN, installed, poison_model_dir

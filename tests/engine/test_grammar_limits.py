@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tandem import LLM, SamplingParams
-from tandem.sched.request_checks import InvalidRequest
+from tandem.errors import InvalidRequest
 from tests.helpers.tiny_models import tiny_model_dir
 
 AMBIGUOUS = 's ::= "a" | s s\nroot ::= s+'
@@ -64,7 +64,7 @@ def one_thread_llm():
 
 
 def _compile_s(llm, schema: dict) -> float:
-    from tandem.sched.sampling_params import StructuredOutputsParams
+    from tandem.sampling_params import StructuredOutputsParams
 
     t0 = time.perf_counter()
     llm.engine.structured.backend.compile(StructuredOutputsParams(json=schema))
@@ -111,7 +111,7 @@ def test_an_aborted_compile_is_dropped_and_frees_its_thread(one_thread_llm):
         assert time.perf_counter() - t0 < 0.5 * compile_s
         assert job.abandoned and not job.future.done()
         job.future.exception(timeout=120)
-        from tandem.sched.sampling_params import StructuredOutputsParams
+        from tandem.sampling_params import StructuredOutputsParams
 
         again = engine.structured.submit(StructuredOutputsParams(json=doomed_schema))
         assert not again.future.done()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tandem import LLM, SamplingParams
-from tandem.sched.request_checks import InvalidRequest
+from tandem.errors import InvalidRequest
 from tests.engine.test_greedy_vs_hf import _prompts
 from tests.helpers.tiny_models import tiny_model_dir
 

@@ -16,7 +16,7 @@ import pytest
 
 import tandem
 from tandem import LLM, SamplingParams
-from tandem.sched.request_checks import InvalidRequest
+from tandem.errors import InvalidRequest
 from tests.helpers.poison_plugin import installed
 from tests.helpers.tiny_models import tiny_model_dir
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.executor.parallel import ParallelContext, check_tensor_parallel, stage_layers
+from tandem.distributed import ParallelContext, check_tensor_parallel, stage_layers
 from tandem.interfaces import TensorSplit
 from tandem.sched.output import ForkedRequestData, SchedulerOutput
 from tandem.worker.input_batch import split_microbatches

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tandem import LLM, SamplingParams
-from tandem.engine import EngineDeadError
+from tandem.errors import EngineDeadError
 from tests.helpers.tiny_models import tiny_model_dir
 from tests.router.instances import free_port, wait_healthy
 

@@ -9,7 +9,7 @@ from tandem.interfaces import SchedulingPolicy
 from tandem.plugins import policies
 from tandem.plugins.policies import FCFSPolicy, PriorityPolicy
 from tandem.sched.request import Request
-from tandem.sched.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams
 
 
 def req(rid, arrival, priority=0):

@@ -3,7 +3,7 @@ from tandem.plugins.policies import FCFSPolicy
 from tandem.sched.kv_manager import PagedKVAllocator
 from tandem.sched.output import ModelRunnerOutput
 from tandem.sched.request import Request
-from tandem.sched.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams
 from tandem.sched.scheduler import Scheduler, SchedulerConfig
 
 

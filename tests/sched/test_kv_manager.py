@@ -4,7 +4,7 @@ The pool hands out blocks in id order from a fresh start; freed blocks that are 
 the front of the free queue, cached ones to the back (released tail first)."""
 from tandem.sched.kv_manager import PagedKVAllocator
 from tandem.sched.request import Request
-from tandem.sched.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams
 
 
 def make(rid, tokens, **params):

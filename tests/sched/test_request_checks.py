@@ -9,8 +9,10 @@ import sys
 
 import pytest
 
-from tandem.sched.request_checks import InvalidRequest, RequestLimits, check_request, lone_surrogate
-from tandem.sched.sampling_params import SamplingParams
+from tandem.errors import lone_surrogate
+from tandem.sched.request_checks import RequestLimits, check_request
+from tandem.errors import InvalidRequest
+from tandem.sampling_params import SamplingParams
 
 LIMITS = RequestLimits(vocab_size=100, max_model_len=50, max_num_seqs=4, max_logprobs=20)
 
@@ -128,7 +130,7 @@ def test_lone_surrogates_are_found_and_pairs_are_not():
 
 
 def test_the_checks_import_without_torch():
-    code = ("import sys; import tandem.sched.request_checks, tandem.sched.sampling_params; "
+    code = ("import sys; import tandem.sched.request_checks, tandem.sampling_params; "
             "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"

@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from tandem.plugins.policies import FCFSPolicy, PriorityPolicy
 from tandem.sched.kv_manager import PagedKVAllocator
 from tandem.sched.request import Request, RequestStatus
-from tandem.sched.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams
 from tandem.sched.scheduler import Scheduler, SchedulerConfig, load_hold_id
 
 from tests.sched.sim_runner import EOS, SimulatedRunner

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tandem.sched.sampling_params import StructuredOutputsParams
+from tandem.sampling_params import StructuredOutputsParams
 from tests.engine.test_grammar_limits import huge_schema
 from tests.server.server_helpers import running_server, server_config
 

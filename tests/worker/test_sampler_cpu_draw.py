@@ -9,7 +9,7 @@ import torch
 
 from tandem import LLM
 from tandem.kernels import cpu_ops
-from tandem.sched.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams
 from tandem.worker.sampler import Sampler, SamplingRow, _draw, make_generator
 from tests.helpers.tiny_models import tiny_model_dir
 

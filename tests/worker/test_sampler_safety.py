@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tandem.sched.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams
 from tandem.worker.sampler import Sampler, SamplingRow, compute_logprobs, make_generator
 
 INF, NAN = math.inf, math.nan

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.interfaces import ToolParser
-from tandem.sched.sampling_params import SamplingParams, StructuredOutputsParams
+from tandem.sampling_params import SamplingParams, StructuredOutputsParams
 from tandem.server.errors import api_error_from, bad_request
 from tandem.server.protocol import ChatCompletionRequest, NamedToolChoice
 from tandem.server.tools.forced import NamedCallParser, RequiredCallsParser, parameters_schema, required_schema

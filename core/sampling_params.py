@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.sched.request_checks import InvalidRequest, check_text
+from tandem.errors import InvalidRequest, check_text
 
 SEED_MIN = -(2**63)
 SEED_MAX = 2**63 - 1
