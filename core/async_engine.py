@@ -5,7 +5,8 @@ an asyncio loop.
 
     asyncio loop (server)                              engine thread (owns the LLMEngine)
     ─────────────────────                              ──────────────────────────────────
-    add_request ──── _Add ────► inbox (SimpleQueue) ──► engine.add_request
+    process ──► InputProcessor.process (tokenizer thread: checks, tokenizes; 400s raise here)
+    add_processed ── _Add ────► inbox (SimpleQueue) ──► engine.add_processed
         ▲                                                  │ accepted / ValueError
         └──── future ◄────────── call_soon_threadsafe ◄────┘
     RequestStream ◄── outputs ◄─ call_soon_threadsafe ◄─── engine.step()   (one call per step)
@@ -17,8 +18,17 @@ produced no output yet" (waiting, or computing their prompt): a request beyond `
 or ``max_queued_tokens`` prompt tokens raises ``QueueFull`` at once, before reaching the engine.
 
 The tokenizer is never shared between the threads (a Rust tokenizer used from two threads at once
-can fail with "Already borrowed"): the engine thread detokenizes with the engine's, the loop
-encodes prompts and renders chat templates with ``AsyncEngine.tokenizer``, its own copy.
+can fail with "Already borrowed"): the engine thread detokenizes with the engine's, the tokenizer
+thread (``tokenizer_thread``) checks and encodes prompts and renders chat templates with a copy of
+its own, and the loop decodes single tokens with ``AsyncEngine.tokenizer``, a third copy.
+
+A stream's life (``StreamState``)::
+
+    PENDING ──first output──► STREAMING ──finished output / error──► FINISHED ──read──► DONE
+       │  └───────────finished output / error──────────────────────────┘
+       └──────────┴── close() before finished ──► ABORTED
+
+PENDING streams are the waiting queue the server bounds.
 
 Failures. The engine fails a request alone when its step fails alone (``LLMEngine`` isolates the
 others); its stream raises ``RequestFailed``. An ``EngineDeadError``, or exceptions in
@@ -48,10 +58,12 @@ from tandem.errors import (
 )
 from tandem.engine import MAX_FAILED_STEPS_IN_ROW, LLMEngine, StepStats
 from tandem.errors import EngineDeadError
+from tandem.input_processor import ProcessedRequest
 from tandem.interfaces import KVStats
 from tandem.kv_transfer import KVTransferFailed, KVTransferStats, RemotePrefill
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
+from tandem.tokenizer_thread import TokenizerThread
 
 logger = logging.getLogger("tandem")
 
@@ -99,13 +111,10 @@ StepListener = Callable[[StepStats], None]
 @dataclass(slots=True)
 class _Add:
     request_id: str
-    token_ids: list[int]
-    params: SamplingParams
-    priority: int
+    request: ProcessedRequest
     future: asyncio.Future
     remote_decode: bool = False
     remote_prefill: RemotePrefill | None = None
-    cache_salt: str | None = None
 
 
 @dataclass(slots=True)
@@ -128,6 +137,20 @@ class _Stop:
     pass
 
 
+class StreamState(enum.Enum):
+    """Where a ``RequestStream`` is (the diagram in the module docstring)."""
+
+    PENDING = "pending"
+    """Admitted (or being admitted), no output yet: it counts in the waiting queue."""
+    STREAMING = "streaming"
+    FINISHED = "finished"
+    """The finished output (or the error) has arrived; the reader has not seen it yet."""
+    DONE = "done"
+    """The reader has seen the end: iteration stops."""
+    ABORTED = "aborted"
+    """Closed before it finished."""
+
+
 class RequestStream:
     """The outputs of one request as they are sampled, read on the event loop.
 
@@ -136,54 +159,63 @@ class RequestStream:
     queue of copies. Iterating yields that same object each time it has grown (read what you
     need before the next ``await``: it keeps growing); iteration ends after it is finished and
     raises the engine's error if the request failed. ``close()`` aborts the request if it has
-    not finished (and sets ``aborted``).
+    not finished (state ``ABORTED``).
     """
 
-    def __init__(self, engine: AsyncEngine, request_id: str, prompt: str | None, num_prompt_tokens: int):
+    def __init__(self, engine: AsyncEngine, request_id: str, prompt: str | None,
+                 prompt_token_ids: list[int], admission: asyncio.Future) -> None:
         self.request_id = request_id
-        self.num_prompt_tokens = num_prompt_tokens
+        self.prompt_token_ids = prompt_token_ids
         self.arrival_time = time.monotonic()
-        self.finished = False
-        self.aborted = False
-        self.has_output = False
+        self.state = StreamState.PENDING
         self.output: RequestOutput | None = None
         self._engine = engine
         self._prompt = prompt
+        self._admission = admission
+        """Settled when the engine has accepted (or refused) the request."""
         self._error: BaseException | None = None
         self._changed = asyncio.Event()
-        self._done = False
 
-    def _push(self, item: RequestOutput | BaseException) -> None:
-        if isinstance(item, RequestOutput):
-            if self.output is None:
-                item.prompt = self._prompt
-                self.output = item
-            else:
-                self.output.absorb(item)
-            self.finished = item.finished
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def _on_output(self, item: RequestOutput) -> None:
+        """PENDING/STREAMING → STREAMING, or FINISHED with the finished output."""
+        if self.output is None:
+            item.prompt = self._prompt
+            self.output = item
         else:
-            self._error = item
-            self.finished = True
+            self.output.absorb(item)
+        self.state = StreamState.FINISHED if item.finished else StreamState.STREAMING
+        self._changed.set()
+
+    def _on_error(self, error: BaseException) -> None:
+        """→ FINISHED: the reader raises ``error``."""
+        self._error = error
+        self.state = StreamState.FINISHED
         self._changed.set()
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self._done:
+        if self.state is StreamState.DONE:
             raise StopAsyncIteration
         await self._changed.wait()
         self._changed.clear()
         if self._error is not None:
-            self._done = True
+            self.state = StreamState.DONE
             raise self._error
-        self._done = self.output.finished
+        if self.output.finished:
+            self.state = StreamState.DONE
         return self.output
 
     def close(self) -> None:
-        if not self.finished:
-            self.finished = self.aborted = True
+        """PENDING/STREAMING → ABORTED (the engine aborts the request); nothing once finished."""
+        if self.state in (StreamState.PENDING, StreamState.STREAMING):
             self._engine._abort(self.request_id)
+            self.state = StreamState.ABORTED
 
 
 class AsyncEngine:
@@ -205,9 +237,11 @@ class AsyncEngine:
         self._step_listener = step_listener
         self.state = EngineState.CREATED
         self.error: BaseException | None = None
-        self.engine: LLMEngine | None = None
+        self._engine: LLMEngine | None = None
         self.tokenizer = None
-        """The event loop's tokenizer (a copy of the engine's): encode and chat templates."""
+        """The event loop's tokenizer (a copy of the engine's), for single-token decodes."""
+        self.tokenizer_thread = TokenizerThread(lambda: self.tokenizer)
+        """Where prompts are checked and encoded and chat templates rendered, off the loop."""
         self.snapshot = EngineSnapshot()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -216,10 +250,7 @@ class AsyncEngine:
         self.died = asyncio.Event()
         """Set on the loop when the engine thread ends with an error after loading."""
         self._streams: dict[str, RequestStream] = {}
-        self._adds: dict[str, asyncio.Future] = {}
         self._releases: set[asyncio.Future] = set()  # release_kv_transfer calls not yet answered
-        self._queued_requests = 0
-        self._queued_tokens = 0
         self._live: set[str] = set()  # engine thread only: ids the engine holds
         self._grammar_adds: dict[str, asyncio.Future] = {}
         """Engine thread only: admissions answered once the request's grammar has compiled."""
@@ -246,7 +277,55 @@ class AsyncEngine:
 
     @property
     def num_queued_requests(self) -> int:
-        return self._queued_requests
+        return sum(s.state is StreamState.PENDING for s in self._streams.values())
+
+    # ------------------------------------------------------------------ what the server reads
+
+    @property
+    def model_path(self) -> str | None:
+        """The loaded model's path (None until loaded)."""
+        return self._engine.config.model.path if self._engine is not None else None
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The context length in tokens (None until loaded)."""
+        return self._engine.max_model_len if self._engine is not None else None
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size (once loaded)."""
+        return self._engine.request_limits.vocab_size
+
+    @property
+    def default_sampling(self) -> dict:
+        """The sampling fields a request leaves out take these (``LLMEngine.default_sampling``)."""
+        return self._engine.default_sampling
+
+    @property
+    def disaggregation(self):
+        """The ``[disaggregation]`` settings of the loaded engine (its role, its policies)."""
+        return self._engine.config.disaggregation
+
+    @property
+    def has_kv_connector(self) -> bool:
+        """True on a loaded prefill or decode instance (False when colocated or not loaded)."""
+        return self._engine is not None and self._engine.kv_transfer is not None
+
+    @property
+    def kv_compat_hash(self) -> str:
+        """What a peer's KV must match (``LLMEngine.kv_compat_hash``; needs a KV connector)."""
+        return self._engine.kv_transfer.compat_hash
+
+    @property
+    def kv_secret(self) -> bytes | None:
+        """The key hand-overs are signed with (needs a KV connector)."""
+        return self._engine.kv_transfer.secret
+
+    def kv_handshake(self) -> dict:
+        """What a decode instance needs to read this instance's KV blocks: the connector's
+        handshake plus the engine id (needs a KV connector)."""
+        kv_transfer = self._engine.kv_transfer
+        return {**kv_transfer.connector.handshake_info(), "engine_id": kv_transfer.engine_id}
 
     def begin_shutdown(self, timeout_s: float) -> None:
         """Stop admitting requests; requests in flight may finish within ``timeout_s``, after which
@@ -265,15 +344,21 @@ class AsyncEngine:
         self._inbox.put(_Stop())
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+        self.tokenizer_thread.close()
         if self.state != EngineState.FAILED:
             self.state = EngineState.STOPPED
 
     # ------------------------------------------------------------------ requests (event loop)
 
-    def tokenize(self, prompt: str) -> list[int]:
-        """Token ids of ``prompt`` as the engine tokenizes it, with the loop's own tokenizer."""
+    async def process(self, prompt: str | list[int], params: SamplingParams, priority: int = 0,
+                      cache_salt: str | None = None) -> ProcessedRequest:
+        """The request checked and tokenized (``InputProcessor.process``) on the tokenizer
+        thread, ready for ``add_processed``. Raises ``EngineUnavailable`` (not ready / shutting
+        down) and ``InvalidRequest`` (a ValueError naming the field: empty prompt, ids outside
+        the vocabulary, too long, a grammar the backend refuses…)."""
         self.check_admitting()
-        return self.tokenizer.encode(prompt)
+        return await self.tokenizer_thread.run(self._engine.input_processor.process, prompt, params,
+                                               priority, cache_salt)
 
     async def add_request(
         self,
@@ -285,28 +370,30 @@ class AsyncEngine:
         remote_prefill: RemotePrefill | None = None,
         cache_salt: str | None = None,
     ) -> RequestStream:
-        """Admit a request and return its stream (``remote_decode``, ``remote_prefill``,
-        ``cache_salt``: see ``LLMEngine.add_request``).
+        """``process`` then ``add_processed``: admit a request and return its stream."""
+        request = await self.process(prompt, params, priority, cache_salt)
+        return await self.add_processed(request, request_id, remote_decode, remote_prefill)
+
+    async def add_processed(self, request: ProcessedRequest, request_id: str | None = None,
+                            remote_decode: bool = False,
+                            remote_prefill: RemotePrefill | None = None) -> RequestStream:
+        """Admit a processed request and return its stream (``remote_decode``,
+        ``remote_prefill``: see ``LLMEngine.add_processed``).
 
         Raises at once: ``EngineUnavailable`` (not ready / shutting down), ``QueueFull`` (waiting
-        queue at its bound), ``ValueError`` (the engine refuses it: empty prompt, ids outside the
-        vocabulary, too long, an ``n`` the KV pool can never hold…), ``RequestFailed`` (admitting
+        queue at its bound), ``ValueError`` (an id in use; the engine refuses it: an ``n`` the
+        KV pool can never hold, a grammar that does not compile…), ``RequestFailed`` (admitting
         it raised something else: a plugin's bug).
         """
         self.check_admitting()
-        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        self._check_queue(len(token_ids))
+        self._check_queue(len(request.prompt_token_ids))
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        stream = RequestStream(self, request_id, prompt if isinstance(prompt, str) else None, len(token_ids))
         future = self._loop.create_future()
+        stream = RequestStream(self, request_id, request.prompt, request.prompt_token_ids, future)
         self._streams[request_id] = stream
-        self._adds[request_id] = future
-        self._queued_requests += 1
-        self._queued_tokens += stream.num_prompt_tokens
-        self._inbox.put(_Add(request_id, token_ids, params, priority, future, remote_decode,
-                             remote_prefill, cache_salt))
+        self._inbox.put(_Add(request_id, request, future, remote_decode, remote_prefill))
         try:
             await future
         except asyncio.CancelledError:
@@ -315,8 +402,6 @@ class AsyncEngine:
         except BaseException:
             self._forget(stream)
             raise
-        finally:
-            self._adds.pop(request_id, None)
         return stream
 
     async def generate(
@@ -362,12 +447,14 @@ class AsyncEngine:
 
     def _check_queue(self, num_tokens: int) -> None:
         lim = self.limits
-        if self._queued_requests + 1 > lim.max_requests:
-            raise QueueFull(f"the waiting queue is full ({self._queued_requests} requests waiting, "
+        queued = [s for s in self._streams.values() if s.state is StreamState.PENDING]
+        if len(queued) + 1 > lim.max_requests:
+            raise QueueFull(f"the waiting queue is full ({len(queued)} requests waiting, "
                             f"limit {lim.max_requests}); retry later")
+        queued_tokens = sum(s.num_prompt_tokens for s in queued)
         # An empty queue admits any prompt, so that no request is refused forever.
-        if self._queued_requests and self._queued_tokens + num_tokens > lim.max_tokens:
-            raise QueueFull(f"the waiting queue is full ({self._queued_tokens} prompt tokens waiting, "
+        if queued and queued_tokens + num_tokens > lim.max_tokens:
+            raise QueueFull(f"the waiting queue is full ({queued_tokens} prompt tokens waiting, "
                             f"limit {lim.max_tokens}); retry later")
 
     def _abort(self, request_id: str) -> None:
@@ -377,9 +464,7 @@ class AsyncEngine:
         self._inbox.put(_Abort(request_id))
 
     def _forget(self, stream: RequestStream) -> None:
-        if self._streams.pop(stream.request_id, None) is not None and not stream.has_output:
-            self._queued_requests -= 1
-            self._queued_tokens -= stream.num_prompt_tokens
+        self._streams.pop(stream.request_id, None)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -389,24 +474,22 @@ class AsyncEngine:
             if out.error is not None:
                 self._fail([out.request_id], RequestFailed(out.error))
                 continue
-            if not stream.has_output:
-                self._queued_requests -= 1
-                self._queued_tokens -= stream.num_prompt_tokens
-                stream.has_output = True
-            stream._push(out)
+            stream._on_output(out)
             if out.finished:
                 del self._streams[out.request_id]
 
     def _fail(self, request_ids: list[str] | None, error: BaseException) -> None:
         """Fail the given streams (all of them when None) and the pending admissions."""
         ids = list(self._streams) if request_ids is None else request_ids
+        admissions = []
         for rid in ids:
             stream = self._streams.get(rid)
             if stream is not None:
                 self._forget(stream)
-                stream._push(error)
+                stream._on_error(error)
+                admissions.append(stream._admission)
         if request_ids is None:
-            for fut in [*self._adds.values(), *self._releases]:
+            for fut in [*admissions, *self._releases]:
                 if not fut.done():
                     fut.set_exception(error)
 
@@ -448,22 +531,22 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
-            self.engine = self._factory()
-            self.engine.delta_outputs = True
-            self.engine.report_grammar_admissions = True
-            self.tokenizer = copy.deepcopy(self.engine.tokenizer)
+            self._engine = self._factory()
+            self._engine.delta_outputs = True
+            self._engine.report_grammar_admissions = True
+            self.tokenizer = copy.deepcopy(self._engine.tokenizer)
         except BaseException as exc:  # noqa: BLE001 — reported to the loop, which decides
             logger.exception("the engine failed to load")
             self._post(self._on_loaded, exc)
             return
         self._post(self._on_loaded, None)
         try:
-            self._loop_forever(self.engine)
+            self._loop_forever(self._engine)
         except BaseException as exc:  # noqa: BLE001 — every in-flight request must learn of it
             logger.exception("the engine thread died")
             self._post(self._on_engine_died, exc)
         finally:
-            self.engine.close()
+            self._engine.close()
             self._post(self._on_thread_ended)
 
     def _loop_forever(self, engine: LLMEngine) -> None:
@@ -576,9 +659,8 @@ class AsyncEngine:
                     logger.exception("aborting request %s failed", cmd.request_id)
             return
         try:
-            engine.add_request(cmd.token_ids, cmd.params, request_id=cmd.request_id, priority=cmd.priority,
-                               remote_decode=cmd.remote_decode, remote_prefill=cmd.remote_prefill,
-                               cache_salt=cmd.cache_salt)
+            engine.add_processed(cmd.request_id, cmd.request, remote_decode=cmd.remote_decode,
+                                 remote_prefill=cmd.remote_prefill)
         except (ValueError, KVTransferFailed) as exc:
             self._post(self._settle, cmd.future, exc)
         except Exception as exc:  # noqa: BLE001 — this request alone fails

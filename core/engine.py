@@ -37,13 +37,8 @@ from tandem.outputs import RequestOutput
 from tandem.grammar_pool import CompileJob
 from tandem.plugin_manager import call_observers, get_registry
 from tandem.sched.request import Request, RequestStatus, request_cache_salt
-from tandem.sched.request_checks import (
-    RequestLimits,
-    check_cache_salt,
-    check_priority,
-    check_request,
-)
-from tandem.errors import InvalidRequest, check_text
+from tandem.input_processor import InputProcessor, ProcessedRequest, RequestLimits
+from tandem.errors import InvalidRequest
 from tandem.sampling_params import SamplingParams
 from tandem.sched.scheduler import Scheduler, SchedulerConfig
 from tandem.structured_outputs import GrammarTooComplex, StructuredOutputManager
@@ -110,6 +105,9 @@ class LLMEngine:
         self._failed: list[tuple[str, str]] = []
         self._num_failed_steps_in_row = 0
         self.structured = self._build_structured_outputs()
+        self.input_processor = InputProcessor(self.request_limits, self.structured)
+        """Checks and tokenizes every request (``add_request``; the async engine runs it on its
+        tokenizer thread, then calls ``add_processed``)."""
         self._awaiting_grammar: dict[str, _AwaitingGrammar] = {}
         self.report_grammar_admissions = False
         """Record the ends of grammar waits for ``take_grammar_admissions`` (the async engine
@@ -229,12 +227,9 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------------- requests
 
-    def tokenize(self, prompt: str) -> list[int]:
-        return self.tokenizer.encode(prompt)
-
     @property
     def request_limits(self) -> RequestLimits:
-        """What ``add_request`` lets through (see ``tandem.sched.request_checks``)."""
+        """What ``add_request`` lets through (see ``tandem.input_processor``)."""
         return RequestLimits(vocab_size=self.arch.vocab_size, max_model_len=self.max_model_len,
                              max_num_seqs=self.config.engine.max_num_seqs,
                              max_logprobs=self.config.engine.max_logprobs,
@@ -251,14 +246,26 @@ class LLMEngine:
         remote_prefill: RemotePrefill | None = None,
         cache_salt: str | None = None,
     ) -> str:
-        """Queue a request; returns its id. ``cache_salt`` (vLLM's): its prompt shares
+        """Check the request (``InputProcessor.process``, with the engine's tokenizer) and queue
+        it (``add_processed``); returns its id. ``cache_salt`` (vLLM's): its prompt shares
         prefix-cache blocks only with requests of the same salt. Raises ``InvalidRequest`` (a
-        ValueError naming the field) for input this engine refuses (``check_priority``: a
-        priority outside ``server.max_abs_priority``; ``check_request``: token ids outside the
-        vocabulary, a malformed ``cache_salt``, n above max_num_seqs, logprobs above
-        max_logprobs, no room in the context, a prompt that is not valid Unicode),
-        RequestRejected (a ValueError) when the KV pool could never hold it, and ValueError for
-        other bad input.
+        ValueError naming the field) for input this engine refuses (see
+        ``InputProcessor.process``), ValueError for an id already in use, and what
+        ``add_processed`` raises."""
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.outputs.states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        processed = self.input_processor.process(self.tokenizer, prompt, params or SamplingParams(),
+                                                 priority, cache_salt)
+        self.add_processed(request_id, processed, arrival_time, remote_decode, remote_prefill)
+        return request_id
+
+    def add_processed(self, request_id: str, processed: ProcessedRequest, arrival_time: float | None = None,
+                      remote_decode: bool = False, remote_prefill: RemotePrefill | None = None) -> None:
+        """Queue a request the input processor has checked, under an id not in use. Raises
+        RequestRejected (a ValueError) when the KV pool could never hold it, an
+        ``InvalidRequest`` for a grammar that does not compile when it compiles at once, and
+        ValueError for a KV hand-over asked of a colocated instance.
 
         On a prefill instance, ``remote_decode`` keeps the request's blocks pinned when it
         finishes; its final output carries the ``kv_transfer_params`` a decode instance needs.
@@ -266,19 +273,10 @@ class LLMEngine:
         instead of computing it (see ``KVTransferCoordinator.admit``: a used transfer id raises
         ``KVTransferReplayed``, a compat mismatch ValueError, a load refused under the "fail"
         policy ``KVTransferFailed``)."""
-        params = params or SamplingParams()
-        check_priority(priority, self.request_limits.max_abs_priority)
-        request_id = request_id if request_id is not None else str(next(self._ids))
-        check_cache_salt(cache_salt)
-        if request_id in self.outputs.states:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        if isinstance(prompt, str):
-            check_text("prompt", prompt)
-        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        params = params.tokenize_bad_words(self.tokenizer)
-        check_request(token_ids, params, self.request_limits)
-        if params.structured_outputs is not None:
-            self.structured.validate(params.structured_outputs)
+        if (remote_decode or remote_prefill is not None) and self.kv_transfer is None:
+            raise ValueError("kv_transfer_params need a prefill or decode instance; this one is "
+                             "colocated (disaggregation.role = both)")
+        params, token_ids = processed.params, processed.prompt_token_ids
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = max(self.max_model_len - len(token_ids), 1)
@@ -287,14 +285,11 @@ class LLMEngine:
             prompt_token_ids=token_ids,
             sampling_params=params,
             eos_token_ids=self.eos_token_ids,
-            priority=priority,
+            priority=processed.priority,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             max_tokens=max_tokens,
-            cache_salt=request_cache_salt(cache_salt, self._kv_variant(len(token_ids))),
+            cache_salt=request_cache_salt(processed.cache_salt, self._kv_variant(len(token_ids))),
         )
-        if (remote_decode or remote_prefill is not None) and self.kv_transfer is None:
-            raise ValueError("kv_transfer_params need a prefill or decode instance; this one is "
-                             "colocated (disaggregation.role = both)")
         try:  # all or nothing: a plugin or tokenizer that raises leaves no trace of the request
             load = remote_prefill is not None and self.kv_transfer.admit(request_id, remote_prefill,
                                                                          token_ids, request.cache_salt)
@@ -304,8 +299,7 @@ class LLMEngine:
                 self._admit_compiled([request_id], adding=True)
             else:
                 self._schedule(request, load, remote_decode)
-            self.outputs.add_request(request_id, prompt if isinstance(prompt, str) else None,
-                                     token_ids, params)
+            self.outputs.add_request(request_id, processed.prompt, token_ids, params)
         except BaseException:
             if self.kv_transfer is not None:
                 self.kv_transfer.forget(request_id)
@@ -314,7 +308,6 @@ class LLMEngine:
             self.scheduler.abort_requests([request_id])
             self.outputs.states.pop(request_id, None)
             raise
-        return request_id
 
     def _schedule(self, request: Request, load_remote_kv: bool, pin_kv_on_finish: bool) -> None:
         request = self.scheduler.add_request(request, load_remote_kv=load_remote_kv,

@@ -119,10 +119,6 @@ class StructuredOutputManager:
     def backend(self) -> StructuredOutputBackend:
         return self._backend.result()
 
-    def is_cheap_to_validate(self, params: StructuredOutputsParams) -> bool:
-        """True when ``validate`` would not block: the backend is built and the grammar small."""
-        return self._backend.done() and len(repr(params.key)) <= SMALL_GRAMMAR_CHARS
-
     def validate(self, params: StructuredOutputsParams) -> None:
         """Raise ``InvalidRequest`` (field ``structured_outputs``) naming what the backend
         refuses; ``GrammarTooComplex`` for a grammar that timed out before."""

@@ -95,7 +95,6 @@ def create_app(config: TandemConfig, engine_factory: Callable[[], LLMEngine] | N
         await engine.start()
         yield
         await engine.shutdown(config.server.shutdown_timeout_s)
-        ctx.tokenizer_thread.close()
 
     app = FastAPI(title="tandem", version=__version__, lifespan=lifespan,
                   description="An OpenAI-compatible LLM inference server.")
@@ -132,8 +131,7 @@ def _api_key_check(api_key: SecretStr | None) -> Callable[[Request], Awaitable[N
 
 
 def _model_card(ctx: ServingContext) -> ModelCard:
-    max_len = ctx.engine.engine.max_model_len if ctx.engine.engine is not None else None
-    return ModelCard(id=ctx.model_name, root=ctx.model_path, max_model_len=max_len)
+    return ModelCard(id=ctx.model_name, root=ctx.model_path, max_model_len=ctx.engine.max_model_len)
 
 
 def _v1_router(ctx: ServingContext, api_key: SecretStr | None) -> APIRouter:
@@ -202,20 +200,18 @@ def _add_kv_routes(app: FastAPI, ctx: ServingContext) -> None:
     def check(request: Request) -> None:
         check_kv_secret(ctx.kv_secret, request)
 
-    def coordinator():
-        kv_transfer = ctx.engine.engine.kv_transfer
-        if kv_transfer is None:
+    def require_connector() -> None:
+        if not ctx.engine.has_kv_connector:
             raise APIError(404, "this instance is colocated (disaggregation.role = both): it has no "
                                 "KV connector", code="not_found")
-        return kv_transfer
 
     @app.get(HANDSHAKE_PATH, dependencies=[Depends(check)], responses=_KV_ERRORS)
     async def kv_handshake() -> JSONResponse:
         """What a decode instance needs to read this prefill instance's KV blocks: the KV
         connector's handshake plus this engine's id. 503 until ready; 404 when colocated."""
         ctx.check_ready()
-        kv_transfer = coordinator()
-        return JSONResponse({**kv_transfer.connector.handshake_info(), "engine_id": kv_transfer.engine_id})
+        require_connector()
+        return JSONResponse(ctx.engine.kv_handshake())
 
     @app.post(RELEASE_PATH, dependencies=[Depends(check)], responses=_KV_ERRORS,
               response_model=KVReleaseResponse)
@@ -223,9 +219,9 @@ def _add_kv_routes(app: FastAPI, ctx: ServingContext) -> None:
         """Release the blocks pinned for ``transfer_id`` now, instead of at kv_expiry_s: the
         router sends it when no decode instance took the hand-over. ``released`` is false when
         no such pin is held (read, released or expired already). 404 when colocated."""
-        if ctx.engine.engine is None:
+        if ctx.engine.model_path is None:
             ctx.check_ready()
-        coordinator()
+        require_connector()
         try:
             released = await ctx.engine.release_kv_transfer(body.transfer_id)
         except (EngineUnavailable, EngineError) as exc:

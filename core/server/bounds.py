@@ -1,8 +1,8 @@
 """How much work one request may ask for, checked before anything is tokenized: prompt text
-(``server.max_prompt_chars``), messages per chat (``server.max_messages``), prompts per batch
-completion (``server.max_prompts``) and the priority's range (``server.max_abs_priority``).
-Each refusal is a 400 naming the field and the setting. The body itself is bounded earlier,
-while it is read (``tandem.http_limits``).
+(``server.max_prompt_chars``), messages per chat (``server.max_messages``) and prompts per
+batch completion (``server.max_prompts``); the engine's input processor holds the priority to
+its range (``server.max_abs_priority``). Each refusal is a 400 naming the field and the
+setting. The body itself is bounded earlier, while it is read (``tandem.http_limits``).
 """
 from __future__ import annotations
 
@@ -10,9 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tandem.config import ServerConfig
-from tandem.sched.request_checks import check_priority
-from tandem.errors import InvalidRequest
-from tandem.server.errors import api_error_from, bad_request
+from tandem.server.errors import bad_request
 from tandem.server.protocol import ChatMessage
 
 _DEFAULTS = ServerConfig()
@@ -25,18 +23,10 @@ class RequestBounds:
     max_prompt_chars: int = _DEFAULTS.max_prompt_chars
     max_messages: int = _DEFAULTS.max_messages
     max_prompts: int = _DEFAULTS.max_prompts
-    max_abs_priority: int = _DEFAULTS.max_abs_priority
 
     @classmethod
     def of(cls, server: ServerConfig) -> RequestBounds:
-        return cls(server.max_prompt_chars, server.max_messages, server.max_prompts,
-                   server.max_abs_priority)
-
-    def check_priority(self, priority: int) -> None:
-        try:
-            check_priority(priority, self.max_abs_priority)
-        except InvalidRequest as exc:
-            raise api_error_from(exc) from exc
+        return cls(server.max_prompt_chars, server.max_messages, server.max_prompts)
 
     def check_prompts(self, prompt: str | list) -> None:
         """A completion's prompt: at most ``max_prompts`` prompts, ``max_prompt_chars`` of text."""

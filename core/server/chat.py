@@ -38,16 +38,15 @@ from tandem.server.serving import (
     ServingContext,
     SSEResponse,
     admit,
-    check_prompt,
     log_unknown_fields,
     merged,
+    process,
     prompt_logprobs_body,
     request_params,
     sse,
     sse_error,
     until_disconnect,
 )
-from tandem.server.structured import prepare_grammar
 from tandem.server.tools.choice import ToolUse, tool_use
 from tandem.server.tools.stream import ToolCallStream, new_tool_call_id
 from tandem.server.validation import check_body, check_messages, check_prompt_logprobs
@@ -63,7 +62,6 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     check_body(body, ROUTE)
     check_messages(body)
     ctx.bounds.check_messages(body.messages)
-    ctx.bounds.check_priority(body.priority)
     ctx.check_model(body.model)
     ctx.check_ready()
     if body.top_logprobs is not None and not body.logprobs:
@@ -71,18 +69,19 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     check_prompt_logprobs(body)
     tools = tool_use(body, ctx.tool_parser)
     max_tokens = body.max_completion_tokens or body.max_tokens
-    params = tools.constrain(await request_params(ctx, body, max_tokens,
-                                                  (body.top_logprobs or 0) if body.logprobs else None,
-                                                  body.prompt_logprobs))
+    params = tools.constrain(request_params(ctx, body, max_tokens,
+                                            (body.top_logprobs or 0) if body.logprobs else None,
+                                            body.prompt_logprobs))
     token_ids = await render_chat(ctx, body)
     max_tokens_name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    check_prompt(ctx, token_ids, params, {"prompt": "messages", "logprobs": "top_logprobs",
-                                          "max_tokens": max_tokens_name})
-    await prepare_grammar(ctx.engine.engine, params, body, "tools" if tools.schema is not None else None)
-    kv_transfer = await kv_transfer_args(ctx.engine.engine, ctx.handshakes, body, 1)
+    grammar_name = "tools" if tools.schema is not None else (
+        "structured_outputs" if body.structured_outputs is not None else "response_format")
+    requests = await process(ctx, [token_ids], params, body.priority, body.cache_salt,
+                             {"prompt": "messages", "logprobs": "top_logprobs",
+                              "max_tokens": max_tokens_name, "structured_outputs": grammar_name})
+    kv_transfer = await kv_transfer_args(ctx.engine, ctx.handshakes, body, 1)
     view = _ChatView(ctx, body, f"chatcmpl-{uuid.uuid4().hex}", len(token_ids), tools)
-    streams = await admit(ctx, [token_ids], params, view.request_id, body.priority, kv_transfer,
-                          body.cache_salt)
+    streams = await admit(ctx, requests, view.request_id, kv_transfer)
     if body.stream:
         return SSEResponse(view.stream(streams), ctx, streams)
     final = await until_disconnect(request, lambda: view.collect(streams))

@@ -25,16 +25,15 @@ from tandem.server.serving import (
     ServingContext,
     SSEResponse,
     admit,
-    check_prompt,
     log_unknown_fields,
     merged,
+    process,
     prompt_logprobs_body,
     request_params,
     sse,
     sse_error,
     until_disconnect,
 )
-from tandem.server.structured import prepare_grammar
 from tandem.server.validation import check_body, check_prompt_logprobs
 
 ROUTE = "/v1/completions"
@@ -48,20 +47,19 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     ctx.check_model(body.model)
     ctx.check_ready()
     check_prompt_logprobs(body)
-    ctx.bounds.check_priority(body.priority)
     ctx.bounds.check_prompts(body.prompt)
     prompt_logprobs, prompt_logprobs_name = _prompt_logprobs(body)
-    params = await request_params(ctx, body, body.max_tokens, body.logprobs, prompt_logprobs)
-    prompts, texts = await ctx.tokenize(_prompts, body.prompt)
-    for token_ids in prompts:
-        check_prompt(ctx, token_ids, params, {"prompt_logprobs": prompt_logprobs_name})
+    params = request_params(ctx, body, body.max_tokens, body.logprobs, prompt_logprobs)
+    grammar_name = "structured_outputs" if body.structured_outputs is not None else "response_format"
+    requests = await process(ctx, _prompts(body.prompt), params, body.priority, body.cache_salt,
+                             {"prompt_logprobs": prompt_logprobs_name, "structured_outputs": grammar_name})
+    prompts = [r.prompt_token_ids for r in requests]
+    texts = [r.prompt for r in requests]
     if body.echo:
         texts = await ctx.tokenize(_echoed_texts, prompts, texts)
-    await prepare_grammar(ctx.engine.engine, params, body)
-    kv_transfer = await kv_transfer_args(ctx.engine.engine, ctx.handshakes, body, len(prompts))
+    kv_transfer = await kv_transfer_args(ctx.engine, ctx.handshakes, body, len(prompts))
     view = _CompletionView(ctx, body, f"cmpl-{uuid.uuid4().hex}", prompts, texts)
-    streams = await admit(ctx, prompts, params, view.request_id, body.priority, kv_transfer,
-                          body.cache_salt)
+    streams = await admit(ctx, requests, view.request_id, kv_transfer)
     if body.stream:
         return SSEResponse(view.stream(streams), ctx, streams)
     finals = await until_disconnect(request, lambda: view.collect(streams))
@@ -80,26 +78,17 @@ def _prompt_logprobs(body: CompletionRequest) -> tuple[int | None, str]:
     return body.prompt_logprobs, "prompt_logprobs"
 
 
-def _prompts(tokenizer, prompt) -> tuple[list[list[int]], list[str | None]]:
-    """Token ids and text of each prompt (text None for a token-id prompt), on the tokenizer
-    thread."""
+def _prompts(prompt) -> list[str | list[int]]:
+    """Each prompt of the body: a text or token ids."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
         raise bad_request("the prompt is empty", "prompt")
     if isinstance(prompt[0], int):
         prompt = [prompt]
-    ids, texts = [], []
-    for p in prompt:
-        if isinstance(p, str):
-            if not p:
-                raise bad_request("the prompt is empty", "prompt")
-            ids.append(tokenizer.encode(p))
-            texts.append(p)
-        else:
-            ids.append(list(p))
-            texts.append(None)
-    return ids, texts
+    if any(isinstance(p, str) and not p for p in prompt):
+        raise bad_request("the prompt is empty", "prompt")
+    return [p if isinstance(p, str) else list(p) for p in prompt]
 
 
 def _echoed_texts(tokenizer, prompts: list[list[int]], texts: list[str | None]) -> list[str]:

@@ -166,12 +166,12 @@ class HandshakeCache:
 async def kv_transfer_args(engine, handshakes: HandshakeCache, body: SamplingFields,
                            num_prompts: int) -> KVTransferArgs:
     """Check ``body.kv_transfer_params`` against this instance's role (``engine`` is the
-    ``LLMEngine``) and, on a decode instance, fetch the prefill instance's handshake. The
+    ``AsyncEngine``) and, on a decode instance, fetch the prefill instance's handshake. The
     request's secret has been checked (``check_kv_secret``)."""
     params = body.kv_transfer_params
     if params is None:
         return KVTransferArgs()
-    role = engine.config.disaggregation.role
+    role = engine.disaggregation.role
     if params.do_remote_decode:
         if role != "prefill":
             logger.info("role %s: ignoring do_remote_decode, serving the request in full", role)
@@ -187,12 +187,12 @@ async def kv_transfer_args(engine, handshakes: HandshakeCache, body: SamplingFie
     _require(not missing, f"do_remote_prefill needs {', '.join(f'{_PARAM}.{m}' for m in missing)}")
     remote = params.remote_prefill_params()
     try:
-        verify(remote, engine.kv_transfer.secret, time.time())
+        verify(remote, engine.kv_secret, time.time())
     except HandOverRefused as exc:
         raise APIError(400, str(exc), param=_PARAM, code="invalid_kv_signature") from exc
     except HandOverExpired as exc:
         return _load_failure(engine, str(exc), exc)
-    local = engine.kv_transfer.compat_hash
+    local = engine.kv_compat_hash
     if params.compat_hash != local:
         raise bad_request(f"KV compat hash mismatch: the prefill instance has {params.compat_hash!r}, "
                           f"this decode instance {local!r}; both must serve the same checkpoint "
@@ -211,7 +211,7 @@ async def kv_transfer_args(engine, handshakes: HandshakeCache, body: SamplingFie
 def _load_failure(engine, message: str, cause: Exception) -> KVTransferArgs:
     """A hand-over that will not be read: a 502 under ``kv_load_failure_policy = "fail"``, else
     the prompt is computed here."""
-    if engine.config.disaggregation.kv_load_failure_policy == "fail":
+    if engine.disaggregation.kv_load_failure_policy == "fail":
         raise APIError(502, message, code="kv_transfer_failed") from cause
     logger.warning("%s; computing the prompt here", message)
     return KVTransferArgs()

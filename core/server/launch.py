@@ -147,7 +147,7 @@ async def _wait_loaded(engine) -> bool:
     except Exception as exc:  # noqa: BLE001 — reported, then the server exits
         print(f"tandem serve: {exc}", file=sys.stderr, flush=True)
         return False
-    logger.info("ready: serving %s", engine.engine.config.model.path)
+    logger.info("ready: serving %s", engine.model_path)
     # Everything alive now (torch, the model, the tokenizers) lives as long as the server: out of
     # the collector's reach, a full collection triggered by a request's garbage walks only what
     # requests allocate, instead of stopping every thread (the event loop too) for the whole heap.

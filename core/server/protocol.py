@@ -7,7 +7,7 @@ implement, which ``tandem.server.validation`` refuses unless they carry their ne
 Besides OpenAI's fields the requests accept vLLM's sampling extras (top_k, min_p,
 repetition_penalty, ignore_eos, min_tokens, stop_token_ids, priority…). What depends on the
 engine (vocabulary, context length, max_logprobs, max_num_seqs) is checked by
-``tandem.sched.request_checks`` once the prompt is tokenized.
+``tandem.input_processor`` once the prompt is tokenized.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from tandem.sched.request_checks import MAX_CACHE_SALT_CHARS
+from tandem.input_processor import MAX_CACHE_SALT_CHARS
 from tandem.sampling_params import (
     MAX_BAD_WORDS,
     MAX_TOKEN_ID_ENTRIES,

@@ -1,6 +1,6 @@
 """What the completions and chat endpoints share: sampling parameters from a request body,
-prompt checks, admitting one engine request per prompt, merging their streams, and aborting
-them when the client goes away.
+the engine's checks of each prompt (``AsyncEngine.process``), admitting one engine request per
+prompt, merging their streams, and aborting them when the client goes away.
 """
 from __future__ import annotations
 
@@ -16,20 +16,18 @@ from typing import Any, TypeVar
 from fastapi import Request
 from starlette.responses import StreamingResponse
 
-from tandem.async_engine import AsyncEngine, RequestStream
-from tandem.errors import EngineUnavailable
+from tandem.async_engine import AsyncEngine, RequestStream, StreamState
+from tandem.errors import EngineUnavailable, InvalidRequest
+from tandem.input_processor import ProcessedRequest
 from tandem.interfaces import ToolParser
 from tandem.server.disagg import HandshakeCache, KVTransferArgs
 from tandem.outputs import Logprob, RequestOutput
-from tandem.sched.request_checks import check_request
-from tandem.errors import InvalidRequest
 from tandem.sampling_params import SamplingParams
 from tandem.server.bounds import RequestBounds
 from tandem.server.errors import APIError, api_error_from, bad_request
 from tandem.server.metrics import RequestTimer, ServerMetrics
 from tandem.server.protocol import PromptLogprob, PromptLogprobs, SamplingFields
 from tandem.server.structured import structured_outputs_of
-from tandem.server.tokenizer_thread import TokenizerThread
 from tandem.server.validation import UNKNOWN_FIELDS, unknown_fields
 
 logger = logging.getLogger("tandem.server")
@@ -54,13 +52,6 @@ class ServingContext:
     """The parser of tool_choice "auto" (``server.tool_call_parser``); None unless
     ``server.enable_auto_tool_choice``."""
     bounds: RequestBounds = field(default_factory=RequestBounds)
-    tokenizer_thread: TokenizerThread | None = None
-    """Where prompts are encoded and chat templates rendered (``tokenize``); made from the
-    engine's loop tokenizer when None."""
-
-    def __post_init__(self) -> None:
-        if self.tokenizer_thread is None:
-            self.tokenizer_thread = TokenizerThread(lambda: self.engine.tokenizer)
 
     @property
     def tokenizer(self):
@@ -69,9 +60,9 @@ class ServingContext:
         return self.engine.tokenizer
 
     async def tokenize(self, fn: Callable[..., T], *args) -> T:
-        """``fn(tokenizer, *args)`` on the tokenizer thread (``TokenizerThread``), off the
-        event loop."""
-        return await self.tokenizer_thread.run(fn, *args)
+        """``fn(tokenizer, *args)`` on the engine's tokenizer thread (``TokenizerThread``), off
+        the event loop."""
+        return await self.engine.tokenizer_thread.run(fn, *args)
 
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested != self.model_name:
@@ -93,19 +84,12 @@ def log_unknown_fields(body: SamplingFields, route: str) -> None:
         UNKNOWN_FIELDS.log(route, names)
 
 
-async def request_params(ctx: ServingContext, body: SamplingFields, max_tokens: int | None,
-                         logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
-    """``sampling_params`` with this model's defaults (``LLMEngine.default_sampling``: its
-    generation_config.json) for the fields the body leaves out, and the bad words tokenized
-    on the tokenizer thread; a value refused is a 400."""
-    params = sampling_params(body, max_tokens, logprobs, prompt_logprobs,
-                             defaults=ctx.engine.engine.default_sampling)
-    if not params.bad_words:
-        return params
-    try:
-        return await ctx.tokenize(params.tokenize_bad_words)
-    except ValueError as exc:
-        raise api_error_from(exc) from exc
+def request_params(ctx: ServingContext, body: SamplingFields, max_tokens: int | None,
+                   logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+    """``sampling_params`` with this model's defaults (``AsyncEngine.default_sampling``: its
+    generation_config.json) for the fields the body leaves out; a value refused is a 400."""
+    return sampling_params(body, max_tokens, logprobs, prompt_logprobs,
+                           defaults=ctx.engine.default_sampling)
 
 
 def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None,
@@ -168,40 +152,42 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return {int(key): value for key, value in bias.items()}
 
 
-def check_prompt(ctx: ServingContext, token_ids: list[int], params: SamplingParams,
-                 names: Mapping[str, str] | None = None) -> None:
-    """400 for a prompt or params this engine can never serve (``check_request``: ids outside
-    the vocabulary, n above max_num_seqs, logprobs above max_logprobs, no room in the context).
-    ``names`` maps a SamplingParams field to the request field the client sent (chat's
-    ``top_logprobs`` for ``logprobs``)."""
+async def process(ctx: ServingContext, prompts: list[str | list[int]], params: SamplingParams,
+                  priority: int, cache_salt: str | None,
+                  names: Mapping[str, str] | None = None) -> list[ProcessedRequest]:
+    """Each prompt checked and tokenized by the engine (``AsyncEngine.process``); a refusal is
+    a 400 (or the 503 of an engine not ready). ``names`` maps a SamplingParams field to the
+    request field the client sent (chat's ``top_logprobs`` for ``logprobs``; ``response_format``
+    or ``tools`` for ``structured_outputs``)."""
     try:
-        check_request(token_ids, params, ctx.engine.engine.request_limits)
+        return [await ctx.engine.process(prompt, params, priority, cache_salt) for prompt in prompts]
     except InvalidRequest as exc:
-        raise api_error_from(exc.renamed(names or {})) from exc
+        name = (names or {}).get(exc.param, exc.param)
+        raise APIError(400, f"{name} {exc.detail}", param=name,
+                       code=getattr(exc, "code", "invalid_request")) from exc
+    except (ValueError, EngineUnavailable) as exc:
+        raise api_error_from(exc) from exc
 
 
-async def admit(ctx: ServingContext, prompts: list[list[int]], params: SamplingParams,
-                request_id: str, priority: int,
-                kv_transfer: KVTransferArgs = KVTransferArgs(),
-                cache_salt: str | None = None) -> list[RequestStream]:
-    """One engine request per prompt, all or none: a refusal aborts those already admitted and
-    raises the matching APIError (429, 400, 503). ``kv_transfer`` applies to a single prompt;
-    ``cache_salt`` to every prompt."""
+async def admit(ctx: ServingContext, requests: list[ProcessedRequest], request_id: str,
+                kv_transfer: KVTransferArgs = KVTransferArgs()) -> list[RequestStream]:
+    """One engine request per processed prompt, all or none: a refusal aborts those already
+    admitted and raises the matching APIError (429, 400, 503). ``kv_transfer`` applies to a
+    single prompt."""
     streams: list[RequestStream] = []
     try:
-        for i, token_ids in enumerate(prompts):
-            streams.append(await ctx.engine.add_request(
-                token_ids, params, f"{request_id}-{i}", priority,
-                remote_decode=kv_transfer.remote_decode, remote_prefill=kv_transfer.remote_prefill,
-                cache_salt=cache_salt))
+        for i, request in enumerate(requests):
+            streams.append(await ctx.engine.add_processed(
+                request, f"{request_id}-{i}", remote_decode=kv_transfer.remote_decode,
+                remote_prefill=kv_transfer.remote_prefill))
     except BaseException as exc:
         close_all(streams)
         if isinstance(exc, Exception):
             raise api_error_from(exc) from exc
         raise
     if ctx.log_requests:
-        logger.info("%s: admitted %d prompt(s) of %s tokens, priority %d, %s", request_id, len(prompts),
-                    [len(p) for p in prompts], priority, params)
+        logger.info("%s: admitted %d prompt(s) of %s tokens, priority %d, %s", request_id, len(requests),
+                    [len(r.prompt_token_ids) for r in requests], requests[0].priority, requests[0].params)
     return streams
 
 
@@ -324,7 +310,7 @@ class SSEResponse(StreamingResponse):
         finally:
             await self.body_iterator.aclose()  # its merged() cancels the readers of the streams
             close_all(self._streams)
-            if any(s.aborted for s in self._streams):
+            if any(s.state is StreamState.ABORTED for s in self._streams):
                 self._ctx.metrics.record_error(reason)
 
 

@@ -1,6 +1,6 @@
 """Structured outputs on the server: ``response_format`` (OpenAI) and ``structured_outputs``
-(vLLM) become one ``StructuredOutputsParams``, and its grammar is checked before the request is
-admitted, off the event loop (it compiles after admission, in the engine).
+(vLLM) become one ``StructuredOutputsParams``; the engine's input processor checks its grammar
+(``tandem.input_processor``), and it compiles after admission, in the engine.
 
 A request may constrain its answer one way only: ``response_format`` of type ``json_object``
 or ``json_schema``, or ``structured_outputs``; ``response_format: {"type": "text"}`` asks for
@@ -8,11 +8,9 @@ nothing. A grammar the backend refuses is a 400 naming the field the client sent
 """
 from __future__ import annotations
 
-import asyncio
-
 from tandem.errors import InvalidRequest
-from tandem.sampling_params import SamplingParams, StructuredOutputsParams
-from tandem.server.errors import APIError, api_error_from, bad_request
+from tandem.sampling_params import StructuredOutputsParams
+from tandem.server.errors import api_error_from, bad_request
 from tandem.server.protocol import SamplingFields
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
@@ -52,25 +50,3 @@ def _schema(schema: dict | bool) -> dict:
         raise bad_request("response_format.json_schema.schema is false: no answer can be valid",
                           "response_format")
     return schema
-
-
-async def prepare_grammar(engine, params: SamplingParams, body: SamplingFields,
-                          param: str | None = None) -> None:
-    """Check ``params``' grammar with the engine's backend (a parse: on a thread unless the
-    grammar is small, so that small grammars never queue behind the parses of huge ones); a refusal
-    is a 400 naming ``param``, else ``response_format`` or ``structured_outputs``. Nothing
-    compiles here: the engine compiles the grammar once the request is admitted (queue checks
-    first), and answers the admission when the grammar is ready."""
-    spec = params.structured_outputs
-    if spec is None:
-        return
-    manager = engine.structured
-    try:
-        if manager.is_cheap_to_validate(spec):
-            manager.validate(spec)
-        else:
-            await asyncio.to_thread(manager.validate, spec)
-    except InvalidRequest as exc:
-        name = param or ("structured_outputs" if body.structured_outputs is not None else "response_format")
-        raise APIError(400, f"{name} {exc.detail}", param=name,
-                       code=getattr(exc, "code", "invalid_request")) from exc

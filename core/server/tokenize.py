@@ -33,14 +33,14 @@ async def tokenize(ctx: ServingContext, body: TokenizeRequest) -> TokenizeRespon
         token_ids = await chat_token_ids(ctx, body.messages, body.add_generation_prompt,
                                          bool(body.add_special_tokens), body.tools)
     strs = await ctx.tokenize(_token_strs, token_ids) if body.return_token_strs else None
-    return TokenizeResponse(count=len(token_ids), max_model_len=ctx.engine.engine.max_model_len,
+    return TokenizeResponse(count=len(token_ids), max_model_len=ctx.engine.max_model_len,
                             tokens=token_ids, token_strs=strs)
 
 
 async def detokenize(ctx: ServingContext, body: DetokenizeRequest) -> DetokenizeResponse:
     ctx.check_model(body.model)
     ctx.check_ready()
-    vocab_size = min(ctx.engine.engine.request_limits.vocab_size, len(ctx.tokenizer))
+    vocab_size = min(ctx.engine.vocab_size, len(ctx.tokenizer))
     bad = [t for t in body.tokens if not 0 <= t < vocab_size]
     if bad:
         raise bad_request(f"tokens holds token ids {bad[:5]} outside the vocabulary [0, {vocab_size})",

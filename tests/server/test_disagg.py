@@ -97,7 +97,7 @@ def test_compat_mismatch_is_a_clear_400(model_dir, prefill):
     params = hand_over(prefill.url, prompt)
     with running_server(_role(model_dir, "decode", block_size=8)) as other:
         answer = decode_answer(other.url, prompt, params)
-        local = other.engine.engine.kv_transfer.compat_hash
+        local = other.engine._engine.kv_transfer.compat_hash
     assert answer.status_code == 400
     message = answer.json()["error"]["message"]
     assert params["compat_hash"] in message and local in message

@@ -98,7 +98,7 @@ def forged_hand_over(decode, prompt: list[int], handshake_url: str) -> dict:
     return {"do_remote_prefill": True, **signed(SECRET, {
         "engine_id": "stranger", "transfer_id": "stranger/1", "block_ids": [1],
         "num_tokens": len(prompt), "prompt_digest": prompt_digest(SECRET, prompt),
-        "compat_hash": decode.engine.engine.kv_transfer.compat_hash, "handshake_url": handshake_url,
+        "compat_hash": decode.engine._engine.kv_transfer.compat_hash, "handshake_url": handshake_url,
         "expires_at": int(time.time()) + 60})}
 
 

@@ -81,7 +81,7 @@ def _assert_refused(prefill, decode_model: Path) -> None:
     params = hand_over(prefill.url)
     with running_server(_role(decode_model, "decode")) as decode:
         answer = httpx.post(f"{decode.url}/v1/completions", json=_body(kv_transfer_params=params), timeout=60)
-        local = decode.engine.engine.kv_transfer.compat_hash
+        local = decode.engine._engine.kv_transfer.compat_hash
     assert local != params["compat_hash"]
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
@@ -96,7 +96,7 @@ def test_the_same_checkpoint_in_another_folder_is_accepted(server, prefill, copi
     params = hand_over(prefill.url)
     with running_server(_role(copied, "decode")) as decode:
         answer = httpx.post(f"{decode.url}/v1/completions", json=_body(kv_transfer_params=params), timeout=60)
-        read = decode.engine.engine.kv_transfer.stats().bytes_total
+        read = decode.engine._engine.kv_transfer.stats().bytes_total
     assert answer.status_code == 200, answer.text
     assert read > 0  # the KV was read, not recomputed
     oracle = httpx.post(f"{server.url}/v1/completions", json=_body(), timeout=60).json()

@@ -63,7 +63,7 @@ def test_the_prefill_instance_signs_its_hand_over_as_documented(prefill):
     params = hand_over(prefill.url, prompt)
     assert params["prompt_digest"] == prompt_digest(SECRET, prompt)
     assert params["signature"] == signature(SECRET, params)
-    expiry_s = prefill.engine.engine.config.disaggregation.kv_expiry_s
+    expiry_s = prefill.engine._engine.config.disaggregation.kv_expiry_s
     assert before + expiry_s - 1 <= params["expires_at"] <= time.time() + expiry_s
     assert params["handshake_url"] == f"{prefill.url}/kv/handshake"
 
@@ -121,7 +121,7 @@ def test_the_genuine_hand_over_is_still_read_afterwards(server, prefill, decode,
     read_before, pinned_before = kv_counters(prefill, decode)
     answer = decode_with(decode, prompt, genuine)
     assert answer.status_code == 200, answer.text
-    block_bytes = decode.engine.engine.kv_transfer.block_bytes
+    block_bytes = decode.engine._engine.kv_transfer.block_bytes
     # 53 prompt tokens: positions 0..51 (4 blocks) are read, the last token is computed here
     assert scrape(decode.url)["tandem:kv_transfer_bytes_total"] - read_before == 4 * block_bytes
     assert pinned_before >= 4

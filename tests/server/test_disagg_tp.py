@@ -37,7 +37,7 @@ def decode_tp2(model_dir):
 
 
 def _used_blocks(srv) -> int:
-    return srv.engine.engine.scheduler.kv.stats().num_used_blocks
+    return srv.engine._engine.scheduler.kv.stats().num_used_blocks
 
 
 def test_a_hand_over_between_tp2_instances_equals_colocated(server, prefill_tp2, decode_tp2):
@@ -67,6 +67,6 @@ def test_a_peer_split_another_way_is_refused_naming_both(model_dir, prefill_tp2)
         assert "tensor_parallel_size" in answer.json()["error"]["message"]
         # and a handshake of the tp=2 instance is refused by the tp=1 connector itself
         handshake = httpx.get(f"{prefill_tp2.url}/kv/handshake", timeout=10).json()
-        connector = decode_tp1.engine.engine.kv_transfer.connector
+        connector = decode_tp1.engine._engine.kv_transfer.connector
         with pytest.raises(ValueError, match=r"tensor_parallel_size × pipeline_parallel_size = 2 × 1, this instance 1 × 1"):
             connector.add_peer(handshake)

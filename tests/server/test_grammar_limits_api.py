@@ -43,7 +43,7 @@ def _small(url: str) -> float:
 
 
 def _compile_s(server, schema: dict) -> float:
-    backend = server.engine.engine.structured.backend
+    backend = server.engine._engine.structured.backend
     t0 = time.perf_counter()
     backend.compile(StructuredOutputsParams(json=schema))
     return time.perf_counter() - t0

@@ -455,7 +455,7 @@ def test_the_server_is_unharmed_after_the_table(hostile_server, offline):
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["text"] == want.text
     assert httpx.get(f"{hostile_server.url}/health").status_code == 200
-    kv = hostile_server.engine.engine.scheduler.kv
+    kv = hostile_server.engine._engine.scheduler.kv
     deadline = time.monotonic() + 10
     while kv.stats().num_used_blocks and time.monotonic() < deadline:
         time.sleep(0.05)

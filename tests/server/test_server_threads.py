@@ -17,7 +17,7 @@ MAX_TOKENS = 4
 
 
 def test_the_loop_and_the_engine_thread_have_their_own_tokenizers(server):
-    loop_side, engine_side = server.engine.tokenizer, server.engine.engine.tokenizer
+    loop_side, engine_side = server.engine.tokenizer, server.engine._engine.tokenizer
     assert loop_side is not engine_side
     assert loop_side.backend_tokenizer is not engine_side.backend_tokenizer
     text = "def main():\n    return 42"

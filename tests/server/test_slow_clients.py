@@ -70,7 +70,7 @@ def test_a_stream_whose_client_reads_nothing_is_aborted_at_the_timeout(model_dir
         # aborted once its writes stalled, long before generating everything it asked for
         assert metrics.get("tandem:request_errors_total{reason=client_stalled}") == 1, metrics
         assert metrics["tandem:generation_tokens_total"] < n * max_tokens
-        assert not srv.engine._streams and not srv.engine.engine.outputs.states
+        assert not srv.engine._streams and not srv.engine._engine.outputs.states
         want = offline.generate(["x = 1"], SamplingParams(temperature=0, max_tokens=8))[0]
         got = httpx.post(f"{srv.url}/v1/completions", timeout=30,
                          json={"prompt": "x = 1", "max_tokens": 8, "temperature": 0}).json()
@@ -100,6 +100,6 @@ def test_fifty_streams_that_never_read_leave_memory_flat_and_free_their_blocks(m
         assert grown < 64, f"RSS grew by {grown:.0f} MiB"
         engine = srv.engine
         assert not engine._streams and not engine._live and engine.num_queued_requests == 0
-        assert not engine.engine.outputs.states and not engine.engine.scheduler.has_unfinished_requests()
+        assert not engine._engine.outputs.states and not engine._engine.scheduler.has_unfinished_requests()
     finally:
         srv.stop()

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from tandem.errors import lone_surrogate
-from tandem.sched.request_checks import RequestLimits, check_request
+from tandem.input_processor import RequestLimits, check_request
 from tandem.errors import InvalidRequest
 from tandem.sampling_params import SamplingParams
 
@@ -130,7 +130,7 @@ def test_lone_surrogates_are_found_and_pairs_are_not():
 
 
 def test_the_checks_import_without_torch():
-    code = ("import sys; import tandem.sched.request_checks, tandem.sampling_params; "
+    code = ("import sys; import tandem.input_processor, tandem.sampling_params; "
             "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"

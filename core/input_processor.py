@@ -1,22 +1,27 @@
-"""The one check of a request against the engine that would serve it, shared by the offline
-``LLM`` (through ``LLMEngine.add_request``) and the server (before it admits anything).
+"""The one check of a request before an engine holds it (as vLLM's Processor): ``InputProcessor``
+takes the prompt (text or token ids), the ``SamplingParams`` and the per-request options, and
+returns a ``ProcessedRequest`` (tokenized, bad words tokenized, every limit checked) or raises.
+The offline ``LLM`` reaches it through ``LLMEngine.add_request``; the server through
+``AsyncEngine.add_request``, which runs it on the tokenizer thread (``tandem.tokenizer_thread``).
 
 ``SamplingParams`` checks what holds on every engine (ranges, finite numbers, seed width, stop
 strings); ``check_request`` adds what depends on this engine: its vocabulary, its context length,
 ``max_num_seqs`` and ``max_logprobs``. Every refusal is an ``InvalidRequest`` — a ValueError that
 names the field and the values it accepts; the server turns it into a 400 with that ``param``.
 
-Pure Python: the scheduler side imports this, so it must never import torch.
+Pure Python: it must never import torch.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-from tandem.errors import InvalidRequest
+from typing import TYPE_CHECKING, Any
+
+from tandem.errors import InvalidRequest, check_text
 
 if TYPE_CHECKING:
     from tandem.sampling_params import SamplingParams
+    from tandem.structured_outputs import StructuredOutputManager
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +35,50 @@ class RequestLimits:
     max_logprobs: int
     max_abs_priority: int = 1_000_000
     """A request's priority lies in [-max_abs_priority, max_abs_priority] (``check_priority``)."""
+
+
+@dataclass(slots=True)
+class ProcessedRequest:
+    """A request that passed every check: what ``LLMEngine.add_processed`` queues."""
+
+    prompt: str | None
+    """The prompt's text, None when it came as token ids."""
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class InputProcessor:
+    """Checks and tokenizes requests for one engine: its ``limits`` and its grammar backend
+    (``structured``). Thread-safe: it keeps no state of its own, and the caller passes the
+    tokenizer of its own thread."""
+
+    def __init__(self, limits: RequestLimits, structured: StructuredOutputManager) -> None:
+        self.limits = limits
+        self._structured = structured
+
+    def process(self, tokenizer: Any, prompt: str | list[int], params: SamplingParams,
+                priority: int = 0, cache_salt: str | None = None) -> ProcessedRequest:
+        """The request checked and tokenized with ``tokenizer``. Raises ``InvalidRequest`` (a
+        ValueError naming the field) for input this engine refuses (``check_priority``: a
+        priority outside ``server.max_abs_priority``; ``check_cache_salt``; a prompt that is
+        not valid Unicode; ``check_request``: token ids outside the vocabulary, n above
+        max_num_seqs, logprobs above max_logprobs, no room in the context; a grammar the
+        backend refuses, field ``structured_outputs``)."""
+        check_priority(priority, self.limits.max_abs_priority)
+        check_cache_salt(cache_salt)
+        if isinstance(prompt, str):
+            check_text("prompt", prompt)
+            token_ids = tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+        params = params.tokenize_bad_words(tokenizer)
+        check_request(token_ids, params, self.limits)
+        if params.structured_outputs is not None:
+            self._structured.validate(params.structured_outputs)
+        return ProcessedRequest(prompt if isinstance(prompt, str) else None, token_ids, params,
+                                priority, cache_salt)
 
 
 def check_request(token_ids: Sequence[int], params: SamplingParams, limits: RequestLimits) -> None:
