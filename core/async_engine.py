@@ -163,7 +163,7 @@ class RequestStream:
     """
 
     def __init__(self, engine: AsyncEngine, request_id: str, prompt: str | None,
-                 prompt_token_ids: list[int], admission: asyncio.Future) -> None:
+                 prompt_token_ids: list[int], admission: asyncio.Future | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.arrival_time = time.monotonic()
@@ -172,7 +172,7 @@ class RequestStream:
         self._engine = engine
         self._prompt = prompt
         self._admission = admission
-        """Settled when the engine has accepted (or refused) the request."""
+        """Settled when the engine has accepted (or refused) the request (``add_processed``)."""
         self._error: BaseException | None = None
         self._changed = asyncio.Event()
 
@@ -489,7 +489,7 @@ class AsyncEngine:
                 stream._on_error(error)
                 admissions.append(stream._admission)
         if request_ids is None:
-            for fut in [*admissions, *self._releases]:
+            for fut in [*filter(None, admissions), *self._releases]:
                 if not fut.done():
                     fut.set_exception(error)
 

@@ -258,10 +258,10 @@ def test_graceful_shutdown_aborts_what_outlives_the_deadline(model_dir):
 def test_an_unread_stream_folds_its_deltas_into_one_output():
     """A reader that falls behind finds one cumulative output, not a queue of copies."""
     async def run():
-        stream = RequestStream(engine=None, request_id="r", prompt="p", num_prompt_tokens=1)
+        stream = RequestStream(engine=None, request_id="r", prompt="p", prompt_token_ids=[1])
         for i in range(1000):
             delta = RequestOutput("r", None, [1], [CompletionOutput(0, f"{i},", [i])], finished=i == 999)
-            stream._push(delta)
+            stream._on_output(delta)
         first = stream.output
         return first, [out async for out in stream]
 
