@@ -3,8 +3,8 @@ constrained sequence, and each step's token bitmask for the batch.
 
 The engine process holds every grammar (the workers only apply the bitmask it sends them)::
 
-    add_request ── validate (parse: cheap; a refusal is InvalidRequest → HTTP 400)
-        │          (after the server's queue checks: nothing compiles before admission)
+    InputProcessor.process ── validate (parse; a refusal is InvalidRequest → HTTP 400)
+    add_processed  (after the queue checks: nothing compiles before admission)
         └─ submit ── compile cache hit ─────────────────┐
                   └─ miss: CompilePool (tandem.grammar_pool)  the request waits in the engine's
                        small lane: grammars ≤ SMALL_GRAMMAR_CHARS   queue, outside the scheduler;
