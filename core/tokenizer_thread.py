@@ -1,7 +1,7 @@
-"""The server's tokenizer work off the event loop: prompts, chat templates, bad words,
-/tokenize and /detokenize run on one thread of their own, so that /health and every stream
-keep answering while a long prompt is encoded (a Rust tokenizer releases the GIL; a Jinja
-template yields it every few milliseconds).
+"""Tokenizer work off the event loop: the ``AsyncEngine``'s input processing (prompts, bad
+words, grammar checks) and the server's chat templates, /tokenize and /detokenize run on one
+thread of their own, so that /health and every stream keep answering while a long prompt is
+encoded (a Rust tokenizer releases the GIL; a Jinja template yields it every few milliseconds).
 
 The thread has its own copy of the tokenizer, made on its first call: a Rust tokenizer used
 from two threads at once can fail with "Already borrowed", so the event loop's copy
