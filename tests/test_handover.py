@@ -47,7 +47,7 @@ def test_decode_transitions_follow_the_diagram(name, state):
 @pytest.mark.parametrize(("name", "state"), list(itertools.product(PREFILL, PrefillState)))
 def test_prefill_transitions_follow_the_diagram(name, state):
     sources, target = PREFILL[name]
-    h = PrefillHandover("t", "t#kv-handover", 4, 10.0, state=state)
+    h = PrefillHandover("t", "t#kv-pin", 4, 10.0, state=state)
     if state in sources:
         getattr(handover, name)(h)
         assert h.state is target
@@ -57,7 +57,7 @@ def test_prefill_transitions_follow_the_diagram(name, state):
 
 
 def test_a_pin_is_released_once_whether_by_notification_or_expiry():
-    h = PrefillHandover("t", "t#kv-handover", 4, 10.0)
+    h = PrefillHandover("t", "t#kv-pin", 4, 10.0)
     handover.release(h)
     with pytest.raises(IllegalTransition):
         handover.expire(h)

@@ -4,21 +4,22 @@ Progress is one number: ``num_computed_tokens`` catches up with ``num_tokens`` (
 outputs sampled so far). A new prompt, a chunk of a long prompt and a decode token are all just
 "tokens to compute this step"; there are no prefill/decode phases.
 
-A request's life is its ``status``, changed only by the scheduler, one method per transition
-(``Scheduler.add_request`` and the methods named below)::
+A request's life is its ``status``, changed only by the scheduler's methods named here::
 
-    add_request ─┬─► WAITING_FOR_GRAMMAR ──grammar_compiled──┐
-                 ├───────────────────────────────────────────┴─► WAITING ◄──────────────┐
-                 └─► FINISHED_REJECTED (could never run)           │ admitted            │ failed load
-                                                                   ├──► RUNNING ◄─────┐  │ (recompute)
-                       (remote_kv is LOAD: blocks, no compute) ───┴──► WAITING_FOR_REMOTE_KV
-                                                                   finish_remote_load(ok)
-    RUNNING ──preempted (no block)──► PREEMPTED ──admitted──► RUNNING
+    add_request ──► WAITING ◄──grammar_compiled── WAITING_FOR_GRAMMAR ◄──add_request(wait_for_grammar)
+                      │  ▲ finish_remote_load(ok=False): recompute
+      admitted (LOAD) │  └──────────────────┐
+                      ├──► WAITING_FOR_REMOTE_KV ──finish_remote_load(ok=True)──┐
+             admitted │                                                         ▼
+                      └────────────────────────────────────────────────────► RUNNING
+    RUNNING ──short of blocks (preempted)──► PREEMPTED ──admitted──► RUNNING
     RUNNING, WAITING, PREEMPTED ──isolate_step (a failed step)──► ISOLATED ──retried alone──► RUNNING
-    any unfinished ──stop, length, abort (abort_requests, finish_requests)──► FINISHED_*
+    add_request, grammar_compiled ──could never run──► FINISHED_REJECTED
+    any unfinished ──stop, length (update_from_output, finish_requests), abort_requests──► FINISHED_*
 
-``ISOLATED``: in the scheduler's isolation queue, waiting to be retried alone (see
-tandem.sched.scheduler). ``remote_kv`` is not a state but the request's part in a KV hand-over.
+``ISOLATED``: in the scheduler's isolation queue, to be retried alone (tandem.sched.scheduler).
+``remote_kv`` is not a state but the request's part in a KV hand-over; ``num_sequences`` is what
+forking left it to stand for.
 """
 from __future__ import annotations
 
@@ -79,8 +80,8 @@ class RemoteKV(enum.Enum):
     """Decode side: its prompt's KV is loaded from a prefill instance when it is admitted (once:
     after a failed load it recomputes, and its ``remote_kv`` is NONE)."""
     SEND = "send"
-    """Prefill side: when it finishes normally its blocks are held for a decode instance to read
-    (``Scheduler.take_new_handover_holds``)."""
+    """Prefill side: when it finishes normally its blocks are pinned for a decode instance to
+    read (``Scheduler.take_new_pins``)."""
 
 
 @dataclass(slots=True)

@@ -34,15 +34,18 @@ tandem.handover has the hand-over's states):
   running batch (sent to the runner in full on its first step); ``ok=False`` frees its blocks and
   puts it back in the waiting queue as an ordinary request (recompute). Loading requests hold
   their sequence seats.
-- Load holds (decode side). Blocks that a read may still write into never return to the free pool while it can:
-  a loading request that finishes (aborted) leaves its blocks held under
-  ``load_hold_id(request_id)``, and ``finish_remote_load(ok=False, hold=True)`` (a read past its
-  deadline that may still land) does the same while the request recomputes in fresh blocks;
-  ``release_hold`` frees them once the transport says the read is over. Held blocks never enter
-  the prefix cache.
-- Hand-over holds (prefill side). A request whose ``remote_kv`` is SEND that finishes normally
-  (stop or length) while running keeps its blocks held under ``handover_hold_id(request_id)``
-  (``take_new_handover_holds``) until ``release_hold``.
+- Quarantine (decode side). Blocks that a read may still write into never return to the free
+  pool while it can: a loading request that finishes (aborted) leaves its blocks quarantined
+  under ``quarantine_holder_id(request_id)``, and ``finish_remote_load(ok=False,
+  quarantine=True)`` (a read past its deadline that may still land) does the same while the
+  request recomputes in fresh blocks; ``release_blocks`` frees them once the transport says the
+  read is over. Quarantined blocks never enter the prefix cache.
+- Pins (prefill side). A request whose ``remote_kv`` is SEND that finishes normally (stop or
+  length) while running keeps its blocks pinned under ``pin_holder_id(request_id)``
+  (``take_new_pins``) for a decode instance to read, until ``release_blocks``.
+
+A pin and a quarantine are one mechanism: the blocks get a second holder (one more reference
+each) that is not a request.
 
 Speculative decoding (``num_speculative_tokens > 0``) gives a decoding sequence its last known
 token plus up to that many n-gram drafts (tandem.sched.ngram) in one step;
@@ -118,12 +121,12 @@ class RemoteKVLoad:
 
 
 @dataclass(slots=True, frozen=True)
-class HandoverHold:
-    """The blocks a finished request left held under ``hold_id`` for a decode instance to
-    read; they hold the KV of ``token_ids`` computed under ``cache_salt``."""
+class PinnedKV:
+    """The blocks a finished request left pinned under ``pin_id`` for a decode instance to read;
+    they hold the KV of ``token_ids`` computed under ``cache_salt``."""
 
     request_id: str
-    hold_id: str
+    pin_id: str
     block_ids: list[int]
     token_ids: tuple[int, ...]
     cache_salt: str | None
@@ -133,13 +136,13 @@ class HandoverHold:
         return len(self.token_ids)
 
 
-def handover_hold_id(request_id: str) -> str:
-    """The holder of a finished prefill request's blocks, kept for a decode instance to read."""
-    return f"{request_id}#kv-handover"
+def pin_holder_id(request_id: str) -> str:
+    """The holder of a finished prefill request's pinned blocks."""
+    return f"{request_id}#kv-pin"
 
 
-def load_hold_id(request_id: str) -> str:
-    """The holder of the blocks a load of ``request_id`` may still write into."""
+def quarantine_holder_id(request_id: str) -> str:
+    """The holder of the quarantined blocks a load of ``request_id`` may still write into."""
     return f"{request_id}#kv-load"
 
 
@@ -213,7 +216,7 @@ class Scheduler:
         self._queue_seq = itertools.count()
         self._finished_ids: set[str] = set()  # for the runner, in the next step's output
         self._new_loads: list[RemoteKVLoad] = []  # for the engine: take_new_loads
-        self._new_handover_holds: list[HandoverHold] = []  # for the engine
+        self._new_pins: list[PinnedKV] = []  # for the engine: take_new_pins
         self._isolated: list[Request] = []  # the isolation queue, in the failed steps' order
         self._dropped: set[str] = set()  # preempted between steps: the runner drops their state
         self._step: _Step | None = None  # the step being built or executed
@@ -302,10 +305,10 @@ class Scheduler:
         loads, self._new_loads = self._new_loads, []
         return loads
 
-    def finish_remote_load(self, request_id: str, ok: bool, hold: bool = False) -> None:
+    def finish_remote_load(self, request_id: str, ok: bool, quarantine: bool = False) -> None:
         """The load of the live request ``request_id`` (in WAITING_FOR_REMOTE_KV) ended: on
         success it joins the running batch with ``num_prompt_tokens - 1`` tokens computed; on
-        failure its blocks are freed — or held under ``load_hold_id`` with ``hold``, when the
+        failure its blocks are freed — or quarantined with ``quarantine``, when the
         read may still write into them — and it waits again as an ordinary request."""
         request = self._requests[request_id]
         assert request.status is RequestStatus.WAITING_FOR_REMOTE_KV, request.status
@@ -314,28 +317,28 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self._running.append(request)
             return
-        if hold:
-            self._hold(request_id, load_hold_id(request_id))
+        if quarantine:
+            self._keep_blocks(request_id, quarantine_holder_id(request_id))
         self.kv.free(request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         self._enqueue(request)
 
-    def take_new_handover_holds(self) -> list[HandoverHold]:
-        """The hand-over holds made since the last call."""
-        holds, self._new_handover_holds = self._new_handover_holds, []
-        return holds
+    def take_new_pins(self) -> list[PinnedKV]:
+        """The pins made since the last call."""
+        pins, self._new_pins = self._new_pins, []
+        return pins
 
-    def release_hold(self, holder_id: str) -> bool:
-        """Free the blocks held under ``holder_id`` (a hand-over's or a load's); False, and nothing
+    def release_blocks(self, holder_id: str) -> bool:
+        """Free the blocks of a pin or a quarantine, kept under ``holder_id``; False, and nothing
         done, when it holds none."""
         if not self.kv.get_block_ids(holder_id):
             return False
         self.kv.free(holder_id)
         return True
 
-    def _hold(self, request_id: str, holder_id: str) -> list[int]:
-        """Hold ``request_id``'s blocks under ``holder_id`` too (one more reference each)."""
+    def _keep_blocks(self, request_id: str, holder_id: str) -> list[int]:
+        """Keep ``request_id``'s blocks under ``holder_id`` too (one more reference each)."""
         if self.kv.get_block_ids(request_id):
             self.kv.fork(request_id, holder_id)
         return self.kv.get_block_ids(holder_id)
@@ -384,7 +387,7 @@ class Scheduler:
         if was_running:
             self._running.remove(request)
         elif request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
-            self._hold(rid, load_hold_id(rid))  # its read still writes into the blocks
+            self._keep_blocks(rid, quarantine_holder_id(rid))  # its read still writes into them
         elif request.status in _QUEUED:
             self._unqueue(request)
         if request in self._isolated:
@@ -395,10 +398,10 @@ class Scheduler:
         request.metrics.finished_time = time.monotonic()
         if request.remote_kv is RemoteKV.SEND and was_running and status in (RequestStatus.FINISHED_STOPPED,
                                                          RequestStatus.FINISHED_LENGTH):
-            hold_id = handover_hold_id(rid)
+            pin_id = pin_holder_id(rid)
             tokens = tuple(request.all_token_ids[:request.num_computed_tokens])
-            self._new_handover_holds.append(HandoverHold(rid, hold_id, self._hold(rid, hold_id), tokens,
-                                                         request.cache_salt))
+            self._new_pins.append(PinnedKV(rid, pin_id, self._keep_blocks(rid, pin_id), tokens,
+                                           request.cache_salt))
         self.kv.free(rid)
         del self._requests[rid]
         self._finished_ids.add(rid)

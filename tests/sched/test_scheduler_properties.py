@@ -21,7 +21,7 @@ a load ends after a few steps, done or failed, and on "done" writes the prompt's
 the shadow pool exactly where a connector would (even for a request aborted meanwhile, whose
 blocks the scheduler must therefore hold). Some failed loads are late: they pass their deadline,
 the request recomputes, and a few steps later the read still lands in the blocks it was given,
-which must have stayed held out of the free pool until the harness releases them. Others hold their blocks for a hand-over when they finish; a hand-over hold must
+which must have stayed held out of the free pool until the harness releases them. Others pin their blocks when they finish; a pin must
 hold the request's own prefix until it is released.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ from tandem.plugins.policies import FCFSPolicy, PriorityPolicy
 from tandem.sched.kv_manager import PagedKVAllocator
 from tandem.sched.request import RemoteKV, Request, RequestStatus
 from tandem.sampling_params import SamplingParams
-from tandem.sched.scheduler import Scheduler, SchedulerConfig, load_hold_id
+from tandem.sched.scheduler import Scheduler, SchedulerConfig, quarantine_holder_id
 
 from tests.sched.sim_runner import EOS, SimulatedRunner
 
@@ -93,7 +93,7 @@ def specs(draw, index, with_priorities):
         prompt_logprobs=draw(st.integers(0, 5)) == 0,
         exit_step=draw(st.integers(0, 30)) if draw(st.integers(0, 3)) == 0 else None,
         exit_kind=draw(st.sampled_from(["abort", "abort_in_flight", "finish"])),
-        kv_role=draw(st.sampled_from(["none", "none", "remote", "send"])),
+        kv_role=draw(st.sampled_from(["none", "none", "remote", "pin"])),
         kv_steps=draw(st.integers(0, 4)),
         load_ok=draw(st.integers(0, 3)) > 0,
         late=draw(st.booleans()),
@@ -148,14 +148,14 @@ class Harness:
         self.specs = {spec.rid: spec for spec in workload.specs}
         self.loads: dict[str, list] = {}
         self.loaded: set[str] = set()
-        self.handover_holds: dict[str, list] = {}
+        self.pins: dict[str, list] = {}
         self.isolated_once = False
 
     def run(self) -> None:
         for step in range(MAX_STEPS):
             self._arrive(step)
             self._exit(step, ("abort", "finish"))
-            self._collect_handover_holds()
+            self._collect_pins()
             self._advance_kv()
             out = self.sched.schedule()
             self._check_step(out)
@@ -168,11 +168,11 @@ class Harness:
                 self.isolated_once = True
                 continue
             self.sched.update_from_output(out, result)
-            self._collect_handover_holds()
+            self._collect_pins()
             self._check_blocks(runner_synced=True)
             all_arrived = step >= max(s.arrival_step for s in self.w.specs)
             idle = not (self.sched.has_unfinished_requests() or self.loads)
-            if all_arrived and idle and not self.handover_holds:
+            if all_arrived and idle and not self.pins:
                 break
         else:
             raise AssertionError(f"requests still unfinished after {MAX_STEPS} steps")
@@ -194,10 +194,10 @@ class Harness:
         self.kv.check_consistency()
         self._check_blocks(runner_synced=False)
 
-    def _collect_handover_holds(self) -> None:
-        for hold in self.sched.take_new_handover_holds():
-            self._check_handover_hold(hold)
-            self.handover_holds[hold.hold_id] = [hold, self.specs[hold.request_id].kv_steps]
+    def _collect_pins(self) -> None:
+        for pin in self.sched.take_new_pins():
+            self._check_pin(pin)
+            self.pins[pin.pin_id] = [pin, self.specs[pin.request_id].kv_steps]
 
     def _advance_kv(self) -> None:
         for rid, entry in list(self.loads.items()):
@@ -210,7 +210,7 @@ class Harness:
                 if late or spec.load_ok or spec.late:
                     self._write_loaded(request, load)
                 del self.loads[rid]
-                assert self.sched.release_hold(load_hold_id(rid)) or not load.block_ids
+                assert self.sched.release_blocks(quarantine_holder_id(rid)) or not load.block_ids
             elif spec.load_ok:
                 self._write_loaded(request, load)
                 self.loaded.add(rid)
@@ -218,19 +218,19 @@ class Harness:
                 self.sched.finish_remote_load(rid, True)
             elif spec.late:  # past its deadline: it recomputes, the read lands later
                 entry[1], entry[2] = spec.kv_steps, True
-                self.sched.finish_remote_load(rid, False, hold=True)
+                self.sched.finish_remote_load(rid, False, quarantine=True)
             else:
                 del self.loads[rid]
                 self.sched.finish_remote_load(rid, False)
-        for hold_id, entry in list(self.handover_holds.items()):
-            hold, steps = entry
+        for pin_id, entry in list(self.pins.items()):
+            pin, steps = entry
             if steps:
                 entry[1] -= 1
                 continue
-            self._check_handover_hold(hold)
-            del self.handover_holds[hold_id]
-            assert self.sched.release_hold(hold_id)
-            assert not self.sched.release_hold(hold_id)
+            self._check_pin(pin)
+            del self.pins[pin_id]
+            assert self.sched.release_blocks(pin_id)
+            assert not self.sched.release_blocks(pin_id)
 
     def _write_loaded(self, request: Request, load) -> None:
         """What a connector writes: the prompt's KV at positions [num_cached, P-1)."""
@@ -241,20 +241,19 @@ class Harness:
             block = load.block_ids[pos // bs - load.first_block]
             self.runner.shadow[block][pos % bs] = tuple(prompt[:pos + 1])
 
-    def _check_handover_hold(self, hold) -> None:
-        tokens, bs = self.requests[hold.request_id].all_token_ids, self.w.block_size
-        assert hold.block_ids == self.kv.get_block_ids(hold.hold_id)
-        assert len(hold.block_ids) >= -(-hold.num_tokens // bs)
-        for pos in range(hold.num_tokens):
-            found = self.runner.shadow[hold.block_ids[pos // bs]][pos % bs]
-            assert found == tuple(tokens[:pos + 1]), f"hand-over hold {hold.hold_id} position {pos} holds {found}"
+    def _check_pin(self, pin) -> None:
+        tokens, bs = self.requests[pin.request_id].all_token_ids, self.w.block_size
+        assert pin.block_ids == self.kv.get_block_ids(pin.pin_id)
+        assert len(pin.block_ids) >= -(-pin.num_tokens // bs)
+        for pos in range(pin.num_tokens):
+            found = self.runner.shadow[pin.block_ids[pos // bs]][pos % bs]
+            assert found == tuple(tokens[:pos + 1]), f"pin {pin.pin_id} position {pos} holds {found}"
 
     def _arrive(self, step: int) -> None:
         for spec in self.w.specs:
             if spec.arrival_step == step:
                 request = build(spec)
-                request.remote_kv = {"remote": RemoteKV.LOAD, "send": RemoteKV.SEND}.get(spec.kv_role,
-                                                                                        RemoteKV.NONE)
+                request.remote_kv = {"remote": RemoteKV.LOAD, "pin": RemoteKV.SEND}.get(spec.kv_role, RemoteKV.NONE)
                 request = self.sched.add_request(request)
                 self.requests[spec.rid] = request
                 if request.status is RequestStatus.FINISHED_REJECTED:
@@ -311,8 +310,8 @@ class Harness:
 
     def _check_blocks(self, runner_synced: bool) -> None:
         refs = [0] * self.w.num_blocks
-        tables = [self.kv.get_block_ids(hold_id) for hold_id in self.handover_holds]
-        tables += [self.kv.get_block_ids(load_hold_id(rid)) for rid in self.loads]
+        tables = [self.kv.get_block_ids(pin_id) for pin_id in self.pins]
+        tables += [self.kv.get_block_ids(quarantine_holder_id(rid)) for rid in self.loads]
         for r in self.requests.values():
             table = self.kv.get_block_ids(r.request_id)
             assert not (r.is_finished and table), f"finished {r.request_id} still holds blocks"

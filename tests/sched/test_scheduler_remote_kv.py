@@ -1,8 +1,8 @@
 """The scheduler's disaggregation bookkeeping on hand-computed cases (block size 4): admission to
 WAITING_FOR_REMOTE_KV with local prefix hits, the end of a load (done, failed, after an abort),
-holds of blocks a read may still write into, and hand-over holds of finished requests."""
+quarantines of blocks a read may still write into, and pins of finished requests."""
 from tandem.sched.request import RemoteKV, RequestStatus
-from tandem.sched.scheduler import handover_hold_id, load_hold_id
+from tandem.sched.scheduler import pin_holder_id, quarantine_holder_id
 from tests.sched.sched_helpers import make_request, make_scheduler, run_step
 
 PREFIX = [11, 12, 13, 14, 15, 16, 17, 18]
@@ -65,7 +65,7 @@ def test_failed_load_frees_the_blocks_and_recomputes_from_the_local_cache():
     assert s.take_new_loads() == []
 
 
-def test_abort_during_a_load_holds_the_blocks_until_the_load_ends():
+def test_abort_during_a_load_quarantines_the_blocks_until_the_load_ends():
     s = make_scheduler(num_blocks=16)
     s.add_request(make_request("r", list(range(1, 10)), remote_kv=RemoteKV.LOAD))
     run_step(s)
@@ -73,43 +73,43 @@ def test_abort_during_a_load_holds_the_blocks_until_the_load_ends():
     assert s.kv.stats().num_used_blocks == 2
     (aborted,) = s.abort_requests(["r"])
     assert aborted.status is RequestStatus.FINISHED_ABORTED and s.get_request("r") is None
-    assert s.kv.get_block_ids(load_hold_id("r")) == load.block_ids
+    assert s.kv.get_block_ids(quarantine_holder_id("r")) == load.block_ids
     assert s.kv.stats().num_used_blocks == 2
-    assert s.release_hold(load_hold_id("r")) and not s.release_hold(load_hold_id("r"))
+    assert s.release_blocks(quarantine_holder_id("r")) and not s.release_blocks(quarantine_holder_id("r"))
     assert s.kv.stats().num_used_blocks == 0
 
 
-def test_a_failed_load_that_may_still_land_holds_its_blocks_while_the_request_recomputes():
+def test_a_failed_load_that_may_still_land_quarantines_its_blocks_while_the_request_recomputes():
     s = make_scheduler(num_blocks=16)
     r = s.add_request(make_request("r", list(range(1, 10)), remote_kv=RemoteKV.LOAD))
     run_step(s)
     (load,) = s.take_new_loads()
-    s.finish_remote_load("r", ok=False, hold=True)
-    assert r.status is RequestStatus.WAITING and s.kv.get_block_ids(load_hold_id("r")) == load.block_ids
+    s.finish_remote_load("r", ok=False, quarantine=True)
+    assert r.status is RequestStatus.WAITING and s.kv.get_block_ids(quarantine_holder_id("r")) == load.block_ids
     out, _ = run_step(s)  # recomputed in other blocks: the held ones are not free
     (new,) = out.new_requests
     assert not set(new.block_ids) & set(load.block_ids)
-    assert s.release_hold(load_hold_id("r"))
+    assert s.release_blocks(quarantine_holder_id("r"))
     # the held blocks never entered the prefix cache: their KV is whatever the late read wrote
     assert all(s.kv.block_pool.blocks[b].block_hash is None for b in load.block_ids)
 
 
-def test_finished_request_holds_its_blocks_for_a_handover_until_released():
+def test_finished_request_pins_its_blocks_until_released():
     s = make_scheduler(num_blocks=16)
     s.add_request(make_request("p", list(range(1, 7)), max_tokens=1, remote_kv=RemoteKV.SEND))
     s.add_request(make_request("q", list(range(1, 7)), max_tokens=1))
     run_step(s)
-    (hold,) = s.take_new_handover_holds()
-    assert (hold.request_id, hold.num_tokens, len(hold.block_ids)) == ("p", 6, 2)
+    (pin,) = s.take_new_pins()
+    assert (pin.request_id, pin.num_tokens, len(pin.block_ids)) == ("p", 6, 2)
     assert s.kv.stats().num_used_blocks == 2
-    assert hold.hold_id == handover_hold_id("p") and hold.token_ids == tuple(range(1, 7)) and hold.cache_salt is None
-    assert s.release_hold(hold.hold_id) and not s.release_hold(hold.hold_id)
+    assert pin.pin_id == pin_holder_id("p") and pin.token_ids == tuple(range(1, 7)) and pin.cache_salt is None
+    assert s.release_blocks(pin.pin_id) and not s.release_blocks(pin.pin_id)
     assert s.kv.stats().num_used_blocks == 0
 
 
-def test_aborted_request_keeps_no_handover_hold():
+def test_aborted_request_is_not_pinned():
     s = make_scheduler(num_blocks=16)
     s.add_request(make_request("p", list(range(1, 7)), max_tokens=4, remote_kv=RemoteKV.SEND))
     run_step(s)
     s.abort_requests(["p"])
-    assert s.take_new_handover_holds() == [] and s.kv.stats().num_used_blocks == 0
+    assert s.take_new_pins() == [] and s.kv.stats().num_used_blocks == 0
