@@ -252,7 +252,8 @@ class Scheduler:
 
     def waiting_for_grammar(self) -> list[str]:
         """The ids of the requests in WAITING_FOR_GRAMMAR, oldest first."""
-        return [rid for rid, r in self._requests.items() if r.status is RequestStatus.WAITING_FOR_GRAMMAR]
+        waiting = RequestStatus.WAITING_FOR_GRAMMAR
+        return [rid for rid, r in self._requests.items() if r.status is waiting]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -396,8 +397,8 @@ class Scheduler:
             request.num_computed_tokens -= self._step.num_in_flight(rid)
         request.status = status
         request.metrics.finished_time = time.monotonic()
-        if request.remote_kv is RemoteKV.SEND and was_running and status in (RequestStatus.FINISHED_STOPPED,
-                                                         RequestStatus.FINISHED_LENGTH):
+        finished_normally = status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+        if request.remote_kv is RemoteKV.SEND and was_running and finished_normally:
             pin_id = pin_holder_id(rid)
             tokens = tuple(request.all_token_ids[:request.num_computed_tokens])
             self._new_pins.append(PinnedKV(rid, pin_id, self._keep_blocks(rid, pin_id), tokens,
