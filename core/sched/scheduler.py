@@ -198,9 +198,11 @@ def _is_decode(request: Request, num_remaining: int) -> bool:
 
 
 class Scheduler:
-    """Owns the waiting queue (a heap on the policy's key) and the running list (scheduling
-    order). Every method runs on the engine thread; per step the engine calls ``schedule()``,
-    runs the model, then ``update_from_output()``."""
+    """Owns every unfinished request (``Request.status`` says where it is): the waiting queue
+    (a heap on the policy's key: WAITING, PREEMPTED), the running list (scheduling order) and the
+    isolation queue (ISOLATED, in the failed steps' order). Every method runs on the engine
+    thread; per step the engine calls ``schedule()``, runs the model, then
+    ``update_from_output()``."""
 
     def __init__(self, config: SchedulerConfig, kv: KVAllocator, policy: SchedulingPolicy) -> None:
         cap = policy.max_prompt_tokens_per_step()
