@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 from itertools import count
 from typing import Any
@@ -34,14 +33,12 @@ from tandem.kv_transfer import KVTransferCoordinator, RemotePrefill
 from tandem.models.config import ModelArchConfig, kv_bytes_per_block
 from tandem.output_processor import OutputProcessor
 from tandem.outputs import RequestOutput
-from tandem.grammar_pool import CompileJob
 from tandem.plugin_manager import call_observers, get_registry
-from tandem.sched.request import Request, RequestStatus, request_cache_salt
+from tandem.sched.request import RemoteKV, Request, RequestStatus, request_cache_salt
 from tandem.input_processor import InputProcessor, ProcessedRequest, RequestLimits
-from tandem.errors import InvalidRequest
 from tandem.sampling_params import SamplingParams
 from tandem.sched.scheduler import Scheduler, SchedulerConfig
-from tandem.structured_outputs import GrammarTooComplex, StructuredOutputManager
+from tandem.structured_outputs import StructuredOutputManager
 
 logger = logging.getLogger("tandem")
 
@@ -51,16 +48,6 @@ _GRAMMAR_POLL_S = 0.01
 MAX_FAILED_STEPS_IN_ROW = 8
 """Failed steps with no successful step between them before the engine gives up: isolation makes
 a single poison request cost two failed steps (its batch, then itself alone)."""
-
-
-@dataclass(slots=True)
-class _AwaitingGrammar:
-    """A request added while its grammar compiles: it joins the scheduler once it has."""
-
-    request: Request
-    compiled: CompileJob
-    load_remote_kv: bool
-    pin_kv_on_finish: bool
 
 
 @dataclass(slots=True, frozen=True)
@@ -108,7 +95,6 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.request_limits, self.structured)
         """Checks and tokenizes every request (``add_request``; the async engine runs it on its
         tokenizer thread, then calls ``add_processed``)."""
-        self._awaiting_grammar: dict[str, _AwaitingGrammar] = {}
         self.report_grammar_admissions = False
         """Record the ends of grammar waits for ``take_grammar_admissions`` (the async engine
         sets it)."""
@@ -290,29 +276,30 @@ class LLMEngine:
             max_tokens=max_tokens,
             cache_salt=request_cache_salt(processed.cache_salt, self._kv_variant(len(token_ids))),
         )
+        if remote_decode:
+            request.remote_kv = RemoteKV.SEND
         try:  # all or nothing: a plugin or tokenizer that raises leaves no trace of the request
-            load = remote_prefill is not None and self.kv_transfer.admit(request_id, remote_prefill,
-                                                                         token_ids, request.cache_salt)
+            if remote_prefill is not None and self.kv_transfer.admit(request_id, remote_prefill,
+                                                                     token_ids, request.cache_salt):
+                request.remote_kv = RemoteKV.LOAD
             if params.structured_outputs is not None:
-                compiled = self.structured.submit(params.structured_outputs)
-                self._awaiting_grammar[request_id] = _AwaitingGrammar(request, compiled, load, remote_decode)
+                self.structured.compile_for(request_id, params.structured_outputs)
+                self._check_added(self.scheduler.add_request(request, wait_for_grammar=True))
                 self._admit_compiled([request_id], adding=True)
             else:
-                self._schedule(request, load, remote_decode)
+                self._check_added(self.scheduler.add_request(request))
+            # last: what it raises it raises before it keeps anything
             self.outputs.add_request(request_id, processed.prompt, token_ids, params)
         except BaseException:
             if self.kv_transfer is not None:
                 self.kv_transfer.forget(request_id)
-            self._drop_awaiting(request_id)
             self.structured.release(request_id)
             self.scheduler.abort_requests([request_id])
-            self.outputs.states.pop(request_id, None)
             raise
 
-    def _schedule(self, request: Request, load_remote_kv: bool, pin_kv_on_finish: bool) -> None:
-        request = self.scheduler.add_request(request, load_remote_kv=load_remote_kv,
-                                             pin_kv_on_finish=pin_kv_on_finish)
-        if request.status == RequestStatus.FINISHED_REJECTED:
+    @staticmethod
+    def _check_added(request: Request) -> None:
+        if request.status is RequestStatus.FINISHED_REJECTED:
             raise RequestRejected(request.reject_reason)
 
     def _admit_compiled(self, request_ids: list[str], adding: bool = False) -> list[RequestOutput]:
@@ -322,20 +309,10 @@ class LLMEngine:
         Each request settled here is recorded for ``take_grammar_admissions``."""
         outputs = []
         for rid in request_ids:
-            waiting = self._awaiting_grammar[rid]
-            job = waiting.compiled
-            too_complex = not job.future.done() and self.structured.timed_out(job)
-            if not (job.future.done() or too_complex):
-                continue
-            del self._awaiting_grammar[rid]
             try:
-                if too_complex:
-                    raise GrammarTooComplex(self.structured.compile_timeout_s)
-                exc = job.future.exception()
-                if exc is not None:
-                    raise InvalidRequest("structured_outputs", f"could not be compiled: {exc}")
-                self.structured.start(rid, job.future.result(), waiting.request.output_token_ids)
-                self._schedule(waiting.request, waiting.load_remote_kv, waiting.pin_kv_on_finish)
+                if not self.structured.start_compiled(rid):
+                    continue
+                self._check_added(self.scheduler.grammar_compiled(rid))
             except Exception as exc:  # noqa: BLE001 - this request alone fails
                 if adding:
                     raise
@@ -347,8 +324,9 @@ class LLMEngine:
         return outputs
 
     def is_awaiting_grammar(self, request_id: str) -> bool:
-        """True while ``request_id``'s grammar compiles (it is not in the scheduler yet)."""
-        return request_id in self._awaiting_grammar
+        """True while ``request_id``'s grammar compiles (WAITING_FOR_GRAMMAR)."""
+        request = self.scheduler.get_request(request_id)
+        return request is not None and request.status is RequestStatus.WAITING_FOR_GRAMMAR
 
     def take_grammar_admissions(self) -> list[tuple[str, BaseException | None]]:
         """(request id, None when it joined the scheduler, else why it failed) of the requests
@@ -359,12 +337,6 @@ class LLMEngine:
     def _report_admission(self, request_id: str, error: BaseException | None) -> None:
         if self.report_grammar_admissions:
             self._grammar_admissions.append((request_id, error))
-
-    def _drop_awaiting(self, request_id: str) -> _AwaitingGrammar | None:
-        waiting = self._awaiting_grammar.pop(request_id, None)
-        if waiting is not None:
-            self.structured.drop(waiting.compiled)
-        return waiting
 
     def abort_request(self, request_ids: str | list[str], error: str | None = None) -> list[RequestOutput]:
         """Abort requests at any moment: their blocks are free when this returns. Returns their
@@ -377,16 +349,13 @@ class LLMEngine:
                 self.kv_transfer.forget(rid)
         for rid in ids:
             self.outputs.finish_all(rid, reason, error)
-            waiting = self._drop_awaiting(rid)
-            if waiting is not None:
-                self._on_finished(waiting.request, reason)
         for request in self.scheduler.abort_requests(ids):
             self._on_finished(request, reason)
         return [out for rid in ids if (out := self.outputs.output(rid, self.delta_outputs)) is not None]
 
     def has_unfinished_requests(self) -> bool:
         """Requests to step, or KV hand-overs not over (reads whose blocks are held)."""
-        return self.scheduler.has_unfinished_requests() or bool(self._awaiting_grammar) or (
+        return self.scheduler.has_unfinished_requests() or (
             self.kv_transfer is not None and self.kv_transfer.has_loads())
 
     def has_kv_pins(self) -> bool:
@@ -458,12 +427,12 @@ class LLMEngine:
     def _start_compiled(self) -> list[RequestOutput]:
         """Schedule the requests whose grammar compiled since the last step. While nothing else
         is there to step, wait a little for a compile rather than spin."""
-        if not self._awaiting_grammar:
+        compiling = self.scheduler.waiting_for_grammar()
+        if not compiling:
             return []
-        if not self.scheduler.has_unfinished_requests():
-            jobs = {id(w.compiled): w.compiled.future for w in self._awaiting_grammar.values()}
-            wait(list(jobs.values()), timeout=_GRAMMAR_POLL_S, return_when=FIRST_COMPLETED)
-        return self._admit_compiled(list(self._awaiting_grammar))
+        if not self.scheduler.has_requests_to_step():
+            self.structured.wait_for_compiles(_GRAMMAR_POLL_S)
+        return self._admit_compiled(compiling)
 
     def _process_update(self, req: Request, new_token_ids: list[int], runner_out: Any) -> None:
         if not self.structured.accept(req.request_id, new_token_ids):

@@ -51,7 +51,7 @@ from tandem import handover
 from tandem.handover import DecodeHandover, DecodeState, PrefillHandover
 from tandem.interfaces import KVConnector
 from tandem.handover_auth import prompt_digest
-from tandem.sched.scheduler import PinnedKV, RemoteKVLoad, Scheduler, load_hold_id
+from tandem.sched.scheduler import PinnedKV, RemoteKVLoad, Scheduler, quarantine_holder_id
 
 logger = logging.getLogger("tandem")
 
@@ -203,7 +203,7 @@ class KVTransferCoordinator:
             return False
         logger.info("KV blocks of %s released unread: the hand-over was given up", transfer_id)
         handover.release(pin)
-        self.scheduler.release_hold(pin.pin_id)
+        self.scheduler.release_blocks(pin.pin_id)
         return True
 
     def _release_pins(self) -> None:
@@ -211,14 +211,14 @@ class KVTransferCoordinator:
             pin = self._pins.pop(transfer_id, None)
             if pin is not None:
                 handover.release(pin)
-                self.scheduler.release_hold(pin.pin_id)
+                self.scheduler.release_blocks(pin.pin_id)
         now = self._clock()
         for transfer_id, pin in list(self._pins.items()):
             if now >= pin.expires_at:
                 logger.info("KV blocks of %s expired unclaimed after %.0f s", transfer_id, self.expiry_s)
                 del self._pins[transfer_id]
                 handover.expire(pin)
-                self.scheduler.release_hold(pin.pin_id)
+                self.scheduler.release_blocks(pin.pin_id)
                 self._failures["expired"] += 1
 
     # ------------------------------------------------------------------ decode side
@@ -226,7 +226,7 @@ class KVTransferCoordinator:
     def admit(self, request_id: str, remote: RemotePrefill, prompt_token_ids: Sequence[int],
               cache_salt: str | None = None) -> bool:
         """Check the hand-over of ``request_id`` (about to be added to the scheduler, with
-        ``cache_salt``) and make it ADMITTED. True: add the request with ``load_remote_kv``.
+        ``cache_salt``) and make it ADMITTED. True: add the request with ``remote_kv`` LOAD.
         False: no read will be made (a mismatched prompt or salt, a stalled peer) and the policy
         is "recompute": add it as an ordinary request. Raises ``KVTransferReplayed`` for a used
         transfer id, ValueError for an incompatible peer (compat hash, layout, a pool of no sane
@@ -264,8 +264,8 @@ class KVTransferCoordinator:
 
     def forget(self, request_id: str) -> None:
         """``request_id`` ends (aborted, rejected): before its read, the prefill instance learns
-        its blocks will not be read; during it, the blocks the read writes into stay held (the
-        scheduler holds them under ``load_hold_id``) until the read is over."""
+        its blocks will not be read; during it, the blocks the read writes into stay quarantined
+        (under ``quarantine_holder_id``) until the read is over."""
         load = self._load_of(request_id)
         if load is None:
             return
@@ -274,7 +274,7 @@ class KVTransferCoordinator:
             self.connector.notify_release(load.peer, load.transfer_id)
             self._end(load)
         else:
-            handover.quarantine(load, load_hold_id(request_id), "aborted")
+            handover.quarantine(load, quarantine_holder_id(request_id), "aborted")
 
     def start_loads(self, loads: list[RemoteKVLoad]) -> None:
         """LOADING: one read per load, of the remote blocks with the same logical indices."""
@@ -307,7 +307,7 @@ class KVTransferCoordinator:
                 self._on_read_ended(load, state)
             elif load.state is DecodeState.QUARANTINED and state != "error:deadline":
                 handover.release_quarantine(load)  # "closed", or the read ended: nothing more lands
-                self.scheduler.release_hold(load.quarantine_id)
+                self.scheduler.release_blocks(load.quarantine_id)
                 self._end(load)
         failed, self._failed = self._failed, []
         return failed
@@ -323,8 +323,8 @@ class KVTransferCoordinator:
             return
         reason = state.removeprefix("error:")
         if reason == "deadline":  # the read may still land: keep its blocks apart until "closed"
-            handover.quarantine(load, load_hold_id(rid), reason)
-            self.scheduler.finish_remote_load(rid, ok=False, hold=True)
+            handover.quarantine(load, quarantine_holder_id(rid), reason)
+            self.scheduler.finish_remote_load(rid, ok=False, quarantine=True)
         else:
             handover.fail(load, reason)
             self.scheduler.finish_remote_load(rid, ok=False)

@@ -5,13 +5,13 @@ The engine process holds every grammar (the workers only apply the bitmask it se
 
     InputProcessor.process ── validate (parse; a refusal is InvalidRequest → HTTP 400)
     add_processed  (after the queue checks: nothing compiles before admission)
-        └─ submit ── compile cache hit ─────────────────┐
-                  └─ miss: CompilePool (tandem.grammar_pool)  the request waits in the engine's
-                       small lane: grammars ≤ SMALL_GRAMMAR_CHARS   queue, outside the scheduler;
-                       large lane: engine.grammar_compile_threads   aborting it drops its compile
-                                                        ▼
-    step: timed_out(job) past engine.grammar_compile_timeout_s → GrammarTooComplex
-          start(rid) once compiled ─ scheduler.add_request ─ schedule
+        └─ compile_for ── compile cache hit ────────────┐
+                  └─ miss: CompilePool (tandem.grammar_pool)  the request waits in
+                       small lane: grammars ≤ SMALL_GRAMMAR_CHARS   WAITING_FOR_GRAMMAR, outside
+                       large lane: engine.grammar_compile_threads   the scheduler's queue;
+                                                        ▼           aborting it drops its compile
+    step: start_compiled(rid): GrammarTooComplex past engine.grammar_compile_timeout_s, or
+          start(rid) once compiled ─ scheduler.grammar_compiled ─ schedule
           bitmask(scheduler_output): fork children's grammars, fill one row per
                                      constrained sequence of the step (GrammarBitmask)
           executor.execute: the sampler masks those rows (tandem.worker.structured)
@@ -36,7 +36,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
 import numpy as np
@@ -106,6 +106,7 @@ class StructuredOutputManager:
         self._too_complex: OrderedDict[tuple, None] = OrderedDict()
         self._validated: OrderedDict[bytes, None] = OrderedDict()
         self._grammars: dict[str, StructuredOutputGrammar] = {}
+        self._compiling: dict[str, CompileJob] = {}  # request id → its grammar's compile
         self._fill_ms: dict[str, float] = {}
         self._over_budget: dict[str, int] = {}
 
@@ -166,6 +167,32 @@ class StructuredOutputManager:
         job.future.add_done_callback(lambda _: self._on_compiled(job))
         (self._small if size <= SMALL_GRAMMAR_CHARS else self._large).submit(job)
         return job
+
+    def compile_for(self, request_id: str, params: StructuredOutputsParams) -> None:
+        """Start the compile of ``request_id``'s grammar (``start_compiled`` ends it)."""
+        self._compiling[request_id] = self.submit(params)
+
+    def start_compiled(self, request_id: str) -> bool:
+        """True once ``request_id``'s grammar has compiled and started; False while it compiles.
+        Raises ``GrammarTooComplex`` past the time limit and ``InvalidRequest`` when the compile
+        failed."""
+        job = self._compiling[request_id]
+        too_complex = not job.future.done() and self.timed_out(job)
+        if not (job.future.done() or too_complex):
+            return False
+        del self._compiling[request_id]
+        if too_complex:
+            raise GrammarTooComplex(self.compile_timeout_s)
+        exc = job.future.exception()
+        if exc is not None:
+            raise InvalidRequest("structured_outputs", f"could not be compiled: {exc}")
+        self.start(request_id, job.future.result())
+        return True
+
+    def wait_for_compiles(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for one of the compiles of ``compile_for`` to end."""
+        futures = {id(job): job.future for job in self._compiling.values()}
+        wait(list(futures.values()), timeout=timeout_s, return_when=FIRST_COMPLETED)
 
     def drop(self, job: CompileJob) -> None:
         """A waiter of ``job`` went away; the last one cancels it (its result is not kept)."""
@@ -251,6 +278,10 @@ class StructuredOutputManager:
         return accepted
 
     def release(self, request_id: str) -> None:
+        """``request_id`` ended: its grammar goes, and its compile when it still waits for one."""
+        job = self._compiling.pop(request_id, None)
+        if job is not None:
+            self.drop(job)
         self._grammars.pop(request_id, None)
         self._fill_ms.pop(request_id, None)
         self._over_budget.pop(request_id, None)

@@ -12,7 +12,7 @@ import pytest
 from tandem.config import load_config
 from tandem.engine import LLMEngine
 from tandem.kv_transfer import KVTransferReplayed, RemotePrefill
-from tandem.sched.scheduler import load_hold_id
+from tandem.sched.scheduler import quarantine_holder_id
 from tandem.sampling_params import SamplingParams
 from tests.engine.test_greedy_vs_hf import _prompts, hf_greedy
 from tests.helpers.tiny_models import tiny_model_dir
@@ -138,7 +138,7 @@ def test_a_read_past_its_deadline_recomputes_and_holds_its_blocks_until_it_lands
     assert decode_prompt(decode, prompt, remote) == hf_greedy(tiny_model_dir("llama"), [prompt], MAX_TOKENS)[0]
     assert time.monotonic() - start >= 0.2
     assert dict(decode.kv_transfer.stats().failures) == {"deadline": 1}
-    held = decode.scheduler.kv.get_block_ids(load_hold_id("d"))
+    held = decode.scheduler.kv.get_block_ids(quarantine_holder_id("d"))
     assert len(held) == 3 and used_blocks(decode) == 3
     assert decode.kv_transfer.stats().num_quarantined_blocks == 3
     prefill.kv_transfer.connector.resume()

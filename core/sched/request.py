@@ -3,6 +3,23 @@
 Progress is one number: ``num_computed_tokens`` catches up with ``num_tokens`` (prompt plus the
 outputs sampled so far). A new prompt, a chunk of a long prompt and a decode token are all just
 "tokens to compute this step"; there are no prefill/decode phases.
+
+A request's life is its ``status``, changed only by the scheduler's methods named here::
+
+    add_request ──► WAITING ◄──grammar_compiled── WAITING_FOR_GRAMMAR ◄──add_request(wait_for_grammar)
+                      │  ▲ finish_remote_load(ok=False): recompute
+      admitted (LOAD) │  └──────────────────┐
+                      ├──► WAITING_FOR_REMOTE_KV ──finish_remote_load(ok=True)──┐
+             admitted │                                                         ▼
+                      └────────────────────────────────────────────────────► RUNNING
+    RUNNING ──short of blocks (preempted)──► PREEMPTED ──admitted──► RUNNING
+    RUNNING, WAITING, PREEMPTED ──isolate_step (a failed step)──► ISOLATED ──retried alone──► RUNNING
+    add_request, grammar_compiled ──could never run──► FINISHED_REJECTED
+    any unfinished ──stop, length (update_from_output, finish_requests), abort_requests──► FINISHED_*
+
+``ISOLATED``: in the scheduler's isolation queue, to be retried alone (tandem.sched.scheduler).
+``remote_kv`` is not a state but the request's part in a KV hand-over; ``num_sequences`` is what
+forking left it to stand for.
 """
 from __future__ import annotations
 
@@ -26,14 +43,16 @@ def request_cache_salt(client_salt: str | None, kv_variant: str | None) -> str |
 class RequestStatus(enum.IntEnum):
     """Ordered: every status from FINISHED_STOPPED on is final."""
 
-    WAITING = 0
-    WAITING_FOR_REMOTE_KV = 1
-    RUNNING = 2
-    PREEMPTED = 3
-    FINISHED_STOPPED = 4
-    FINISHED_LENGTH = 5
-    FINISHED_ABORTED = 6
-    FINISHED_REJECTED = 7
+    WAITING_FOR_GRAMMAR = 0
+    WAITING = 1
+    WAITING_FOR_REMOTE_KV = 2
+    RUNNING = 3
+    PREEMPTED = 4
+    ISOLATED = 5
+    FINISHED_STOPPED = 6
+    FINISHED_LENGTH = 7
+    FINISHED_ABORTED = 8
+    FINISHED_REJECTED = 9
 
     @property
     def is_finished(self) -> bool:
@@ -51,6 +70,18 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_REJECTED: "rejected",
 }
+
+
+class RemoteKV(enum.Enum):
+    """A request's part in a disaggregated prefill/decode hand-over."""
+
+    NONE = "none"
+    LOAD = "load"
+    """Decode side: its prompt's KV is loaded from a prefill instance when it is admitted (once:
+    after a failed load it recomputes, and its ``remote_kv`` is NONE)."""
+    SEND = "send"
+    """Prefill side: when it finishes normally its blocks are pinned for a decode instance to
+    read (``Scheduler.take_new_pins``)."""
 
 
 @dataclass(slots=True)
@@ -74,7 +105,8 @@ class Request:
     ``eos_token_ids`` end generation unless ``sampling_params.ignore_eos``. ``max_tokens`` is the
     resolved output limit (``sampling_params.max_tokens`` or what fits the context).
     ``cache_salt``: prefix-cache blocks are shared only between requests with the same salt
-    (``request_cache_salt``), and a hand-over's prompt digest covers it.
+    (``request_cache_salt``), and a hand-over's prompt digest covers it. ``num_sequences``: how
+    many sequences it stands for, ``n`` until it has forked, then 1 (a forked child: 1).
     """
 
     request_id: str
@@ -86,16 +118,13 @@ class Request:
     max_tokens: int = 16
     parent_id: str | None = None
     sample_index: int = 0
-    forked: bool = False
+    num_sequences: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     stop_reason: int | str | None = None
     reject_reason: str | None = None
     cache_salt: str | None = None
-    load_remote_kv: bool = False
-    """Its prompt's KV comes from a prefill instance: it is admitted to WAITING_FOR_REMOTE_KV."""
-    pin_kv: bool = False
-    """When it finishes normally its blocks stay pinned for a decode instance to read."""
+    remote_kv: RemoteKV = RemoteKV.NONE
     num_tokens_sent: int = 0
     """How many of its tokens the runner has (0: it holds no state of the request — new, or
     preempted since)."""
@@ -110,6 +139,8 @@ class Request:
         self._all_token_ids = list(self.prompt_token_ids)
         if self.metrics is None:
             self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        if self.num_sequences == 0:
+            self.num_sequences = 1 if self.parent_id is not None else self.sampling_params.n
 
     @property
     def output_token_ids(self) -> tuple[int, ...]:
@@ -136,11 +167,6 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
-    @property
-    def num_sequences(self) -> int:
-        """How many sequences this request stands for: ``n`` until it has forked, then 1."""
-        return 1 if self.forked or self.parent_id is not None else self.sampling_params.n
-
     def append_output_token(self, token_id: int) -> None:
         self._output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
@@ -157,7 +183,7 @@ class Request:
             max_tokens=self.max_tokens,
             parent_id=self.parent_id or self.request_id,
             sample_index=sample_index,
-            forked=True,
+            num_sequences=1,
             status=self.status,
             num_computed_tokens=self.num_computed_tokens,
             cache_salt=self.cache_salt,

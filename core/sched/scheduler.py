@@ -22,7 +22,7 @@ that step's tokens counted as never computed, so none of their KV enters the pre
 Disaggregated prefill/decode adds two mechanisms, both pure bookkeeping (the engine moves bytes;
 tandem.handover has the hand-over's states):
 
-- Remote KV (decode side). A request added with ``load_remote_kv`` is admitted like any other
+- Remote KV (decode side). A request whose ``remote_kv`` is LOAD is admitted like any other
   (prefix-cache hits count) but computes nothing: it gets blocks for prompt positions
   ``0 .. P-2`` and waits in WAITING_FOR_REMOTE_KV while the engine loads positions
   ``[num_cached, P-1)`` from the prefill instance (``take_new_loads``)::
@@ -34,15 +34,18 @@ tandem.handover has the hand-over's states):
   running batch (sent to the runner in full on its first step); ``ok=False`` frees its blocks and
   puts it back in the waiting queue as an ordinary request (recompute). Loading requests hold
   their sequence seats.
-- Holds. Blocks that a read may still write into never return to the free pool while it can:
-  a loading request that finishes (aborted) leaves its blocks held under
-  ``load_hold_id(request_id)``, and ``finish_remote_load(ok=False, hold=True)`` (a read past its
-  deadline that may still land) does the same while the request recomputes in fresh blocks;
-  ``release_hold`` frees them once the transport says the read is over. Held blocks never enter
-  the prefix cache.
-- Pinned KV (prefill side). A request added with ``pin_kv_on_finish`` that finishes normally
-  (stop or length) while running keeps its blocks held under ``pin_hold_id(request_id)``
-  (``take_new_pins``) until ``release_hold``.
+- Quarantine (decode side). Blocks that a read may still write into never return to the free
+  pool while it can: a loading request that finishes (aborted) leaves its blocks quarantined
+  under ``quarantine_holder_id(request_id)``, and ``finish_remote_load(ok=False,
+  quarantine=True)`` (a read past its deadline that may still land) does the same while the
+  request recomputes in fresh blocks; ``release_blocks`` frees them once the transport says the
+  read is over. Quarantined blocks never enter the prefix cache.
+- Pins (prefill side). A request whose ``remote_kv`` is SEND that finishes normally (stop or
+  length) while running keeps its blocks pinned under ``pin_holder_id(request_id)``
+  (``take_new_pins``) for a decode instance to read, until ``release_blocks``.
+
+A pin and a quarantine are one mechanism: the blocks get a second holder (one more reference
+each) that is not a request.
 
 Speculative decoding (``num_speculative_tokens > 0``) gives a decoding sequence its last known
 token plus up to that many n-gram drafts (tandem.sched.ngram) in one step;
@@ -52,9 +55,10 @@ model accepted and takes the rest back.
 Isolation after a failed step. When executing a step raises (a model, kernel or plugin error),
 the engine calls ``isolate_step()``: the step's tokens count as never computed, and unless every
 sequence of the step belongs to one client request (then that request is the culprit and the
-engine fails it), each of them is preempted by recompute and queued for isolation. While requests
-are queued for isolation, each step schedules only the first of them (the probe), alone, which may
-preempt others to get its blocks; the probe leaves the queue once it has sampled a new token::
+engine fails it), each of them is preempted by recompute and becomes ISOLATED, at the end of the
+isolation queue. While that queue is not empty, each step schedules only its head (the probe),
+alone, which may preempt others to get its blocks; the probe leaves the queue once it has sampled
+a new token::
 
     step of A B C raises → A B C preempted, isolation queue [A, B, C]
     step [A] ok, A samples → queue [B, C]       step [B] raises → B failed (alone), queue [C]
@@ -78,7 +82,7 @@ from tandem.sched.output import (
     SchedulerOutput,
 )
 from tandem.sched.ngram import propose_ngram
-from tandem.sched.request import Request, RequestStatus
+from tandem.sched.request import RemoteKV, Request, RequestStatus
 
 
 @dataclass(slots=True, frozen=True)
@@ -118,8 +122,8 @@ class RemoteKVLoad:
 
 @dataclass(slots=True, frozen=True)
 class PinnedKV:
-    """The blocks a finished request left pinned under ``pin_id``; they hold the KV of
-    ``token_ids`` computed under ``cache_salt``."""
+    """The blocks a finished request left pinned under ``pin_id`` for a decode instance to read;
+    they hold the KV of ``token_ids`` computed under ``cache_salt``."""
 
     request_id: str
     pin_id: str
@@ -132,13 +136,13 @@ class PinnedKV:
         return len(self.token_ids)
 
 
-def pin_hold_id(request_id: str) -> str:
+def pin_holder_id(request_id: str) -> str:
     """The holder of a finished prefill request's pinned blocks."""
     return f"{request_id}#kv-pin"
 
 
-def load_hold_id(request_id: str) -> str:
-    """The holder of the blocks a load of ``request_id`` may still write into."""
+def quarantine_holder_id(request_id: str) -> str:
+    """The holder of the quarantined blocks a load of ``request_id`` may still write into."""
     return f"{request_id}#kv-load"
 
 
@@ -172,10 +176,17 @@ class _Step:
     num_prompt_tokens: int = 0
     scheduled: dict[str, _Scheduled] = field(default_factory=dict)
     preempted: set[str] = field(default_factory=set)
+    forked_from: dict[str, str] = field(default_factory=dict)
+    """The sequences forked this step: child id → parent id (their tokens are the parent's)."""
     probe: Request | None = None
     """During isolation: the only request this step may schedule."""
     current: Request | None = None
     """The request being scheduled: the one a failure inside ``schedule()`` points at."""
+
+    def num_in_flight(self, request_id: str) -> int:
+        """The tokens this step computes for ``request_id`` (a forked child: its parent's)."""
+        record = self.scheduled.get(self.forked_from.get(request_id, request_id))
+        return record.num_new if record is not None else 0
 
 
 _QUEUED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
@@ -187,9 +198,11 @@ def _is_decode(request: Request, num_remaining: int) -> bool:
 
 
 class Scheduler:
-    """Owns the waiting queue (a heap on the policy's key) and the running list (scheduling
-    order). Every method runs on the engine thread; per step the engine calls ``schedule()``,
-    runs the model, then ``update_from_output()``."""
+    """Owns every unfinished request (``Request.status`` says where it is): the waiting queue
+    (a heap on the policy's key: WAITING, PREEMPTED), the running list (scheduling order) and the
+    isolation queue (ISOLATED, in the failed steps' order). Every method runs on the engine
+    thread; per step the engine calls ``schedule()``, runs the model, then
+    ``update_from_output()``."""
 
     def __init__(self, config: SchedulerConfig, kv: KVAllocator, policy: SchedulingPolicy) -> None:
         cap = policy.max_prompt_tokens_per_step()
@@ -204,10 +217,9 @@ class Scheduler:
         self._running: list[Request] = []
         self._queue_seq = itertools.count()
         self._finished_ids: set[str] = set()  # for the runner, in the next step's output
-        self._in_flight: dict[str, int] = {}  # tokens of the step being scheduled or executed
         self._new_loads: list[RemoteKVLoad] = []  # for the engine: take_new_loads
         self._new_pins: list[PinnedKV] = []  # for the engine: take_new_pins
-        self._isolation: dict[str, int] = {}  # request id → output count that ends its isolation
+        self._isolated: list[Request] = []  # the isolation queue, in the failed steps' order
         self._dropped: set[str] = set()  # preempted between steps: the runner drops their state
         self._step: _Step | None = None  # the step being built or executed
         self.num_preemptions = 0
@@ -220,16 +232,17 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        """Requests queued to run (WAITING, PREEMPTED, ISOLATED)."""
+        return len(self._waiting) + sum(r.status is RequestStatus.ISOLATED for r in self._isolated)
 
     def get_request(self, request_id: str) -> Request | None:
-        """An unfinished request (waiting or running); None once it finished."""
+        """An unfinished request (in any status short of finished); None once it finished."""
         return self._requests.get(request_id)
 
     @property
     def num_isolated(self) -> int:
-        """Requests queued to be retried alone after a failed step."""
-        return len(self._isolation)
+        """Requests queued to be retried alone after a failed step (the probe included)."""
+        return len(self._isolated)
 
     @property
     def num_loading(self) -> int:
@@ -239,27 +252,55 @@ class Scheduler:
     def _loading(self) -> list[Request]:
         return [r for r in self._requests.values() if r.status is RequestStatus.WAITING_FOR_REMOTE_KV]
 
+    def waiting_for_grammar(self) -> list[str]:
+        """The ids of the requests in WAITING_FOR_GRAMMAR, oldest first."""
+        waiting = RequestStatus.WAITING_FOR_GRAMMAR
+        return [rid for rid, r in self._requests.items() if r.status is waiting]
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    def has_requests_to_step(self) -> bool:
+        """Unfinished requests that are not all waiting for their grammar."""
+        return any(r.status is not RequestStatus.WAITING_FOR_GRAMMAR for r in self._requests.values())
+
     # ------------------------------------------------------------------ admission and exits
 
-    def add_request(self, request: Request, *, load_remote_kv: bool = False,
-                    pin_kv_on_finish: bool = False) -> Request:
+    def add_request(self, request: Request, *, wait_for_grammar: bool = False) -> Request:
         """Enqueue ``request`` as WAITING, or reject it at once (FINISHED_REJECTED with a
-        ``reject_reason``) when it could never run, even alone. ``load_remote_kv``: its prompt's
-        KV comes from another instance (see the module docstring); ``pin_kv_on_finish``: its
-        blocks stay pinned when it finishes normally."""
+        ``reject_reason``) when it could never run, even alone. Its ``remote_kv`` says its part
+        in a hand-over (see the module docstring). With ``wait_for_grammar`` it is held in
+        WAITING_FOR_GRAMMAR instead, unchecked, until ``grammar_compiled``."""
+        if request.request_id in self._requests:
+            return self._reject(request, f"request id {request.request_id!r} is already in use; "
+                                         "give each request a unique id")
+        if wait_for_grammar:
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self._requests[request.request_id] = request
+            return request
+        return self._admit_to_queue(request)
+
+    def grammar_compiled(self, request_id: str) -> Request:
+        """WAITING_FOR_GRAMMAR → WAITING (or FINISHED_REJECTED, as ``add_request`` would): the
+        grammar of the live request ``request_id`` is ready."""
+        request = self._requests[request_id]
+        assert request.status is RequestStatus.WAITING_FOR_GRAMMAR, request.status
+        del self._requests[request_id]
+        return self._admit_to_queue(request)
+
+    def _admit_to_queue(self, request: Request) -> Request:
         reason = self._reject_reason(request)
         if reason is not None:
-            request.status = RequestStatus.FINISHED_REJECTED
-            request.reject_reason = reason
-            request.metrics.finished_time = time.monotonic()
-            return request
+            return self._reject(request, reason)
         request.status = RequestStatus.WAITING
-        request.load_remote_kv, request.pin_kv = load_remote_kv, pin_kv_on_finish
         self._enqueue(request)  # first: a policy that raises leaves nothing behind
         self._requests[request.request_id] = request
+        return request
+
+    def _reject(self, request: Request, reason: str) -> Request:
+        request.status = RequestStatus.FINISHED_REJECTED
+        request.reject_reason = reason
+        request.metrics.finished_time = time.monotonic()
         return request
 
     def take_new_loads(self) -> list[RemoteKVLoad]:
@@ -267,10 +308,10 @@ class Scheduler:
         loads, self._new_loads = self._new_loads, []
         return loads
 
-    def finish_remote_load(self, request_id: str, ok: bool, hold: bool = False) -> None:
+    def finish_remote_load(self, request_id: str, ok: bool, quarantine: bool = False) -> None:
         """The load of the live request ``request_id`` (in WAITING_FOR_REMOTE_KV) ended: on
         success it joins the running batch with ``num_prompt_tokens - 1`` tokens computed; on
-        failure its blocks are freed — or held under ``load_hold_id`` with ``hold``, when the
+        failure its blocks are freed — or quarantined with ``quarantine``, when the
         read may still write into them — and it waits again as an ordinary request."""
         request = self._requests[request_id]
         assert request.status is RequestStatus.WAITING_FOR_REMOTE_KV, request.status
@@ -279,8 +320,8 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self._running.append(request)
             return
-        if hold:
-            self._hold(request_id, load_hold_id(request_id))
+        if quarantine:
+            self._keep_blocks(request_id, quarantine_holder_id(request_id))
         self.kv.free(request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
@@ -291,16 +332,16 @@ class Scheduler:
         pins, self._new_pins = self._new_pins, []
         return pins
 
-    def release_hold(self, holder_id: str) -> bool:
-        """Free the blocks held under ``holder_id`` (a pin or a load's hold); False, and nothing
+    def release_blocks(self, holder_id: str) -> bool:
+        """Free the blocks of a pin or a quarantine, kept under ``holder_id``; False, and nothing
         done, when it holds none."""
         if not self.kv.get_block_ids(holder_id):
             return False
         self.kv.free(holder_id)
         return True
 
-    def _hold(self, request_id: str, holder_id: str) -> list[int]:
-        """Hold ``request_id``'s blocks under ``holder_id`` too (one more reference each)."""
+    def _keep_blocks(self, request_id: str, holder_id: str) -> list[int]:
+        """Keep ``request_id``'s blocks under ``holder_id`` too (one more reference each)."""
         if self.kv.get_block_ids(request_id):
             self.kv.fork(request_id, holder_id)
         return self.kv.get_block_ids(holder_id)
@@ -326,8 +367,6 @@ class Scheduler:
     def _reject_reason(self, request: Request) -> str | None:
         cfg, kv = self.config, self.kv
         n, prompt, max_tokens = request.num_sequences, request.num_prompt_tokens, request.max_tokens
-        if request.request_id in self._requests:
-            return f"request id {request.request_id!r} is already in use; give each request a unique id"
         if prompt + max_tokens > cfg.max_model_len:
             return (f"the prompt ({prompt} tokens) plus max_tokens ({max_tokens}) exceeds the model's "
                     f"context length ({cfg.max_model_len} tokens); shorten the prompt or lower "
@@ -351,19 +390,21 @@ class Scheduler:
         if was_running:
             self._running.remove(request)
         elif request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
-            self._hold(rid, load_hold_id(rid))  # its read still writes into the blocks
-        else:
-            self._waiting = [e for e in self._waiting if e[2] is not request]
-            heapq.heapify(self._waiting)
-        request.num_computed_tokens -= self._in_flight.pop(rid, 0)
+            self._keep_blocks(rid, quarantine_holder_id(rid))  # its read still writes into them
+        elif request.status in _QUEUED:
+            self._unqueue(request)
+        if request in self._isolated:
+            self._isolated.remove(request)
+        if self._step is not None:
+            request.num_computed_tokens -= self._step.num_in_flight(rid)
         request.status = status
         request.metrics.finished_time = time.monotonic()
-        self._isolation.pop(rid, None)
-        if request.pin_kv and was_running and status in (RequestStatus.FINISHED_STOPPED,
-                                                         RequestStatus.FINISHED_LENGTH):
-            pin_id = pin_hold_id(rid)
+        finished_normally = status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+        if request.remote_kv is RemoteKV.SEND and was_running and finished_normally:
+            pin_id = pin_holder_id(rid)
             tokens = tuple(request.all_token_ids[:request.num_computed_tokens])
-            self._new_pins.append(PinnedKV(rid, pin_id, self._hold(rid, pin_id), tokens, request.cache_salt))
+            self._new_pins.append(PinnedKV(rid, pin_id, self._keep_blocks(rid, pin_id), tokens,
+                                           request.cache_salt))
         self.kv.free(rid)
         del self._requests[rid]
         self._finished_ids.add(rid)
@@ -371,12 +412,15 @@ class Scheduler:
     def _enqueue(self, request: Request) -> None:
         heapq.heappush(self._waiting, (self.policy.sort_key(request), next(self._queue_seq), request))
 
+    def _unqueue(self, request: Request) -> None:
+        self._waiting = [e for e in self._waiting if e[2] is not request]
+        heapq.heapify(self._waiting)
+
     # ------------------------------------------------------------------ one step
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step and advance each scheduled request's ``num_computed_tokens`` by its
         scheduled count (the output carries the values from before)."""
-        self._in_flight = {}
         step = self._step = _Step(
             token_budget=self.config.max_num_batched_tokens,
             num_free_seats=self.config.max_num_seqs - sum(
@@ -392,10 +436,8 @@ class Scheduler:
         return self._build_output(step, forked)
 
     def _probe(self) -> Request | None:
-        """The first live request queued for isolation (None: not isolating)."""
-        for request_id in self._isolation:
-            return self._requests[request_id]
-        return None
+        """The head of the isolation queue (None: not isolating)."""
+        return self._isolated[0] if self._isolated else None
 
     def isolate_step(self) -> list[str]:
         """After the step being scheduled or executed raised: its tokens count as never
@@ -404,26 +446,35 @@ class Scheduler:
         isolation (preempted by recompute). Between this call and the next ``schedule()`` the
         runner must not see this step's output."""
         step, self._step = self._step, None
-        suspects = [self._requests[rid] for rid in self._in_flight if rid in self._requests]
-        current = step.current if step is not None else None
+        if step is None:
+            return []
+        in_step = [*step.scheduled, *step.forked_from]
+        suspects = [self._requests[rid] for rid in in_step if rid in self._requests]
+        current = step.current
         if current is not None and current not in suspects and current.request_id in self._requests:
             suspects.append(current)
         for request in suspects:
-            request.num_computed_tokens -= self._in_flight.pop(request.request_id, 0)
-        self._in_flight = {}
+            request.num_computed_tokens -= step.num_in_flight(request.request_id)
         roots = {r.parent_id or r.request_id for r in suspects}
         if len(roots) == 1:
             return list(roots)
         for request in suspects:
-            if request.status is RequestStatus.RUNNING:
-                self._running.remove(request)
-                self._requeue(request)
-                self._dropped.add(request.request_id)
-            elif request.status in _QUEUED and not any(
-                    entry[2] is request for entry in self._waiting):
-                self._enqueue(request)  # taken off the queue by the admission that raised
-            self._isolation[request.request_id] = request.num_output_tokens + 1
+            self._isolate(request)
         return []
+
+    def _isolate(self, request: Request) -> None:
+        """RUNNING, WAITING or PREEMPTED → ISOLATED, at the end of the isolation queue (a running
+        one is preempted by recompute, and the runner told to drop its state)."""
+        if request.status is RequestStatus.RUNNING:
+            self._running.remove(request)
+            self._reset(request)
+            self._dropped.add(request.request_id)
+        elif request.status in _QUEUED:
+            self._unqueue(request)  # when the admission that raised had not taken it off already
+        else:
+            return
+        request.status = RequestStatus.ISOLATED
+        self._isolated.append(request)
 
     def _schedule_running(self, step: _Step) -> None:
         """Give each running request its next tokens, preempting the policy's victims until its
@@ -493,20 +544,21 @@ class Scheduler:
                 return
 
     def _admit_probe(self, step: _Step) -> None:
-        """During isolation, admit the probe if it waits (wherever it is in the queue)."""
+        """During isolation, admit the probe if it waits: ISOLATED, or preempted since its
+        retry began (then wherever it is in the waiting queue)."""
         probe = step.probe
-        if probe.status not in _QUEUED:
+        if probe.status in _QUEUED:
+            self._unqueue(probe)
+        elif probe.status is not RequestStatus.ISOLATED:
             return
         step.current = probe
-        self._waiting = [e for e in self._waiting if e[2] is not probe]
-        heapq.heapify(self._waiting)
-        if not self._try_admit(step, probe):
+        if not self._try_admit(step, probe) and probe.status in _QUEUED:
             self._enqueue(probe)
 
     def _try_admit(self, step: _Step, request: Request) -> bool:
         """Prefix lookup, then allocation, preempting running requests while the policy allows."""
         num_cached = self.kv.get_num_cached_tokens(request)
-        if request.load_remote_kv:
+        if request.remote_kv is RemoteKV.LOAD:
             return self._admit_remote(step, request, num_cached)
         num_new = self._num_admitted_tokens(step, request, request.num_tokens - num_cached)
         if num_new == 0:
@@ -527,7 +579,7 @@ class Scheduler:
         if self._allocate_for_admission(step, request, num_to_load, num_cached) is None:
             return False
         rid = request.request_id
-        request.load_remote_kv = False  # loaded once: a failed load recomputes
+        request.remote_kv = RemoteKV.NONE  # loaded once: a failed load recomputes
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         request.num_computed_tokens = num_cached
         self._on_admitted(step, request, num_cached)
@@ -579,7 +631,6 @@ class Scheduler:
         step.token_budget -= num_new
         step.num_prompt_tokens += num_prompt_phase
         request.num_computed_tokens = start + num_new
-        self._in_flight[request.request_id] = num_new
 
     def _preempt(self, victim: Request, step: _Step) -> None:
         """Preempt by recompute; a victim scheduled earlier in this step gives its tokens back
@@ -589,7 +640,6 @@ class Scheduler:
             step.token_budget += record.num_new
             step.num_prompt_tokens -= record.num_prompt_phase
             victim.num_computed_tokens = record.start
-            del self._in_flight[victim.request_id]
         victim.metrics.num_preemptions += 1
         self.num_preemptions += 1
         self._running.remove(victim)
@@ -598,13 +648,17 @@ class Scheduler:
         self._requeue(victim)
 
     def _requeue(self, request: Request) -> None:
-        """Back to the waiting queue with nothing computed (the caller took it off the running
-        list and gave back its tokens in flight): its computed full blocks stay cached."""
+        """RUNNING → PREEMPTED: back to the waiting queue with nothing computed (the caller took
+        it off the running list and gave back its tokens in flight)."""
+        self._reset(request)
+        request.status = RequestStatus.PREEMPTED
+        self._enqueue(request)
+
+    def _reset(self, request: Request) -> None:
+        """Nothing computed, nothing sent: its computed full blocks stay cached."""
         self.kv.free(request.request_id)
         request.num_tokens_sent = 0
         request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
-        self._enqueue(request)
 
     def _fork_completed_prompts(self, step: _Step) -> list[ForkedRequestData]:
         """Fork every not-yet-forked request with n > 1 whose prompt this step completes. Done
@@ -614,13 +668,13 @@ class Scheduler:
             parent = record.request
             if parent.num_sequences == 1 or parent.num_computed_tokens < parent.num_prompt_tokens:
                 continue
-            parent.forked = True
+            parent.num_sequences = 1
             for index in range(1, parent.sampling_params.n):
                 child = parent.fork(f"{parent.request_id}#{index}", index)
                 child.num_tokens_sent = child.num_tokens  # the runner copies the parent's
                 self.kv.fork(parent.request_id, child.request_id)
                 self._requests[child.request_id] = child
-                self._in_flight[child.request_id] = record.num_new  # computed by the parent's step
+                step.forked_from[child.request_id] = parent.request_id  # computed by its step
                 self._running.append(child)
                 forked.append(ForkedRequestData(child.request_id, parent.request_id, index))
         return forked
@@ -669,7 +723,6 @@ class Scheduler:
         its blocks at once. Tokens for requests aborted meanwhile are dropped, and so is the
         token of a request with ``max_tokens == 0``, which finishes ("length") once its prompt
         is computed."""
-        self._in_flight = {}
         self._step = None
         now = time.monotonic()
         updates = []
@@ -699,8 +752,8 @@ class Scheduler:
                     self._finish(request, status)
                     break
             updates.append(RequestUpdate(request, appended, status is not None))
-            if self._isolation.get(request_id, 1 << 62) <= request.num_output_tokens:
-                del self._isolation[request_id]
+            if self._isolated and self._isolated[0] is request:
+                self._isolated.pop(0)  # the probe sampled: its retry is over
         return updates
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:

@@ -99,7 +99,7 @@ def test_an_aborted_compile_is_dropped_and_frees_its_thread(one_thread_llm):
         compile_s = _compile_s(llm, huge_schema("w"))
         doomed_schema = huge_schema("d")
         doomed = engine.add_request("Answer:", SamplingParams(max_tokens=5, structured_outputs={"json": doomed_schema}))
-        job = engine._awaiting_grammar[doomed].compiled
+        job = engine.structured._compiling[doomed]
         while job.started_at is None:
             time.sleep(0.001)
         engine.abort_request(doomed)

@@ -2,12 +2,13 @@
 from tandem.plugins.policies import FCFSPolicy
 from tandem.sched.kv_manager import PagedKVAllocator
 from tandem.sched.output import ModelRunnerOutput
-from tandem.sched.request import Request
+from tandem.sched.request import RemoteKV, Request
 from tandem.sampling_params import SamplingParams
 from tandem.sched.scheduler import Scheduler, SchedulerConfig
 
 
-def make_request(rid, prompt, *, max_tokens=8, arrival=0.0, priority=0, eos=(), **params):
+def make_request(rid, prompt, *, max_tokens=8, arrival=0.0, priority=0, eos=(),
+                 remote_kv=RemoteKV.NONE, **params):
     return Request(
         request_id=rid,
         prompt_token_ids=list(prompt),
@@ -16,6 +17,7 @@ def make_request(rid, prompt, *, max_tokens=8, arrival=0.0, priority=0, eos=(), 
         priority=priority,
         arrival_time=arrival,
         max_tokens=max_tokens,
+        remote_kv=remote_kv,
     )
 
 

@@ -265,3 +265,26 @@ def test_a_custom_policy_orders_admission():
     s.add_request(make_request("short", range(2), arrival=5.0))
     out, _ = run_step(s)
     assert list(out.num_scheduled_tokens) == ["short"]
+
+
+def test_a_request_waiting_for_its_grammar_is_held_apart_until_it_compiled():
+    s = make_scheduler(num_blocks=4, block_size=4)
+    a = s.add_request(make_request("a", range(4)), wait_for_grammar=True)
+    assert a.status is RequestStatus.WAITING_FOR_GRAMMAR and s.get_request("a") is a
+    assert s.waiting_for_grammar() == ["a"] and not s.has_requests_to_step() and s.num_waiting == 0
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {}
+    assert s.grammar_compiled("a") is a and a.status is RequestStatus.WAITING
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {"a": 4} and s.waiting_for_grammar() == []
+
+
+def test_a_compiled_request_that_could_never_run_is_rejected_and_an_aborted_one_ends():
+    s = make_scheduler(num_blocks=4, block_size=4)
+    big = s.add_request(make_request("big", range(40)), wait_for_grammar=True)
+    assert big.status is RequestStatus.WAITING_FOR_GRAMMAR  # checked once its grammar is there
+    assert s.grammar_compiled("big").status is RequestStatus.FINISHED_REJECTED and big.reject_reason
+    assert s.get_request("big") is None
+    b = s.add_request(make_request("b", range(4)), wait_for_grammar=True)
+    assert s.abort_requests(["b"]) == [b] and b.status is RequestStatus.FINISHED_ABORTED
+    assert not s.has_unfinished_requests()

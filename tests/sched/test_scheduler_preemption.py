@@ -209,7 +209,7 @@ def test_n_sequences_fork_when_the_prompt_completes():
     assert out.num_scheduled_tokens == {"a": 6}  # the children compute nothing this step
     assert [(u.request.request_id, u.new_token_ids) for u in updates] == [
         ("a", [1]), ("a#1", [2]), ("a#2", [3])]
-    assert a.forked and a.num_sequences == 1 and s.num_running == 3
+    assert a.num_sequences == 1 and s.num_running == 3
     children = [s.get_request(f"a#{i}") for i in (1, 2)]
     assert all(c.num_computed_tokens == 6 and c.status is RequestStatus.RUNNING for c in children)
     assert s.kv.get_block_ids("a#2") == [1, 2]

@@ -33,9 +33,9 @@ from hypothesis import strategies as st
 
 from tandem.plugins.policies import FCFSPolicy, PriorityPolicy
 from tandem.sched.kv_manager import PagedKVAllocator
-from tandem.sched.request import Request, RequestStatus
+from tandem.sched.request import RemoteKV, Request, RequestStatus
 from tandem.sampling_params import SamplingParams
-from tandem.sched.scheduler import Scheduler, SchedulerConfig, load_hold_id
+from tandem.sched.scheduler import Scheduler, SchedulerConfig, quarantine_holder_id
 
 from tests.sched.sim_runner import EOS, SimulatedRunner
 
@@ -210,7 +210,7 @@ class Harness:
                 if late or spec.load_ok or spec.late:
                     self._write_loaded(request, load)
                 del self.loads[rid]
-                assert self.sched.release_hold(load_hold_id(rid)) or not load.block_ids
+                assert self.sched.release_blocks(quarantine_holder_id(rid)) or not load.block_ids
             elif spec.load_ok:
                 self._write_loaded(request, load)
                 self.loaded.add(rid)
@@ -218,7 +218,7 @@ class Harness:
                 self.sched.finish_remote_load(rid, True)
             elif spec.late:  # past its deadline: it recomputes, the read lands later
                 entry[1], entry[2] = spec.kv_steps, True
-                self.sched.finish_remote_load(rid, False, hold=True)
+                self.sched.finish_remote_load(rid, False, quarantine=True)
             else:
                 del self.loads[rid]
                 self.sched.finish_remote_load(rid, False)
@@ -229,8 +229,8 @@ class Harness:
                 continue
             self._check_pin(pin)
             del self.pins[pin_id]
-            assert self.sched.release_hold(pin_id)
-            assert not self.sched.release_hold(pin_id)
+            assert self.sched.release_blocks(pin_id)
+            assert not self.sched.release_blocks(pin_id)
 
     def _write_loaded(self, request: Request, load) -> None:
         """What a connector writes: the prompt's KV at positions [num_cached, P-1)."""
@@ -252,8 +252,9 @@ class Harness:
     def _arrive(self, step: int) -> None:
         for spec in self.w.specs:
             if spec.arrival_step == step:
-                request = self.sched.add_request(build(spec), load_remote_kv=spec.kv_role == "remote",
-                                                 pin_kv_on_finish=spec.kv_role == "pin")
+                request = build(spec)
+                request.remote_kv = {"remote": RemoteKV.LOAD, "pin": RemoteKV.SEND}.get(spec.kv_role, RemoteKV.NONE)
+                request = self.sched.add_request(request)
                 self.requests[spec.rid] = request
                 if request.status is RequestStatus.FINISHED_REJECTED:
                     assert request.reject_reason
@@ -310,7 +311,7 @@ class Harness:
     def _check_blocks(self, runner_synced: bool) -> None:
         refs = [0] * self.w.num_blocks
         tables = [self.kv.get_block_ids(pin_id) for pin_id in self.pins]
-        tables += [self.kv.get_block_ids(load_hold_id(rid)) for rid in self.loads]
+        tables += [self.kv.get_block_ids(quarantine_holder_id(rid)) for rid in self.loads]
         for r in self.requests.values():
             table = self.kv.get_block_ids(r.request_id)
             assert not (r.is_finished and table), f"finished {r.request_id} still holds blocks"

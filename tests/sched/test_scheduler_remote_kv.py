@@ -1,8 +1,8 @@
 """The scheduler's disaggregation bookkeeping on hand-computed cases (block size 4): admission to
 WAITING_FOR_REMOTE_KV with local prefix hits, the end of a load (done, failed, after an abort),
-holds of blocks a read may still write into, and pins of finished requests."""
-from tandem.sched.request import RequestStatus
-from tandem.sched.scheduler import load_hold_id, pin_hold_id
+quarantines of blocks a read may still write into, and pins of finished requests."""
+from tandem.sched.request import RemoteKV, RequestStatus
+from tandem.sched.scheduler import pin_holder_id, quarantine_holder_id
 from tests.sched.sched_helpers import make_request, make_scheduler, run_step
 
 PREFIX = [11, 12, 13, 14, 15, 16, 17, 18]
@@ -18,7 +18,7 @@ def warm(scheduler) -> None:
 def test_remote_request_waits_with_blocks_for_all_but_the_last_prompt_token():
     s = make_scheduler(num_blocks=16, max_num_seqs=2)
     warm(s)
-    s.add_request(make_request("r", PREFIX + [1, 2, 3]), load_remote_kv=True)
+    s.add_request(make_request("r", PREFIX + [1, 2, 3], remote_kv=RemoteKV.LOAD))
     out, _ = run_step(s)
     assert out.num_scheduled_tokens == {} and out.new_requests == []
     r = s.get_request("r")
@@ -36,7 +36,7 @@ def test_remote_request_waits_with_blocks_for_all_but_the_last_prompt_token():
 
 def test_done_load_runs_the_last_prompt_token_and_is_sent_in_full():
     s = make_scheduler(num_blocks=16)
-    s.add_request(make_request("r", [1, 2, 3, 4, 5, 6]), load_remote_kv=True)
+    s.add_request(make_request("r", [1, 2, 3, 4, 5, 6], remote_kv=RemoteKV.LOAD))
     run_step(s)
     (load,) = s.take_new_loads()
     assert (load.first_block, len(load.block_ids)) == (0, 2)
@@ -53,7 +53,7 @@ def test_done_load_runs_the_last_prompt_token_and_is_sent_in_full():
 def test_failed_load_frees_the_blocks_and_recomputes_from_the_local_cache():
     s = make_scheduler(num_blocks=16)
     warm(s)
-    s.add_request(make_request("r", PREFIX + [1, 2, 3]), load_remote_kv=True)
+    s.add_request(make_request("r", PREFIX + [1, 2, 3], remote_kv=RemoteKV.LOAD))
     run_step(s)
     s.take_new_loads()
     s.finish_remote_load("r", ok=False)
@@ -65,51 +65,51 @@ def test_failed_load_frees_the_blocks_and_recomputes_from_the_local_cache():
     assert s.take_new_loads() == []
 
 
-def test_abort_during_a_load_holds_the_blocks_until_the_load_ends():
+def test_abort_during_a_load_quarantines_the_blocks_until_the_load_ends():
     s = make_scheduler(num_blocks=16)
-    s.add_request(make_request("r", list(range(1, 10))), load_remote_kv=True)
+    s.add_request(make_request("r", list(range(1, 10)), remote_kv=RemoteKV.LOAD))
     run_step(s)
     (load,) = s.take_new_loads()
     assert s.kv.stats().num_used_blocks == 2
     (aborted,) = s.abort_requests(["r"])
     assert aborted.status is RequestStatus.FINISHED_ABORTED and s.get_request("r") is None
-    assert s.kv.get_block_ids(load_hold_id("r")) == load.block_ids
+    assert s.kv.get_block_ids(quarantine_holder_id("r")) == load.block_ids
     assert s.kv.stats().num_used_blocks == 2
-    assert s.release_hold(load_hold_id("r")) and not s.release_hold(load_hold_id("r"))
+    assert s.release_blocks(quarantine_holder_id("r")) and not s.release_blocks(quarantine_holder_id("r"))
     assert s.kv.stats().num_used_blocks == 0
 
 
-def test_a_failed_load_that_may_still_land_holds_its_blocks_while_the_request_recomputes():
+def test_a_failed_load_that_may_still_land_quarantines_its_blocks_while_the_request_recomputes():
     s = make_scheduler(num_blocks=16)
-    r = s.add_request(make_request("r", list(range(1, 10))), load_remote_kv=True)
+    r = s.add_request(make_request("r", list(range(1, 10)), remote_kv=RemoteKV.LOAD))
     run_step(s)
     (load,) = s.take_new_loads()
-    s.finish_remote_load("r", ok=False, hold=True)
-    assert r.status is RequestStatus.WAITING and s.kv.get_block_ids(load_hold_id("r")) == load.block_ids
+    s.finish_remote_load("r", ok=False, quarantine=True)
+    assert r.status is RequestStatus.WAITING and s.kv.get_block_ids(quarantine_holder_id("r")) == load.block_ids
     out, _ = run_step(s)  # recomputed in other blocks: the held ones are not free
     (new,) = out.new_requests
     assert not set(new.block_ids) & set(load.block_ids)
-    assert s.release_hold(load_hold_id("r"))
+    assert s.release_blocks(quarantine_holder_id("r"))
     # the held blocks never entered the prefix cache: their KV is whatever the late read wrote
     assert all(s.kv.block_pool.blocks[b].block_hash is None for b in load.block_ids)
 
 
 def test_finished_request_pins_its_blocks_until_released():
     s = make_scheduler(num_blocks=16)
-    s.add_request(make_request("p", list(range(1, 7)), max_tokens=1), pin_kv_on_finish=True)
+    s.add_request(make_request("p", list(range(1, 7)), max_tokens=1, remote_kv=RemoteKV.SEND))
     s.add_request(make_request("q", list(range(1, 7)), max_tokens=1))
     run_step(s)
     (pin,) = s.take_new_pins()
     assert (pin.request_id, pin.num_tokens, len(pin.block_ids)) == ("p", 6, 2)
     assert s.kv.stats().num_used_blocks == 2
-    assert pin.pin_id == pin_hold_id("p") and pin.token_ids == tuple(range(1, 7)) and pin.cache_salt is None
-    assert s.release_hold(pin.pin_id) and not s.release_hold(pin.pin_id)
+    assert pin.pin_id == pin_holder_id("p") and pin.token_ids == tuple(range(1, 7)) and pin.cache_salt is None
+    assert s.release_blocks(pin.pin_id) and not s.release_blocks(pin.pin_id)
     assert s.kv.stats().num_used_blocks == 0
 
 
 def test_aborted_request_is_not_pinned():
     s = make_scheduler(num_blocks=16)
-    s.add_request(make_request("p", list(range(1, 7)), max_tokens=4), pin_kv_on_finish=True)
+    s.add_request(make_request("p", list(range(1, 7)), max_tokens=4, remote_kv=RemoteKV.SEND))
     run_step(s)
     s.abort_requests(["p"])
     assert s.take_new_pins() == [] and s.kv.stats().num_used_blocks == 0
