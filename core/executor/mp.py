@@ -1,5 +1,5 @@
-"""The "mp" executor: one worker process per rank (torch.multiprocessing, spawn), the default
-when tensor or pipeline parallelism is asked for.
+"""The "mp" executor: one worker process per rank (``python -m tandem.executor``, started by
+tandem.executor.ranks), the default when tensor or pipeline parallelism is asked for.
 
 The engine process keeps the scheduler; it starts this host's ranks (``parallel.world_size /
 parallel.nnodes`` of them; other hosts start theirs with ``tandem serve --headless``), talks to
@@ -24,8 +24,9 @@ import pickle
 import socket
 import time
 from tandem.config import ConfigError, TandemConfig
+from tandem.executor.messages import STOP, Fatal, KVCall, KVDone, Ready, Reply, StartFailed, StepDone, StepFailed
 from tandem.executor.rank_auth import cluster_key
-from tandem.executor.worker_process import STOP, WorkerSpec, run_worker
+from tandem.executor.ranks import start_ranks
 from tandem.interfaces import Executor, KVConnector
 from tandem.sched.output import ModelRunnerOutput, SchedulerOutput
 
@@ -43,8 +44,6 @@ class MultiprocExecutor(Executor):
     name = "mp"
 
     def __init__(self, config: TandemConfig, eos_token_ids: frozenset[int]) -> None:
-        import torch.multiprocessing as mp
-
         from tandem.errors import EngineDeadError
 
         par = config.parallel
@@ -60,18 +59,7 @@ class MultiprocExecutor(Executor):
         self.tp_size, self.pp_size = par.tensor_parallel_size, par.pipeline_parallel_size
         self.nnodes = par.nnodes
         self._last_ping = time.monotonic()
-        local = par.world_size // par.nnodes
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        level = logging.getLogger("tandem").getEffectiveLevel()
-        self.procs = []
-        for rank in range(local):
-            spec = WorkerSpec(config, eos_token_ids, rank, rank, local, key, level)
-            proc = ctx.Process(target=run_worker, args=(spec, child if rank == 0 else None),
-                               name=f"tandem-rank-{rank}", daemon=True)
-            proc.start()
-            self.procs.append(proc)
-        child.close()
+        self.procs, self.conn = start_ranks(config, eos_token_ids, 0, key, with_pipe=True)
         self._closed = False
         self.step_seconds = 0.0
         """Round trip of the last step, in the engine process."""
@@ -81,13 +69,14 @@ class MultiprocExecutor(Executor):
                     par.world_size, par.tensor_parallel_size, par.pipeline_parallel_size, par.nnodes,
                     par.master_addr, config.parallel.master_port)
         try:
-            kind, payload = self._wait(None, "start-up")
+            reply = self._wait(None, "start-up")
         except EngineDeadError as exc:
             raise RuntimeError(f"the mp executor could not start: {exc}") from None
-        if kind != "ready":
+        if not isinstance(reply, Ready):
             self.close()
-            raise RuntimeError(f"the mp executor could not start: {payload}")
-        self.info = payload
+            assert isinstance(reply, StartFailed), reply
+            raise RuntimeError(f"the mp executor could not start: {reply.message}")
+        self.info = reply.info
 
     @property
     def num_kv_blocks(self) -> int:
@@ -109,13 +98,15 @@ class MultiprocExecutor(Executor):
             self._die(f"rank 0's pipe is closed: {exc}")
         reply = self._wait(self.timeout_s, "a step")
         self.step_seconds = time.perf_counter() - t0
-        if reply[0] == "ok":
-            self.worker_seconds = reply[2]
-            return reply[1]
-        if reply[0] == "error":
-            raise reply[1]
-        self._die(reply[1])
-        raise AssertionError("unreachable")
+        match reply:
+            case StepDone(output, worker_seconds):
+                self.worker_seconds = worker_seconds
+                return output
+            case StepFailed(error):
+                raise error
+            case Fatal(message):
+                self._die(message)
+        raise AssertionError(f"a step was answered with {reply!r}")
 
     def connect_kv(self, connector_name: str, compat_hash: str) -> KVConnector:
         """Every rank registers its slice of the KV pool with its own connector; the engine
@@ -141,8 +132,6 @@ class MultiprocExecutor(Executor):
     def call_ranks(self, method: str, args: list[tuple]) -> list:
         """``connector.<method>(*args[r])`` on every rank r; their results in rank order. An
         exception of a rank is raised here; a dead or hung rank is an ``EngineDeadError``."""
-        from tandem.executor.worker_process import KVCall
-
         if self._closed:
             self._die("the mp executor's workers are stopped")
         try:
@@ -150,12 +139,14 @@ class MultiprocExecutor(Executor):
         except OSError as exc:
             self._die(f"rank 0's pipe is closed: {exc}")
         reply = self._wait(self.timeout_s, f"a KV connector call ({method})")
-        if reply[0] == "kv":
-            return reply[1]
-        if reply[0] == "error":
-            raise reply[1]
-        self._die(reply[1])
-        raise AssertionError("unreachable")
+        match reply:
+            case KVDone(results):
+                return results
+            case StepFailed(error):
+                raise error
+            case Fatal(message):
+                self._die(message)
+        raise AssertionError(f"a KV connector call was answered with {reply!r}")
 
     def close(self) -> None:
         if self._closed:
@@ -173,7 +164,7 @@ class MultiprocExecutor(Executor):
 
     # ------------------------------------------------------------------ helpers
 
-    def _wait(self, timeout: float | None, what: str) -> tuple:
+    def _wait(self, timeout: float | None, what: str) -> Reply:
         """Rank 0's next reply; EngineDeadError when a local rank exits first or none comes
         within ``timeout`` seconds."""
         ready = multiprocessing.connection.wait([self.conn] + [p.sentinel for p in self.procs], timeout)

@@ -48,8 +48,7 @@ class ClusterAuthError(RuntimeError):
 
 def cluster_key(config: TandemConfig) -> bytes:
     """The key this launch's ranks prove themselves with: a fresh random one on one host (the
-    engine passes it to its children with their start-up arguments, never in argv or the
-    environment), the cluster secret across hosts, and the empty key across "hosts" that are all
+    engine passes it to its children on their stdin, never in argv or the environment), the cluster secret across hosts, and the empty key across "hosts" that are all
     this host's loopback when no secret is set. Raises ConfigError for several hosts without a
     secret and a master_addr that is not a loopback address."""
     par, secret = config.parallel, config.disaggregation.kv_transfer_secret

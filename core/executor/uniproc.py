@@ -3,7 +3,7 @@ The default when nothing is parallel."""
 from __future__ import annotations
 
 from tandem.config import TandemConfig
-from tandem.executor.worker import Worker
+from tandem.worker.worker import Worker
 from tandem.interfaces import Executor, KVConnector
 from tandem.sched.output import ModelRunnerOutput, SchedulerOutput
 

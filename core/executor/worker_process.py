@@ -20,12 +20,17 @@ and logprobs). Tensors — all-reduces, logits gathers, stage-to-stage hidden st
 the world group (gloo on the CPU, NCCL on CUDA), whose collectives time out after
 ``engine.worker_timeout_s``; the cpu group waits without limit (an idle instance sends nothing).
 
-A reply is ``("ok", output, seconds)``, ``("error", exception)`` when every rank failed the
-step in its Python code (the engine isolates it as in one process), or ``("fatal", message)``
-when a collective failed or one rank failed alone (the ranks are out of step: the engine dies).
+A reply is one of tandem.executor.messages: ``StepDone``, ``StepFailed`` when every rank failed
+the step in its Python code (the engine isolates it as in one process), or ``Fatal`` when a
+collective failed or one rank failed alone (the ranks are out of step: the engine dies).
+
+The process is ``python -m tandem.executor`` (tandem.executor.ranks starts it), never a re-import
+of the user's main module; its ``WorkerSpec`` comes pickled on stdin, rank 0's pipe as an
+inherited socket.
 """
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import pickle
@@ -39,11 +44,11 @@ from typing import Any
 import torch
 
 from tandem.config import TandemConfig
+from tandem.executor.messages import (STOP, Fatal, KVCall, KVDone, Ready, Reply, StartFailed, StepDone,
+                                      StepFailed)
 
 logger = logging.getLogger("tandem")
 
-STOP = b""
-"""The step message that ends the loop (also sent by rank 0 when its pipe closes)."""
 IDLE_TIMEOUT = timedelta(days=3650)
 HELLO = b"tandem-ranks/hello"
 
@@ -147,13 +152,31 @@ def _configure(spec: WorkerSpec) -> None:
         eng.device = f"cuda:{spec.local_rank}"
 
 
+def main(argv: list[str]) -> int:
+    """``python -m tandem.executor --rank R [--conn-fd FD]``: read the parent's ``sys.path`` and
+    this rank's ``WorkerSpec`` (pickled, in that order) from stdin, then run the rank; rank 0
+    talks to the engine over the inherited socket ``FD``."""
+    from multiprocessing.connection import Connection
+
+    parser = argparse.ArgumentParser(prog="python -m tandem.executor",
+                                     description="one rank of the mp executor (started by tandem)")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--conn-fd", type=int)
+    args = parser.parse_args(argv)
+    sys.path[:] = pickle.load(sys.stdin.buffer)
+    spec = pickle.load(sys.stdin.buffer)
+    assert spec.rank == args.rank, f"rank {args.rank} was sent the spec of rank {spec.rank}"
+    run_worker(spec, None if args.conn_fd is None else Connection(args.conn_fd))
+    return 0
+
+
 def run_worker(spec: WorkerSpec, conn: Any = None) -> None:
     """A rank's process: build the worker, then run steps until told to stop. Rank 0 talks to
     the engine over ``conn``; the others get their steps from rank 0. Exits 1 on a failure that
     leaves the ranks out of step."""
     _configure(spec)
     from tandem.distributed import set_current
-    from tandem.executor.worker import Worker
+    from tandem.worker.worker import Worker
 
     try:
         context, channel = init_distributed(spec)
@@ -162,19 +185,19 @@ def run_worker(spec: WorkerSpec, conn: Any = None) -> None:
     except BaseException as exc:  # noqa: BLE001 - reported to the engine, then the process ends
         logger.error("start-up failed: %s: %s", type(exc).__name__, exc)
         if conn is not None:
-            conn.send_bytes(pickle.dumps(("failed", f"rank {spec.rank}: {type(exc).__name__}: {exc}")))
+            conn.send_bytes(pickle.dumps(StartFailed(f"rank {spec.rank}: {type(exc).__name__}: {exc}")))
         sys.exit(1)
     logger.info("rank %d of %d ready (tp rank %d, pp stage %d)", spec.rank, spec.world_size,
                 context.tp_rank, context.pp_rank)
     if conn is not None:
-        conn.send_bytes(pickle.dumps(("ready", worker.info)))
+        conn.send_bytes(pickle.dumps(Ready(worker.info)))
     try:
         _loop(worker, context, channel, conn)
     except Exception as exc:  # noqa: BLE001 - the ranks are out of step: end this process
         logger.error("the step loop failed: %s: %s", type(exc).__name__, exc)
         if conn is not None:
             try:
-                conn.send_bytes(pickle.dumps(("fatal", f"rank 0: {type(exc).__name__}: {exc}")))
+                conn.send_bytes(pickle.dumps(Fatal(f"rank 0: {type(exc).__name__}: {exc}")))
             except OSError:
                 pass
         sys.exit(1)
@@ -200,40 +223,28 @@ def _loop(worker: Any, context: Any, channel: Any, conn: Any) -> None:
         if world > 1:
             replies = channel.gather(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
             if rank != 0:
-                if reply[0] == "fatal":
-                    raise RuntimeError(reply[1])
+                if isinstance(reply, Fatal):
+                    raise RuntimeError(reply.message)
                 continue
             reply = _combine([pickle.loads(r) for r in replies], context.driver_rank)
-        elif reply[0] == "kv":
-            reply = ("kv", [reply[1]])
         conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
-        if reply[0] == "fatal":
-            raise RuntimeError(reply[1])
+        if isinstance(reply, Fatal):
+            raise RuntimeError(reply.message)
 
 
-def _run_step(worker: Any, message: bytes) -> tuple:
+def _run_step(worker: Any, message: bytes) -> Reply:
     t0 = time.perf_counter()
     try:
         task = pickle.loads(message)
         if isinstance(task, KVCall):
-            return ("kv", _kv_call(worker, task), 0.0)
+            return KVDone([_kv_call(worker, task)])
         output = worker.execute(task)
     except Exception as exc:  # noqa: BLE001 - sorted out by _combine / the engine
         if _is_collective_error(exc):
-            return ("fatal", f"rank {worker.parallel.rank}: a collective failed: {type(exc).__name__}: {exc}")
+            return Fatal(f"rank {worker.parallel.rank}: a collective failed: {type(exc).__name__}: {exc}")
         logger.error("step failed: %s", traceback.format_exc())
-        return ("error", _picklable(exc))
-    return ("ok", output if worker.parallel.is_driver else None, time.perf_counter() - t0)
-
-
-@dataclass(slots=True)
-class KVCall:
-    """A step message that calls a method of every rank's KV connector: rank r runs
-    ``connector.<method>(*args[r])`` ("connect" builds the connector and returns its
-    handshake). The reply is ``("kv", [result of rank 0, rank 1, ...])``."""
-
-    method: str
-    args: list[tuple]
+        return StepFailed(_picklable(exc))
+    return StepDone(output if worker.parallel.is_driver else None, time.perf_counter() - t0)
 
 
 def _kv_call(worker: Any, call: KVCall) -> Any:
@@ -247,24 +258,24 @@ def _kv_call(worker: Any, call: KVCall) -> Any:
     return getattr(worker.connector, call.method)(*args)
 
 
-def _combine(replies: list[tuple], driver: int) -> tuple:
+def _combine(replies: list[Reply], driver: int) -> Reply:
     """One reply for the engine: fatal if any rank's was, the exception if every rank failed,
     fatal if only some did, else the driver's output with the slowest rank's compute time.
     A connector call (no collective ran: the ranks are still in step) returns every rank's
     result, or the first rank's exception."""
-    fatal = [r[1] for r in replies if r[0] == "fatal"]
+    fatal = [r.message for r in replies if isinstance(r, Fatal)]
     if fatal:
-        return ("fatal", "; ".join(fatal))
-    failed = [i for i, r in enumerate(replies) if r[0] == "error"]
-    if any(r[0] == "kv" for r in replies):
-        return replies[failed[0]] if failed else ("kv", [r[1] for r in replies])
+        return Fatal("; ".join(fatal))
+    failed = [i for i, r in enumerate(replies) if isinstance(r, StepFailed)]
+    if any(isinstance(r, KVDone) for r in replies):
+        return replies[failed[0]] if failed else KVDone([x for r in replies for x in r.results])
     if failed and len(failed) < len(replies):
-        first = replies[failed[0]][1]
-        return ("fatal", f"ranks {failed} failed a step the others ran ({type(first).__name__}: {first}); "
-                         "the ranks are out of step")
+        first = replies[failed[0]].error
+        return Fatal(f"ranks {failed} failed a step the others ran ({type(first).__name__}: {first}); "
+                     "the ranks are out of step")
     if failed:
-        return replies[driver] if replies[driver][0] == "error" else replies[failed[0]]
-    return ("ok", replies[driver][1], max(r[2] for r in replies))
+        return replies[driver] if isinstance(replies[driver], StepFailed) else replies[failed[0]]
+    return StepDone(replies[driver].output, max(r.worker_seconds for r in replies))
 
 
 def _is_collective_error(exc: BaseException) -> bool:
@@ -282,42 +293,3 @@ def _picklable(exc: BaseException) -> BaseException:
         return exc
     except Exception:  # noqa: BLE001 - any exception type may refuse pickling
         return RuntimeError(f"{type(exc).__name__}: {exc}")
-
-
-def run_headless(config: TandemConfig, eos_token_ids: frozenset[int]) -> int:
-    """``tandem serve --headless``: run this host's ranks (``parallel.node_rank``) until the
-    head stops them; returns the exit code (1 when a rank failed)."""
-    import multiprocessing.connection
-
-    import torch.multiprocessing as mp
-
-    from tandem.executor.rank_auth import cluster_key
-
-    par = config.parallel
-    if par.node_rank == 0:
-        raise ValueError("--headless runs the ranks of another host: give it --node-rank 1 or above "
-                         "(node 0, the head, runs `tandem serve` itself)")
-    key = cluster_key(config)
-    local = par.world_size // par.nnodes
-    ctx = mp.get_context("spawn")
-    procs = []
-    for i in range(local):
-        spec = WorkerSpec(config, eos_token_ids, par.node_rank * local + i, i, local, key,
-                          logging.getLogger("tandem").getEffectiveLevel())
-        proc = ctx.Process(target=run_worker, args=(spec,), name=f"tandem-rank-{spec.rank}")
-        proc.start()
-        procs.append(proc)
-    logger.info("headless node %d: ranks %d..%d started, waiting for the head at %s:%d", par.node_rank,
-                par.node_rank * local, par.node_rank * local + local - 1, par.master_addr, par.master_port)
-    code = 0
-    pending = list(procs)
-    while pending:
-        multiprocessing.connection.wait([p.sentinel for p in pending])
-        for proc in [p for p in pending if p.exitcode is not None]:
-            pending.remove(proc)
-            if proc.exitcode != 0:
-                logger.error("%s exited with code %s", proc.name, proc.exitcode)
-                code = 1
-                for other in pending:
-                    other.terminate()
-    return code

@@ -92,7 +92,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _run_headless(config: TandemConfig) -> int:
-    from tandem.executor.worker_process import run_headless
+    from tandem.executor.ranks import run_headless
     from tandem.models.loader import load_generation_config
 
     try:

@@ -76,8 +76,7 @@ def test_serve_tp2_answers_like_one_process_and_exits_nonzero_when_a_worker_dies
         assert answer.json()["choices"][0]["text"] == want
 
         workers = [p for p in _children(proc.pid)
-                   if "run_worker" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")
-                   or "multiprocessing" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
+                   if "tandem.executor" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
         assert workers, "no worker process found"
         os.kill(workers[-1], signal.SIGKILL)
         t0 = time.monotonic()  # idle: no request has to come for the server to notice
