@@ -15,6 +15,7 @@ a ``ConfigError`` whose message names the field (``engine.scheduler``) and what 
 from __future__ import annotations
 
 import difflib
+import enum
 import json
 import re
 import tomllib
@@ -342,12 +343,24 @@ class ServerConfig(_Section):
         return self
 
 
+class Role(enum.StrEnum):
+    """What an instance serves; the values are those of the config, the ``--role`` flag, the
+    router's admin API and its metrics."""
+
+    BOTH = "both"
+    """Colocated: prefill and decode on one instance (no hand-overs)."""
+    PREFILL = "prefill"
+    """Computes prompts and hands their KV blocks over to a decode instance."""
+    DECODE = "decode"
+    """Generates tokens, its prompts' KV blocks fetched from a prefill instance."""
+
+
 class InstanceConfig(_Section):
     """One instance behind the router."""
 
     url: str
     """Base URL, e.g. http://10.0.0.2:8000."""
-    role: Literal["prefill", "decode", "both"]
+    role: Role
     """What the router sends it."""
 
     @field_validator("url")
@@ -361,7 +374,7 @@ class InstanceConfig(_Section):
 class DisaggregationConfig(_Section):
     """``[disaggregation]``: separate prefill and decode instances behind a router."""
 
-    role: Literal["both", "prefill", "decode"] = "both"
+    role: Role = Role.BOTH
     """This instance's role; both = colocated prefill and decode."""
     instances: list[InstanceConfig] = Field(default_factory=list)
     """The router's instances: a list of {url, role}."""
@@ -430,7 +443,7 @@ class DisaggregationConfig(_Section):
     def is_disaggregated(self) -> bool:
         """Whether this config drives hand-overs: a prefill or decode instance, or a router with
         prefill or decode instances listed."""
-        return self.role != "both" or any(i.role != "both" for i in self.instances)
+        return self.role is not Role.BOTH or any(i.role is not Role.BOTH for i in self.instances)
 
 
 def _check_cluster_secret(secret: str) -> None:
@@ -713,7 +726,7 @@ def validate_plugin_names(config: TandemConfig, registry: Registry) -> None:
     fields = list(_PLUGIN_FIELDS)
     if config.server.tool_call_parser is not None:
         fields.append(("server", "tool_call_parser", "tool_parser", ()))
-    if config.disaggregation.role != "both" or config.disaggregation.instances:
+    if config.disaggregation.role is not Role.BOTH or config.disaggregation.instances:
         fields += _DISAGGREGATION_PLUGIN_FIELDS
     problems = []
     for section, name, kind, builtin_values in fields:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from tandem.errors import EngineDeadError, RequestRejected
-from tandem.config import ConfigError, TandemConfig
+from tandem.config import ConfigError, Role, TandemConfig
 from tandem.device import resolve_device, resolve_dtype
 from tandem.interfaces import compat_hash
 from tandem.kv_transfer import KVTransferCoordinator, RemotePrefill
@@ -194,7 +194,7 @@ class LLMEngine:
     def _build_kv_transfer(self) -> KVTransferCoordinator | None:
         """A prefill or decode instance registers its KV pool with the configured connector."""
         disagg = self.config.disaggregation
-        if disagg.role == "both":
+        if disagg.role is Role.BOTH:
             return None
         compat = self.kv_compat_hash()
         connector = self.executor.connect_kv(disagg.kv_connector, compat)

@@ -1,29 +1,20 @@
 """The CPU kernels of ``kernels/cpu/`` (C++, built on first use with torch's cpp_extension into
-one library of operators, ``torch.ops.tandem_cpu``).
+one library of operators, ``torch.ops.tandem_cpu``), and the one place that calls them.
 
-``panel_linear(out, x, panels, bias)`` — ``out = x @ W.T + bias`` in float32 with ``W`` packed
-into 16-column panels (``tandem.models.cpu_linear`` packs and calls it; layout in linear.cpp).
-
-``paged_decode(out, q, kv, rows, tables, seq_lens, scale, window)`` — decode attention that
-reads one layer of the paged KV pool in place (no gather into a padded buffer): query row ``i``
-(token row ``rows[i]`` of ``q`` [T, H, D]) attends to the first ``seq_lens[i]`` keys of the
-blocks ``tables[i]`` names (the last ``window`` of them when ``window`` > 0), and its output is
-written to row ``rows[i]`` of ``out``. float32 arithmetic whatever the dtypes (float32,
-bfloat16, float16 queries and pools); GQA by the head ratio. See the source for the layout.
-
-``draw_rows(tokens, logits, uniforms)`` — the sampler's inverse-CDF draw, one token per row of
-``softmax(logits)`` from that row's uniform number (``tandem.worker.sampler``; see sampling.cpp).
-
-``argmax_rows(tokens, logits)`` — the greedy fast path: each row's first index of its largest
-logit, -1 for a row that holds a NaN (sampling.cpp).
+Every operator the library defines has a typed wrapper here, in the role of vLLM's
+``_custom_ops.py``: callers import this module and never touch ``torch.ops.tandem_cpu``. Each
+wrapper writes into tensors the caller allocated (``out``, ``tokens``) or in place, returns
+None, and states the shapes and dtypes it accepts; the C++ side checks them and raises
+``RuntimeError`` otherwise. All tensors are CPU tensors. Call ``load()`` first: a wrapper
+called when it returned False fails.
 
 ``load()`` builds the extension once per machine (g++ and ninja, 20–45 s; torch caches it under
-``TORCH_EXTENSIONS_DIR``, by default ~/.cache/torch_extensions) and returns its operators
-(``torch.ops.tandem_cpu``), or None when it cannot be built — callers then keep their torch
-path. The build targets the CPU
-capability torch reports (AVX2, AVX512); the extension's name carries that and a hash of the
-sources, the flags and the torch it builds against, so a cache shared between machines or checkouts never hands one CPU another's
-build, and two versions of tandem never rebuild each other's library under a running process.
+``TORCH_EXTENSIONS_DIR``, by default ~/.cache/torch_extensions) and registers its operators;
+it returns False when they cannot be built — callers then keep their torch path. The build
+targets the CPU capability torch reports (AVX2, AVX512); the extension's name carries that and
+a hash of the sources, the flags and the torch it builds against, so a cache shared between
+machines or checkouts never hands one CPU another's build, and two versions of tandem never
+rebuild each other's library under a running process.
 """
 from __future__ import annotations
 
@@ -32,13 +23,19 @@ import hashlib
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("tandem")
 
 SOURCES = [Path(__file__).parent / "cpu" / name
            for name in ("paged_attention.cpp", "linear.cpp", "elementwise.cpp", "sampling.cpp")]
 HEADERS = [Path(__file__).parent / "cpu" / "work_queue.h"]
+OPS = ("paged_decode", "panel_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary_neox",
+       "draw_rows", "argmax_rows")
+"""Every operator of the library, each wrapped below."""
 _ISA_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
@@ -46,7 +43,10 @@ _ISA_FLAGS = {
 
 
 @functools.cache
-def load() -> Any | None:
+def load() -> bool:
+    """Build (once per process; the build itself is cached on disk) and register the operators.
+    True when every one of ``OPS`` is registered, False (after one warning) when they cannot be
+    built here."""
     import torch
 
     capability = torch.backends.cpu.get_cpu_capability()
@@ -61,14 +61,91 @@ def load() -> Any | None:
 
         build(name=name, sources=[str(s) for s in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
               is_python_module=False, verbose=False)
-        ops = torch.ops.tandem_cpu
-        ops.paged_decode, ops.panel_linear, ops.rotary_neox, ops.draw_rows, ops.argmax_rows  # noqa: B018 - registered, or raise here rather than mid-step
+        for op in OPS:  # registered, or raise here rather than mid-step
+            getattr(torch.ops.tandem_cpu, op)
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, no headers: keep the torch path
         logger.warning("tandem's CPU kernels could not be built (%s: %s); linear layers and decode "
                        "attention stay on torch's own kernels", type(exc).__name__,
                        str(exc).splitlines()[0] if str(exc) else "")
-        return None
+        return False
     seconds = time.perf_counter() - t0
     if seconds > 2:
         logger.info("built tandem's CPU kernels (%s) in %.0f s; cached for later runs", isa, seconds)
-    return ops
+    return True
+
+
+def _ops():
+    import torch
+
+    return torch.ops.tandem_cpu
+
+
+def paged_decode(out: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor,
+                 tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int) -> None:
+    """Decode attention that reads one layer of the paged KV pool in place (paged_attention.cpp).
+
+    ``q``, ``out`` [T, H, D] of one dtype; ``kv`` [num_blocks, 2, block_size, Hkv, D] (index 0:
+    K, 1: V), H a multiple of Hkv (GQA by the ratio), D contiguous everywhere; ``rows`` [N],
+    ``tables`` [N, max_blocks], ``seq_lens`` [N], int64, contiguous. Query row ``i`` (token row
+    ``rows[i]`` of ``q``) attends to the first ``seq_lens[i]`` keys of the blocks ``tables[i]``
+    names (the last ``window`` of them when ``window`` > 0) with scores scaled by ``scale``; its
+    output goes to row ``rows[i]`` of ``out`` (other rows untouched). float32, bfloat16 or float16
+    queries and pools, float32 arithmetic."""
+    _ops().paged_decode(out, q, kv, rows, tables, seq_lens, scale, window)
+
+
+def panel_linear(out: torch.Tensor, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """``out = x @ W.T + bias`` with ``W`` [N, K] packed into 16-column panels (linear.cpp).
+
+    ``x`` [M, K] float32 with contiguous rows; ``panels`` [ceil(N / 16), K, 16] contiguous,
+    float32, bfloat16 or float16: panel ``p``, row ``k`` holds ``W[16p .. 16p + 15, k]``, columns
+    past N zero (``tandem.models.cpu_linear`` packs them); ``out`` [M, N] float32 with contiguous
+    rows; ``bias`` [N] float32 or None. Products and sums in float32."""
+    _ops().panel_linear(out, x, panels, bias)
+
+
+def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """``out = weight * to_dtype(rms_norm(float(x)))`` per row (elementwise.cpp), rounded where
+    torch rounds. ``out``, ``x`` [rows, width] with contiguous rows and ``weight`` [width]
+    contiguous, all of one dtype: float32, bfloat16 or float16."""
+    _ops().rms_norm(out, x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """The residual add and RMSNorm in one pass, both in place (elementwise.cpp): ``residual``
+    becomes ``x + residual`` (rounded to the dtype) and ``x`` the norm of that sum, as
+    ``rms_norm`` computes it. ``x``, ``residual`` [rows, width] with contiguous rows and
+    ``weight`` [width] contiguous, all of one dtype: float32, bfloat16 or float16."""
+    _ops().add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(out: torch.Tensor, gate_up: torch.Tensor) -> None:
+    """``out = silu(gate) * up`` per row, where each row of ``gate_up`` is ``[gate | up]``
+    (elementwise.cpp). ``gate_up`` [rows, 2 * width] and ``out`` [rows, width], contiguous rows,
+    one dtype: float32, bfloat16 or float16."""
+    _ops().silu_and_mul(out, gate_up)
+
+
+def rotary_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """HF Llama's rotary embedding in place: ``x = x * cos + rotate_half(x) * sin``
+    (elementwise.cpp). ``x`` [T, heads, D] with D even and contiguous (a view of a projection's
+    output will do); ``cos``, ``sin`` [T, D] with contiguous rows; one dtype: float32, bfloat16
+    or float16."""
+    _ops().rotary_neox(x, cos, sin)
+
+
+def draw_rows(tokens: torch.Tensor, logits: torch.Tensor, uniforms: torch.Tensor) -> None:
+    """The sampler's inverse-CDF draw, one token per row of ``softmax(logits)`` (sampling.cpp).
+
+    ``logits`` [N, V] float32 with contiguous rows, holding no NaN or +inf; ``uniforms`` [N]
+    float32 in [0, 1), contiguous; ``tokens`` [N] int64, contiguous. ``tokens[i]`` is the first
+    token whose running sum of probabilities passes ``uniforms[i]`` times the row's total; a
+    token of probability 0 is never drawn, and a row of -inf only gets -1."""
+    _ops().draw_rows(tokens, logits, uniforms)
+
+
+def argmax_rows(tokens: torch.Tensor, logits: torch.Tensor) -> None:
+    """The greedy fast path (sampling.cpp): ``tokens[i]`` is the first index of row ``i``'s
+    largest logit, as torch's ``max(dim=-1)``, or -1 where the row holds a NaN. ``logits``
+    [N, V] float32 with contiguous rows, 1 <= V < 2^31; ``tokens`` [N] int64, contiguous."""
+    _ops().argmax_rows(tokens, logits)

@@ -26,10 +26,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
     def _decode_into(self, out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan) -> None:
-        kernels = cpu_ops.load() if query.device.type == "cpu" else None
-        if kernels is None:
+        if query.device.type != "cpu" or not cpu_ops.load():
             return super()._decode_into(out, query, kv_cache, plan)
         d = plan.decode
         tables = d.block_ids.view(d.rows.shape[0], d.num_blocks)
-        kernels.paged_decode(out, query, kv_cache, d.rows, tables, d.seq_lens, self.scale,
+        cpu_ops.paged_decode(out, query, kv_cache, d.rows, tables, d.seq_lens, self.scale,
                              self.sliding_window or 0)

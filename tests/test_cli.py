@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem.cli import add_config_flags, build_parser, flags_to_overrides, main
-from tandem.cli import CONFIG_FLAGS
+from tandem.cli import build_parser, main
+from tandem.config_flags import CONFIG_FLAGS, add_config_flags, flags_to_overrides
 from tandem.config import ConfigError, ServerConfig, load_config
 
 FAKE_BUILTINS = '''

@@ -1,7 +1,9 @@
 """`tandem bench KIND`: the benchmarks, each comparing against a baseline measured in the same run.
 
 Each kind lives in its own module with ``add_arguments(parser)`` and ``run(args) -> int``; they are
-imported only when their command runs, so ``tandem --help`` stays light.
+imported only when their command runs, so ``tandem --help`` stays light. A kind with a peer
+engine (``PEERS``, a module of tandem.bench.peers) gets the peer's arguments too and the peer
+itself, ``run(args, peer)``: this is the one module that imports the peers.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ BENCHMARKS = {
     "disagg": ("tandem.bench.disagg", "colocated vs disaggregated serving on the same cores: TTFT and "
                "TPOT of steady decoding streams under bursts of long prompts"),
 }
+PEERS = {"offline": "tandem.bench.peers.vllm_offline", "serve": "tandem.bench.peers.vllm_serve"}
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,7 +34,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         sub = kinds.add_parser(kind, help=help_text, description=help_text)
         sub.set_defaults(bench_module=module_name)
         importlib.import_module(module_name).add_arguments(sub)
+        if kind in PEERS:
+            importlib.import_module(PEERS[kind]).add_arguments(sub)
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    return importlib.import_module(args.bench_module).run(args)
+    module = importlib.import_module(args.bench_module)
+    if args.bench_kind not in PEERS:
+        return module.run(args)
+    return module.run(args, importlib.import_module(PEERS[args.bench_kind]))

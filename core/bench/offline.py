@@ -9,7 +9,7 @@ lengths, greedy, EOS ignored) and only the tokens each request asked for count:
   ``max_new_tokens``;
 - ``tandem``: ``tandem.LLM.generate`` over all requests;
 - with ``--baseline vllm``, ``vllm``: vLLM's ``LLM.generate`` over the same requests, in vLLM's own
-  venv (tandem.bench.vllm_baseline).
+  venv (the peer tandem.bench.cli hands ``run``: tandem.bench.peers.vllm_offline).
 
 It prints tokens/s per mode and tandem's ratio to each baseline, then (unless ``--no-roofline``)
 tandem's median pure decode step against this machine's floor for it, measured in the same run
@@ -19,44 +19,14 @@ baseline is tandem itself on one rank instead (tandem.bench.offline_parallel).
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import time
-from dataclasses import dataclass, field
+from typing import Protocol
+
+from tandem.bench.workload import (ModeResult, Workload, agreement, describe_workload, make_workload,
+                                   run_tandem, token_agreement)
 
 MODES = ("hf-sequential", "hf-static", "hf-continuous", "tandem")
-
-
-@dataclass(slots=True)
-class Workload:
-    prompts: list[list[int]]
-    max_tokens: list[int]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(self.max_tokens)
-
-
-@dataclass(slots=True)
-class ModeResult:
-    mode: str
-    seconds: float
-    outputs: list[list[int]]
-    steps: list = field(default_factory=list)
-    """tandem's engine steps (``tandem.bench.roofline.RecordedStep``); empty for the HF modes."""
-
-    def tokens_per_s(self, wl: Workload) -> float:
-        return wl.num_output_tokens / self.seconds
-
-
-def make_workload(num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
-                  vocab_size: int, special_ids: set[int], seed: int) -> Workload:
-    rng = random.Random(seed)
-    ordinary = [t for t in range(vocab_size) if t not in special_ids]
-    prompts = [[rng.choice(ordinary) for _ in range(rng.randint(*prompt_range))]
-               for _ in range(num_requests)]
-    max_tokens = [rng.randint(*output_range) for _ in range(num_requests)]
-    return Workload(prompts, max_tokens)
 
 
 def run_hf_sequential(model, wl: Workload) -> ModeResult:
@@ -113,28 +83,6 @@ def run_hf_continuous(model, wl: Workload) -> ModeResult:
     return ModeResult("hf-continuous", seconds, [list(results[i]) for i in ids])
 
 
-def run_tandem(llm, wl: Workload) -> ModeResult:
-    from tandem import SamplingParams
-    from tandem.bench.roofline import recording_steps
-
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in wl.max_tokens]
-    t0 = time.perf_counter()
-    with recording_steps(llm.engine) as steps:
-        outs = llm.generate(wl.prompts, params)
-    seconds = time.perf_counter() - t0
-    drafted = sum(s.stats.num_draft_tokens for s in steps)
-    accepted = sum(s.stats.num_accepted_draft_tokens for s in steps)
-    if drafted:
-        print(f"  speculative decoding: {accepted} of {drafted} draft tokens accepted "
-              f"({accepted / drafted:.0%})")
-    return ModeResult("tandem", seconds, [o.outputs[0].token_ids for o in outs], steps)
-
-
-def agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    """Share of requests whose token sequences are identical."""
-    return sum(x == y for x, y in zip(a, b)) / max(len(a), 1)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="HF folder (default: the bench-100m preset, built on first use)")
     p.add_argument("--num-requests", type=int, default=64)
@@ -162,9 +110,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="dtype of both tandem and HF (bfloat16 pays off on CPUs with AVX512-BF16/AMX)")
     p.add_argument("--no-roofline", dest="roofline", action="store_false",
                    help="skip measuring this machine's floor for tandem's decode steps (about 2 s)")
-    from tandem.bench import vllm_baseline
-
-    vllm_baseline.add_arguments(p)
 
 
 def _positive(text: str) -> int:
@@ -174,23 +119,36 @@ def _positive(text: str) -> int:
     return value
 
 
-def describe_workload(path: str, wl: Workload, args: argparse.Namespace) -> str:
-    return (f"model {path}: {wl.num_output_tokens} output tokens over {len(wl.prompts)} requests, "
-            f"prompts {args.prompt_len[0]}-{args.prompt_len[1]}, outputs "
-            f"{args.output_len[0]}-{args.output_len[1]}, {args.dtype}")
+class Peer(Protocol):
+    """Another engine run on the same workload (a module of tandem.bench.peers, which adds its
+    own arguments, ``--baseline`` among them, and which tandem.bench.cli hands to ``run``)."""
+
+    name: str
+
+    def check_arguments(self, args: argparse.Namespace) -> None:
+        """Raise ``ConfigError`` unless the peer can run as ``args`` ask."""
+
+    def warm_up_tandem(self, llm, wl: Workload) -> None:
+        """Give tandem's ``llm`` the untimed warm-up the peer gets."""
+
+    def run(self, args: argparse.Namespace, model: str, wl: Workload) -> ModeResult:
+        """The peer's timed run over ``wl``, as a mode named ``name``."""
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, peer: Peer | None = None) -> int:
+    """The benchmark; with ``peer`` (given) and ``--baseline``, the peer runs too."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from tandem import LLM
-    from tandem.bench import vllm_baseline
     from tandem.config import ConfigError
     from tandem.models.config import ModelArchConfig
     from tandem.models.loader import load_generation_config
 
-    vllm_baseline.check_arguments(args)
+    if peer is not None and args.baseline is None:
+        peer = None
+    if peer is not None:
+        peer.check_arguments(args)
     path = args.model
     if path is None:
         from tandem.models.presets import default_model_path
@@ -200,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
         from tandem.bench.offline_parallel import run_comparison
 
-        if args.baseline is not None:
+        if peer is not None:
             raise ConfigError("--baseline compares tandem on one rank with its peer: drop it with -tp/-pp")
         if args.modes is not None:
             raise ConfigError("--modes chooses the one-rank modes; with -tp/-pp the bench compares "
@@ -218,8 +176,8 @@ def run(args: argparse.Namespace) -> int:
               max_num_batched_tokens=args.max_num_batched_tokens) if "tandem" in args.modes else None
     wl = _workload(args, llm.engine.arch.vocab_size if llm else hf.config.vocab_size, eos)
     print(f"{describe_workload(path, wl, args)}, torch threads {torch.get_num_threads()}")
-    if args.baseline and llm:
-        vllm_baseline.warm_up_tandem(llm, wl)
+    if peer is not None and llm:
+        peer.warm_up_tandem(llm, wl)
     results: dict[str, ModeResult] = {}
     for mode in args.modes:
         if mode == "hf-sequential":
@@ -231,10 +189,10 @@ def run(args: argparse.Namespace) -> int:
         else:
             results[mode] = run_tandem(llm, wl)
         _print_mode(results[mode], wl)
-    if args.baseline == "vllm":
-        results["vllm"] = vllm_baseline.run_vllm(args, path, wl)
-        _print_mode(results["vllm"], wl)
-    _print_summary(results, wl)
+    if peer is not None:
+        results[peer.name] = peer.run(args, path, wl)
+        _print_mode(results[peer.name], wl)
+    _print_summary(results, wl, peer.name if peer is not None else None)
     if args.roofline and "tandem" in results:
         from tandem.bench.roofline import report
 
@@ -251,7 +209,7 @@ def _print_mode(r: ModeResult, wl: Workload) -> None:
     print(f"  {r.mode:<14} {r.seconds:8.1f} s  {r.tokens_per_s(wl):8.1f} tok/s", flush=True)
 
 
-def _print_summary(results: dict[str, ModeResult], wl: Workload) -> None:
+def _print_summary(results: dict[str, ModeResult], wl: Workload, peer_name: str | None) -> None:
     print("\nmode            tok/s   tandem ratio   greedy agreement with tandem")
     ours = results.get("tandem")
     for mode, r in results.items():
@@ -262,9 +220,7 @@ def _print_summary(results: dict[str, ModeResult], wl: Workload) -> None:
     if ours and baselines:
         print(f"\ntandem / best HF mode: {ours.tokens_per_s(wl) / max(baselines):.2f}x; "
               f"median HF mode {statistics.median(baselines):.1f} tok/s")
-    peer = results.get("vllm")
+    peer = results.get(peer_name)
     if ours and peer:
-        from tandem.bench.vllm_baseline import token_agreement
-
-        print(f"tandem / vllm: {ours.tokens_per_s(wl) / peer.tokens_per_s(wl):.2f}x; greedy agreement "
+        print(f"tandem / {peer_name}: {ours.tokens_per_s(wl) / peer.tokens_per_s(wl):.2f}x; greedy agreement "
               f"{token_agreement(ours.outputs, peer.outputs):.1%} of output tokens")

@@ -1,6 +1,6 @@
 """`tandem bench offline -tp N -pp M`: tandem on N × M ranks against tandem on one rank, in one run.
 
-Both setups get the same requests (``tandem.bench.offline.make_workload``), the same KV pool in
+Both setups get the same requests (``tandem.bench.workload.make_workload``), the same KV pool in
 blocks and the same cores: each rank of the parallel run (the "mp" executor) gets
 ``threads_per_rank`` torch threads (``--threads`` / ranks, default cpu_count / ranks, which is what
 the mp executor picks), the run on one rank (the "uniproc" executor) all ``ranks ×
@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from tandem.bench.offline import ModeResult, Workload, agreement, describe_workload, run_tandem
+from tandem.bench.workload import ModeResult, Workload, agreement, describe_workload, run_tandem
 
 COLLECTIVE_WARMUP, COLLECTIVE_ITERS = 5, 30
 

@@ -10,7 +10,7 @@ requests are either random token ids — the same workload as ``tandem bench off
 It reports request and token throughput and TTFT, TPOT, ITL and end-to-end latency (mean, p50,
 p90, p99), goodput under ``--slo-ttft-ms``/``--slo-tpot-ms``, and with ``--plot FILE.png`` draws
 their distributions. With ``--model PATH`` and no ``--url`` it starts its own server
-(``python -m tandem.server.launch PATH``, plus ``--server-args``) and stops it afterwards.
+(``python -m tandem serve PATH``, plus ``--server-args``) and stops it afterwards.
 """
 from __future__ import annotations
 
@@ -24,8 +24,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 import numpy as np
@@ -72,7 +74,7 @@ def _vocabulary(model_path: str) -> tuple[int, set[int]]:
 def random_requests(model_path: str, num: int, prompt_len: tuple[int, int],
                     output_len: tuple[int, int], seed: int) -> list[BenchRequest]:
     """The workload of ``tandem bench offline`` with the same arguments."""
-    from tandem.bench.offline import make_workload
+    from tandem.bench.workload import make_workload
 
     wl = make_workload(num, prompt_len, output_len, *_vocabulary(model_path), seed)
     return [BenchRequest(p, m) for p, m in zip(wl.prompts, wl.max_tokens)]
@@ -260,7 +262,7 @@ def free_port() -> int:
 def start_server(model: str, server_args: list[str],
                  timeout_s: float = 600.0) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "tandem.server.launch", model, "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "tandem", "serve", model, "--host", "127.0.0.1",
            "--port", str(port), *server_args]
     return start_process(cmd, port, timeout_s, stdout=subprocess.DEVNULL)
 
@@ -322,19 +324,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="dtype of the servers it starts (default: tandem's auto; float32 for both "
                         "with --baseline)")
-    from tandem.bench import vllm_baseline
-
-    vllm_baseline.add_arguments(p)
 
 
-def run(args: argparse.Namespace) -> int:
+Client = Callable[[argparse.Namespace, str, str, str], "dict | None"]
+"""Another load generator: ``client(args, url, model_name, model_path)`` runs the benchmark
+against ``url`` and returns the summary in ``summarize``'s shape (None when it failed)."""
+
+
+class Peer(Protocol):
+    """Another engine's server and load generator (a module of tandem.bench.peers, which adds its
+    own arguments, ``--baseline`` among them, and which tandem.bench.cli hands to ``run``)."""
+
+    def run_side_by_side(self, args: argparse.Namespace) -> int:
+        """Both servers benchmarked one after the other (``--baseline``); the exit status."""
+
+    def client(self, args: argparse.Namespace) -> Client | None:
+        """The load generator ``--client`` names, None for tandem's own."""
+
+
+def run(args: argparse.Namespace, peer: Peer | None = None) -> int:
+    """The benchmark; with ``peer`` (given) and ``--baseline``, the peer's server too."""
     if args.url is None and args.model is None:
         print("tandem bench serve: give --url of a running server or --model to start one", file=sys.stderr)
         return 2
-    if args.baseline is not None:
-        from tandem.bench.vllm_serve_baseline import run_side_by_side
-
-        return run_side_by_side(args)
+    if peer is not None and args.baseline is not None:
+        return peer.run_side_by_side(args)
+    client = peer.client(args) if peer is not None else None
+    if client is None and args.client != "tandem":
+        print(f"tandem bench serve: --client {args.client} is a peer's (tandem.bench.peers): run it "
+              "through the tandem command", file=sys.stderr)
+        return 2
     if args.dtype:
         args.server_args += f" --dtype {args.dtype}"
     proc = None
@@ -342,7 +361,7 @@ def run(args: argparse.Namespace) -> int:
     if url is None:
         proc, url = start_server(args.model, shlex.split(args.server_args))
     try:
-        summary = bench(args, url.rstrip("/"))
+        summary = bench(args, url.rstrip("/"), client)
     finally:
         if proc is not None:
             stop_server(proc)
@@ -362,9 +381,9 @@ def model_card(url: str) -> dict:
     return httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]
 
 
-def bench(args: argparse.Namespace, url: str) -> dict | None:
-    """The benchmark against ``url``: prints the report, returns the summary (None when the
-    warm-up request failed)."""
+def bench(args: argparse.Namespace, url: str, client: Client | None = None) -> dict | None:
+    """The benchmark against ``url``, from tandem's own client or ``client``: prints the report,
+    returns the summary (None when the warm-up request failed)."""
     card = model_card(url)
     model_name = args.served_model_name or card["id"]
     model_path = args.model or card["root"]
@@ -376,10 +395,8 @@ def bench(args: argparse.Namespace, url: str) -> dict | None:
         return None
     print(f"{len(requests)} requests to {url} ({model_name}), rate {args.request_rate}/s, "
           f"max concurrency {args.max_concurrency or 'unlimited'}, client {args.client}", flush=True)
-    if args.client == "vllm":
-        from tandem.bench import vllm_client
-
-        summary = vllm_client.bench(args, url, model_name, model_path)
+    if client is not None:
+        summary = client(args, url, model_name, model_path)
         if summary is not None:
             print(format_report(summary))
         return summary
@@ -396,14 +413,3 @@ def bench(args: argparse.Namespace, url: str) -> dict | None:
         plot(results, args.plot)
         print(f"plot: {args.plot}")
     return summary
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m tandem.bench.serve`` is the same as ``tandem bench serve``."""
-    from tandem.cli import main as cli_main
-
-    return cli_main(["bench", "serve", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

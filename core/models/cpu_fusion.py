@@ -20,14 +20,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tandem.kernels import cpu_ops
+from tandem.models.layers import Attention, GatedMLP, use_norm_kernel
+
 
 def enable_cpu_fusion(model: nn.Module) -> int:
     """Mark the modules of ``model`` whose step a fused kernel replaces; returns how many (0
     when tandem's CPU kernels cannot be built here)."""
-    from tandem.kernels import cpu_ops
-    from tandem.models.layers import Attention, GatedMLP, use_norm_kernel
-
-    if cpu_ops.load() is None:
+    if not cpu_ops.load():
         return 0
     count = use_norm_kernel(model, rms_norm)
     for module in model.modules():
@@ -45,20 +45,7 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     x2 = x.view(-1, x.shape[-1])
     if residual is None:
         out = torch.empty_like(x2)
-        torch.ops.tandem_cpu.rms_norm(out, x2, weight, eps)
+        cpu_ops.rms_norm(out, x2, weight, eps)
         return out.view(x.shape), x
-    torch.ops.tandem_cpu.add_rms_norm(x2, residual.view(-1, x.shape[-1]), weight, eps)
+    cpu_ops.add_rms_norm(x2, residual.view(-1, x.shape[-1]), weight, eps)
     return x, residual
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of ``gate_up`` [T, 2 * I] → [T, I]."""
-    out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
-    torch.ops.tandem_cpu.silu_and_mul(out, gate_up)
-    return out
-
-
-def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``rotate(x, cos, sin)`` in place on ``x`` [T, heads, D] (a view of the QKV output)."""
-    torch.ops.tandem_cpu.rotary_neox(x, cos, sin)
-    return x

@@ -37,6 +37,8 @@ import logging
 import torch
 from torch import nn
 
+from tandem.kernels import cpu_ops
+
 logger = logging.getLogger("tandem")
 
 MODES = ("auto", "tandem", "onednn", "torch")
@@ -59,9 +61,7 @@ class PackedLinear:
         weight = weight.detach()
         n, k = weight.shape
         if kind == "tandem":
-            from tandem.kernels import cpu_ops
-
-            if cpu_ops.load() is None:
+            if not cpu_ops.load():
                 raise ValueError("tandem's CPU kernels could not be built (see the warning above)")
             panels = -(-n // PANEL)
             padded = torch.zeros(panels * PANEL, k, dtype=weight.dtype)
@@ -80,7 +80,7 @@ class PackedLinear:
             out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
             if bias is not None and bias.dtype != torch.float32:
                 bias = bias.float()
-            torch.ops.tandem_cpu.panel_linear(out, x2, self.weight, bias)
+            cpu_ops.panel_linear(out, x2, self.weight, bias)
         else:
             compute = self.weight.dtype
             out = torch.ops.mkldnn._linear_pointwise(
@@ -106,13 +106,11 @@ def onednn_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def resolve_kind(mode: str, device: torch.device) -> str:
     """The kernel ``mode`` stands for on ``device``: "tandem", "onednn" or "torch"."""
-    from tandem.kernels import cpu_ops
-
     if mode not in MODES:
         raise ValueError(f"engine.cpu_kernels = {mode!r}; allowed: {', '.join(MODES)}")
     if device.type != "cpu" or mode == "torch":
         return "torch"
-    if mode in ("auto", "tandem") and cpu_ops.load() is not None:
+    if mode in ("auto", "tandem") and cpu_ops.load():
         return "tandem"
     if mode == "tandem":
         raise ValueError("engine.cpu_kernels = 'tandem' but tandem's CPU kernels could not be built "

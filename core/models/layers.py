@@ -29,7 +29,7 @@ from torch import nn
 
 from tandem.distributed import ParallelContext, check_tensor_parallel, current
 from tandem.interfaces import AttentionBackend, AttentionMetadata, QuantMethod, TensorSplit
-from tandem.models import cpu_fusion
+from tandem.kernels import cpu_ops
 from tandem.models.rotary import rotate
 
 if TYPE_CHECKING:
@@ -258,11 +258,15 @@ class GatedMLP(nn.Module):
         self.down_proj = LinearLayer(intermediate_size, [hidden_size], bias, quant_method,
                                      row_split(parallel), parallel)
         self.fused = False
-        """Set by ``tandem.models.cpu_fusion`` on the CPU (SiLU only): one C++ pass for the act."""
+        """Set by ``tandem.models.cpu_fusion`` on the CPU (SiLU only): one C++ pass for the act
+        (``tandem.kernels.cpu_ops.silu_and_mul``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            return self.down_proj(cpu_fusion.silu_and_mul(self.gate_up_proj(x)))
+            gate_up = self.gate_up_proj(x)
+            act = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
+            cpu_ops.silu_and_mul(act, gate_up)
+            return self.down_proj(act)
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
@@ -321,7 +325,8 @@ class Attention(nn.Module):
         self.q_norm = norm(self.head_dim, config.rms_norm_eps) if norm is not None else None
         self.k_norm = norm(self.head_dim, config.rms_norm_eps) if norm is not None else None
         self.fused = False
-        """Set by ``tandem.models.cpu_fusion`` on the CPU (full-width rotary): rotary in place."""
+        """Set by ``tandem.models.cpu_fusion`` on the CPU (full-width rotary): rotary in place
+        (``tandem.kernels.cpu_ops.rotary_neox``)."""
         self.attn = attn_backend_cls(
             self.num_heads,
             self.num_kv_heads,
@@ -341,7 +346,7 @@ class Attention(nn.Module):
             qk = torch.cat((self.q_norm(q)[0], self.k_norm(k)[0]), dim=1)
         # q and k sit side by side in the fused output: rotate them as one tensor (half the ops).
         if self.use_rope and self.fused and self.q_norm is None:
-            qk = cpu_fusion.rotate_(qk, cos, sin)  # in place on the projection's fresh output
+            cpu_ops.rotary_neox(qk, cos, sin)  # in place on the projection's fresh output
         elif self.use_rope and self.rotary_dim == self.head_dim:
             qk = rotate(qk, cos, sin)
         elif self.use_rope:  # partial rotary: the leading rotary_dim dimensions turn, the rest pass

@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import SecretStr
 
 from tandem import __version__
-from tandem.config import InstanceConfig
+from tandem.config import InstanceConfig, Role
 from tandem.router.auth import admin_check, has_bearer
 from tandem.router.errors import RouterError
 from tandem.router.metrics import RouterMetrics
@@ -39,7 +39,7 @@ def admin_routes(registry: InstanceRegistry, health_client: httpx.AsyncClient,
     @router.post("/instances", status_code=201)
     async def add_instance(instance: InstanceConfig) -> dict:
         """Add an instance; it is health-checked at once and in rotation if it answers."""
-        if instance.role != "both" and not hand_overs_allowed:
+        if instance.role is not Role.BOTH and not hand_overs_allowed:
             raise RouterError(400, f"a {instance.role} instance needs the cluster secret, which this router "
                                    "does not have (disaggregation.kv_transfer_secret)",
                               code="no_kv_transfer_secret", param="role")

@@ -48,6 +48,7 @@ afterwards, for at most DRAIN_AFTER_DONE_S, to keep the connection.
 """
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -57,6 +58,7 @@ from dataclasses import dataclass
 import httpx
 from fastapi.responses import Response
 
+from tandem.config import Role
 from tandem.interfaces import RoutingPolicy
 from tandem.router.errors import RouterError
 from tandem.router.metrics import RouterMetrics
@@ -91,6 +93,23 @@ RELEASE_TIMEOUT_S = 5.0
 DRAIN_AFTER_DONE_S = 1.0
 """How long the end of a streamed body is read after its [DONE] (the client already has its
 answer then) before the connection is closed rather than kept for the next request."""
+
+
+class Plan(enum.StrEnum):
+    """How a request is dispatched (the module docstring's "plan"; the values are the ``path``
+    label of ``tandem:router_requests_total``)."""
+
+    DISAGGREGATED = "disaggregated"
+    """A prefill instance computed the prompt and handed its KV blocks to the decode instance."""
+    LOCAL_PREFILL = "local_prefill"
+    """Planned disaggregated, but no prefill instance took it: the decode instance computes the
+    prompt."""
+    SHORT_PROMPT = "short_prompt"
+    """Under ``min_disaggregated_prompt_tokens``: straight to a decode instance."""
+    NEEDS_PROMPT = "needs_prompt"
+    """Prompt logprobs or max_tokens 0: the decode instance computes the prompt."""
+    DIRECT = "direct"
+    """No prefill instance registered, several prompts, or an unreadable body."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -175,32 +194,32 @@ class Dispatcher:
         self._secret_header = [] if kv_secret is None else [(KV_SECRET_HEADER, kv_secret.encode())]
 
     async def handle(self, request: RouterRequest) -> Response:
-        path = self._plan(request)
+        plan = self._plan(request)
         hand_over = None
         broken = _Broken()
-        if path == "disaggregated":
+        if plan is Plan.DISAGGREGATED:
             prefilled = await self._prefill(request, broken)
             if isinstance(prefilled, Response):
-                self.metrics.dispatched(path)
+                self.metrics.dispatched(plan)
                 self._done(request)
                 return prefilled
             hand_over = prefilled.hand_over
-            path = "disaggregated" if prefilled.by_instance else "local_prefill"
-        self.metrics.dispatched(path)
+            plan = Plan.DISAGGREGATED if prefilled.by_instance else Plan.LOCAL_PREFILL
+        self.metrics.dispatched(plan)
         response = await self._decode(request, hand_over, broken)
         if hand_over is not None and hand_over.given_up(response.status_code):
             await self._release(hand_over)
         return response
 
-    def _plan(self, request: RouterRequest) -> str:
+    def _plan(self, request: RouterRequest) -> Plan:
         estimate = request.prompt.estimated_tokens
-        if estimate is None or not self.registry.has_role("prefill"):
-            return "direct"
+        if estimate is None or not self.registry.has_role(Role.PREFILL):
+            return Plan.DIRECT
         if needs_prompt_computed(request.body):
-            return "needs_prompt"
+            return Plan.NEEDS_PROMPT
         if estimate < self.min_disaggregated_prompt_tokens:
-            return "short_prompt"
-        return "disaggregated"
+            return Plan.SHORT_PROMPT
+        return Plan.DISAGGREGATED
 
     def _pick(self, step: str, request: RouterRequest, tried: set[str]) -> str | None:
         candidates = self.registry.candidates(step, exclude=tried)

@@ -73,14 +73,3 @@ def run_router(args: argparse.Namespace) -> int:
                                     timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
     server.run()
     return EXIT_OK
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m tandem.router.launch`` is the same as ``tandem router``."""
-    from tandem.cli import main as cli_main
-
-    return cli_main(["router", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

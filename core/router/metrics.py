@@ -34,7 +34,6 @@ from prometheus_client.registry import Collector
 from tandem.router.registry import InstanceRegistry
 
 OUTCOMES = ("ok", "error", "busy", "unavailable", "unreachable", "broken")
-PATHS = ("disaggregated", "local_prefill", "short_prompt", "needs_prompt", "direct")
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                       1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -81,9 +80,9 @@ class RouterMetrics:
         assert outcome in OUTCOMES, outcome
         self.upstream.labels(instance=url, step=step, outcome=outcome).inc()
 
-    def dispatched(self, path: str) -> None:
-        assert path in PATHS, path
-        self.requests.labels(path=path).inc()
+    def dispatched(self, plan: str) -> None:
+        """Count a request dispatched as ``plan`` (a ``tandem.router.dispatch.Plan``)."""
+        self.requests.labels(path=plan).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

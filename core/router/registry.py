@@ -9,8 +9,8 @@ An instance is *in rotation* while it is healthy. Health changes in two places::
 so a dead instance leaves rotation at the first failed check or request, and comes back at the
 first check it answers with 200. A new instance is unhealthy until its first check.
 
-Roles: a prefill step may use an instance of role "prefill" or "both", a decode step one of role
-"decode" or "both". Everything here runs on the router's event loop; nothing blocks it.
+Roles (``tandem.config.Role``): a prefill step may use an instance of role prefill or both, a
+decode step one of role decode or both. Everything here runs on the router's event loop; nothing blocks it.
 """
 from __future__ import annotations
 
@@ -23,12 +23,12 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from tandem.config import Role
 from tandem.interfaces import InstanceInfo
 
 logger = logging.getLogger("tandem.router")
 
-ROLES = ("prefill", "decode", "both")
-_SERVES = {"prefill": ("prefill", "both"), "decode": ("decode", "both")}
+_SERVES = {"prefill": (Role.PREFILL, Role.BOTH), "decode": (Role.DECODE, Role.BOTH)}
 
 # The instance's /metrics gauges the load is read from (ARCHITECTURE.md §5).
 _LOAD_GAUGES = {
@@ -43,7 +43,7 @@ class InstanceState:
     """One instance as the router knows it. ``reason`` says why it is out of rotation."""
 
     url: str
-    role: str
+    role: Role
     healthy: bool = False
     reason: str = "not checked yet"
     num_waiting: int = 0
@@ -89,17 +89,19 @@ class DuplicateInstance(ValueError):
 class InstanceRegistry:
     """The instances by URL, in the order they were added."""
 
-    def __init__(self, instances: Sequence[tuple[str, str]] = ()) -> None:
+    def __init__(self, instances: Sequence[tuple[str, Role | str]] = ()) -> None:
         self._instances: dict[str, InstanceState] = {}
         for url, role in instances:
             self.add(url, role)
 
-    def add(self, url: str, role: str) -> InstanceState:
+    def add(self, url: str, role: Role | str) -> InstanceState:
         """A new instance, out of rotation until its first health check; ``ValueError`` when
         the role is unknown or the URL not one httpx can send to, ``DuplicateInstance`` when it
         is already registered."""
-        if role not in ROLES:
-            raise ValueError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
+        try:
+            role = Role(role)
+        except ValueError:
+            raise ValueError(f"unknown role {role!r}; roles: {', '.join(Role)}") from None
         _check_url(url)
         if url in self._instances:
             raise DuplicateInstance(f"the instance {url} is already registered")
@@ -119,7 +121,7 @@ class InstanceRegistry:
     def all(self) -> list[InstanceState]:
         return list(self._instances.values())
 
-    def has_role(self, role: str) -> bool:
+    def has_role(self, role: Role) -> bool:
         """Whether any registered instance, healthy or not, has exactly ``role``."""
         return any(s.role == role for s in self._instances.values())
 

@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tandem import __version__
 from tandem.async_engine import AsyncEngine, EngineState, QueueLimits
 from tandem.errors import EngineError, EngineUnavailable
-from tandem.config import TandemConfig, require_cluster_secret
+from tandem.config import Role, TandemConfig, require_cluster_secret
 from tandem.engine import LLMEngine
 from tandem.interfaces import ToolParser
 from tandem.plugin_manager import get_registry
@@ -85,7 +85,7 @@ def create_app(config: TandemConfig, engine_factory: Callable[[], LLMEngine] | N
                          HandshakeCache(secret=kv_secret), _auto_tool_parser(config),
                          RequestBounds.of(config.server))
     role = config.disaggregation.role
-    if role != "both" and kv_secret is None:
+    if role is not Role.BOTH and kv_secret is None:
         logger.warning("disaggregation.role is %s and disaggregation.kv_transfer_secret is unset "
                        "(allow_insecure_no_secret): anyone who can reach this instance can drive its "
                        "KV hand-overs (pin its blocks, read them, make it fetch a URL)", role)

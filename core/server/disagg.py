@@ -47,6 +47,7 @@ import httpx
 from fastapi import Request
 from pydantic import BaseModel
 
+from tandem.config import Role
 from tandem.handover_auth import HandOverExpired, HandOverRefused, sign, verify
 from tandem.json_bounds import loads_bounded
 from tandem.kv_transfer import RemotePrefill
@@ -173,13 +174,13 @@ async def kv_transfer_args(engine, handshakes: HandshakeCache, body: SamplingFie
         return KVTransferArgs()
     role = engine.disaggregation.role
     if params.do_remote_decode:
-        if role != "prefill":
+        if role is not Role.PREFILL:
             logger.info("role %s: ignoring do_remote_decode, serving the request in full", role)
             return KVTransferArgs()
         _require(not body.stream and body.n == 1 and num_prompts == 1,
                  "do_remote_decode needs one prompt, n = 1 and stream = false")
         return KVTransferArgs(remote_decode=True)
-    if role != "decode":
+    if role is not Role.DECODE:
         logger.info("role %s: ignoring do_remote_prefill, computing the prompt here", role)
         return KVTransferArgs()
     _require(num_prompts == 1, "do_remote_prefill needs one prompt")

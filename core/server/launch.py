@@ -23,7 +23,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import uvicorn  # noqa: E402
 
-from tandem.cli import add_config_flags, flags_to_overrides  # noqa: E402
+from tandem.config_flags import add_config_flags, flags_to_overrides  # noqa: E402
 from tandem.config import ConfigError, TandemConfig, load_config  # noqa: E402
 
 logger = logging.getLogger("tandem.server")
@@ -153,14 +153,3 @@ async def _wait_loaded(engine) -> bool:
     # requests allocate, instead of stopping every thread (the event loop too) for the whole heap.
     gc.freeze()
     return True
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m tandem.server.launch`` is the same as ``tandem serve``."""
-    from tandem.cli import main as cli_main
-
-    return cli_main(["serve", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

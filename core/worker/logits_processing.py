@@ -40,12 +40,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from itertools import chain
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from tandem.worker.sampler import SamplingRow
+from tandem.worker.sampling_row import SamplingRow
 
 _TOP_P_CANDIDATES = 256
 _TOP_P_GROWTH = 8

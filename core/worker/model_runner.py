@@ -22,13 +22,15 @@ from tandem.distributed import ParallelContext
 from tandem.sched.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from tandem.worker.cuda_graphs import DecodeGraphs
 from tandem.worker.input_batch import RunnerRequest, StepInputs, build_step_inputs, split_microbatches
-from tandem.worker.sampler import Sampler, SamplingRow, compute_logprobs, make_generator
+from tandem.worker.sampler import Sampler, compute_logprobs, make_generator
+from tandem.worker.sampling_row import SamplingRow
 from tandem.worker.structured import allowed_tokens
 
 
 class ModelRunner:
     """Runs ``model`` (see tandem.models: ``model(input_ids, positions, kv_cache, metadata)`` and
-    ``model.compute_logits(hidden)``) over ``kv_cache``, the instance's block-major KV pool."""
+    ``model.compute_logits(hidden)``) over ``kv_cache``, the instance's block-major KV pool.
+    ``cpu_kernels``: the sampler uses tandem's CPU kernels (see ``Sampler``)."""
 
     def __init__(
         self,
@@ -38,6 +40,7 @@ class ModelRunner:
         eos_token_ids: frozenset[int],
         attn_backend_cls: type,
         parallel: ParallelContext | None = None,
+        cpu_kernels: bool = False,
     ) -> None:
         self.parallel = parallel or ParallelContext()
         self.samples = self.parallel.is_driver
@@ -47,7 +50,7 @@ class ModelRunner:
         self.device = kv_cache.device
         self.eos_token_ids = eos_token_ids
         self.attn_backend_cls = attn_backend_cls
-        self.sampler = Sampler()
+        self.sampler = Sampler(cpu_kernels)
         self.requests: dict[str, RunnerRequest] = {}
         # Seeded requests keep their random stream across preemptions (dropped when they finish).
         self.generators: dict[str, torch.Generator] = {}

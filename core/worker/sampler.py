@@ -43,9 +43,9 @@ the batch; unseeded rows share the device's default generator.
 Cost. A batch of plain greedy rows is a single argmax, plus a look at the values it chose (torch's
 argmax takes a NaN over any number, so a NaN there sends the batch through sanitizing). Otherwise
 sanitizing is one row-sum pass while every logit is finite, each filter costs nothing unless a
-row uses it, and on the CPU with tandem's kernels the draw is one C++ pass per row
-(``Sampler.draw_kernel``) instead of softmax, cumsum and searchsorted over the whole batch, and
-the greedy argmax one vector pass (``Sampler.argmax_kernel``) instead of torch's ``max``.
+row uses it, and on the CPU with tandem's kernels (``Sampler(cpu_kernels=True)``) the draw is
+one C++ pass per row instead of softmax, cumsum and searchsorted over the whole batch, and the
+greedy argmax one vector pass instead of torch's ``max``.
 """
 from __future__ import annotations
 
@@ -55,37 +55,14 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.kernels import cpu_ops
 from tandem.sched.output import TokenLogprobs
-from tandem.sampling_params import SamplingParams
 from tandem.worker.logits_processing import process_logits, select_rows
+from tandem.worker.sampling_row import SamplingRow
 
 _LOGPROB_CHUNK_ROWS = 512
 _MASK64 = (1 << 64) - 1
 _F32_LOWEST = torch.finfo(torch.float32).min  # reported for a logprob of -inf
-
-
-@dataclass(slots=True)
-class SamplingRow:
-    """One row of logits to sample, with what its processing needs to know about its request."""
-
-    params: SamplingParams
-    generator: torch.Generator | None
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
-    eos_token_ids: frozenset[int]
-    allowed: torch.Tensor | None = None  # structured outputs: bool [vocab], the tokens that may come
-
-    @property
-    def before_min_tokens(self) -> bool:
-        """Whether ``min_tokens`` still bans EOS and the stop token ids."""
-        return len(self.output_token_ids) < self.params.min_tokens
-
-    @property
-    def may_exclude_all(self) -> bool:
-        """Whether its mask, ``allowed_token_ids`` and bans together may exclude every token."""
-        p = self.params
-        return (self.allowed is not None or self.before_min_tokens or p.allowed_token_ids is not None
-                or bool(p.bad_words_token_ids))
 
 
 @dataclass(slots=True)
@@ -114,17 +91,17 @@ def make_generator(seed: int, sample_index: int, device: torch.device | str) -> 
 class Sampler:
     """Samples one token per row. Stateless; called once per step by the model runner.
 
-    ``draw_kernel``: None (torch's softmax, cumsum and searchsorted) or the CPU kernel
-    ``torch.ops.tandem_cpu.draw_rows`` (kernels/cpu/sampling.cpp: the same inverse-CDF draw in
-    one pass for the max, one for exp and the sums, and a partial one for the search), which the
-    worker sets when tandem's CPU kernels are in use (``engine.cpu_kernels``). Both draw token k
-    with probability softmax(logits)[k] from the same uniform number; they can differ only where
-    that number falls within rounding of a boundary of the cumulative sums."""
+    ``cpu_kernels``: draw and take the greedy argmax of CPU float32 logits with tandem's CPU
+    kernels (``tandem.kernels.cpu_ops.draw_rows`` and ``argmax_rows``: the same inverse-CDF draw
+    in one pass for the max, one for exp and the sums, and a partial one for the search; the
+    same first index of the largest logit) instead of torch's softmax, cumsum and searchsorted
+    and its ``max``; the model runner asks for them when ``engine.cpu_kernels`` resolves to
+    tandem's. Both draws take token k with probability softmax(logits)[k] from the same uniform
+    number; they can differ only where that number falls within rounding of a boundary of the
+    cumulative sums."""
 
-    draw_kernel = None
-    argmax_kernel = None
-    """None (torch's ``max``) or ``torch.ops.tandem_cpu.argmax_rows`` (one vector pass per row, the
-    same first index of the largest logit, -1 for a row with a NaN), set with ``draw_kernel``."""
+    def __init__(self, cpu_kernels: bool = False) -> None:
+        self.cpu_kernels = cpu_kernels and cpu_ops.load()
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """Samples a token for each row of ``logits`` ([len(rows), vocab], float32; another dtype
@@ -135,7 +112,7 @@ class Sampler:
         """
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
         if all(_is_plain_greedy(row) for row in rows):
-            token_ids = _plain_argmax(logits, self.argmax_kernel)
+            token_ids = _plain_argmax(logits, self.cpu_kernels)
             if token_ids is not None:
                 return SamplerOutput(token_ids, [None] * len(rows))
         logits = logits.float()
@@ -149,7 +126,7 @@ class Sampler:
             if row.allowed is not None:
                 logits[i].masked_fill_(~row.allowed, float("-inf"))
         process_logits(logits, rows)
-        token_ids = _sample(logits, rows, fallback, self.draw_kernel)
+        token_ids = _sample(logits, rows, fallback, self.cpu_kernels)
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         if raw_logprobs is not None:
             num_top = min(max(rows[i].params.logprobs for i in logprob_rows), logits.shape[1])
@@ -217,12 +194,12 @@ def _fallback_tokens(
     return fallback
 
 
-def _plain_argmax(logits: torch.Tensor, kernel=None) -> list[int] | None:
+def _plain_argmax(logits: torch.Tensor, cpu_kernel: bool = False) -> list[int] | None:
     """Each row's argmax, or None where a row holds a NaN (that row needs sanitizing first).
-    ``kernel``: ``Sampler.argmax_kernel``, used for CPU float32 logits."""
-    if kernel is not None and logits.device.type == "cpu" and logits.dtype == torch.float32:
+    ``cpu_kernel``: ``cpu_ops.argmax_rows`` for CPU float32 logits (see ``Sampler``)."""
+    if cpu_kernel and logits.device.type == "cpu" and logits.dtype == torch.float32:
         tokens = torch.empty(logits.shape[0], dtype=torch.long)
-        kernel(tokens, logits if logits.stride(-1) == 1 else logits.contiguous())
+        cpu_ops.argmax_rows(tokens, logits if logits.stride(-1) == 1 else logits.contiguous())
         token_ids = tokens.tolist()
         return None if -1 in token_ids else token_ids
     # max takes a row's first NaN over any number (the same index as argmax, at the same cost).
@@ -251,7 +228,7 @@ def _is_plain_greedy(row: SamplingRow) -> bool:
 
 
 def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow], fallback: torch.Tensor,
-            draw_kernel=None) -> list[int]:
+            cpu_kernel: bool = False) -> list[int]:
     """Row ``i``'s token, or ``fallback[i]`` where its processed logits are all -inf."""
     token_ids = fallback.clone()
     greedy = [i for i, row in enumerate(rows) if row.params.greedy]
@@ -260,7 +237,7 @@ def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow], fallback: torch.T
         _put_chosen(token_ids, greedy, _argmax(select_rows(logits, greedy)))
     if sampled:
         generators = [rows[i].generator for i in sampled]
-        _put_chosen(token_ids, sampled, _draw(select_rows(logits, sampled), generators, draw_kernel))
+        _put_chosen(token_ids, sampled, _draw(select_rows(logits, sampled), generators, cpu_kernel))
     return token_ids.tolist()
 
 
@@ -276,19 +253,20 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return argmax.masked_fill_(chosen == -math.inf, -1)
 
 
-def _draw(logits: torch.Tensor, generators: list[torch.Generator | None], draw_kernel=None) -> torch.Tensor:
+def _draw(logits: torch.Tensor, generators: list[torch.Generator | None], cpu_kernel: bool = False) -> torch.Tensor:
     """Inverse-CDF draw of one token per row of ``softmax(logits)``; a token of probability 0 is
     never drawn (its cumulative value equals its predecessor's). -1 for a row of -inf only.
     One uniform number per row, from the row's generator, whichever way it is drawn (a seeded
-    stream stays aligned): ``draw_kernel`` (see ``Sampler``) on CPU float32 logits, else torch.
+    stream stays aligned): with ``cpu_kernel``, ``cpu_ops.draw_rows`` (see ``Sampler``) on CPU
+    float32 logits, else torch.
 
     ``logits`` holds no NaN or +inf (see process_logits), so a row with a finite logit has a CDF
     of finite values whose total is at least 1 / vocab, and ``target < total`` keeps the search
     inside the row even where rounding makes the CDF not quite monotone."""
     u = _uniforms(generators, logits.device)
-    if draw_kernel is not None and logits.device.type == "cpu" and logits.dtype == torch.float32:
+    if cpu_kernel and logits.device.type == "cpu" and logits.dtype == torch.float32:
         tokens = torch.empty(logits.shape[0], dtype=torch.long)
-        draw_kernel(tokens, logits if logits.stride(-1) == 1 else logits.contiguous(), u.float())
+        cpu_ops.draw_rows(tokens, logits if logits.stride(-1) == 1 else logits.contiguous(), u.float())
         return tokens
     cdf = logits.softmax(dim=-1).cumsum_(dim=-1)
     total = cdf[:, -1:]

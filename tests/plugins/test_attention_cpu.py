@@ -16,8 +16,7 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 12, 4, 64, 16
 
 
 def test_the_kernel_builds_on_this_machine():
-    kernels = cpu_ops.load()
-    assert kernels is not None and hasattr(kernels, "paged_decode")
+    assert cpu_ops.load()
 
 
 def decode_batch(dtype, seed, contexts, num_blocks=1200):
@@ -72,6 +71,6 @@ def test_uneven_rows_give_the_same_bits_on_one_thread_and_two():
 def test_falls_back_to_the_torch_path_without_the_kernel(monkeypatch):
     pool, seqs, q, k, v = decode_batch(torch.float32, 5, [3, 40, 90])
     expected = run(CpuAttentionBackend, pool.clone(), seqs, q, k, v)
-    monkeypatch.setattr(cpu_ops, "load", lambda: None)
+    monkeypatch.setattr(cpu_ops, "load", lambda: False)
     torch.testing.assert_close(run(CpuAttentionBackend, pool.clone(), seqs, q, k, v), expected,
                                atol=1e-5, rtol=1e-5)

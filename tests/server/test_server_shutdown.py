@@ -27,7 +27,7 @@ def _start(model_args: list[str], shutdown_timeout_s: float, **env) -> tuple[sub
     env = {**os.environ, "TANDEM_SERVER__SHUTDOWN_TIMEOUT_S": str(shutdown_timeout_s),
            "TANDEM_ENGINE__NUM_KV_BLOCKS": "64", **env}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.server.launch", *model_args, "--port", str(port)],
+        [sys.executable, "-m", "tandem", "serve", *model_args, "--port", str(port)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120

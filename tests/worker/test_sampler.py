@@ -15,13 +15,9 @@ from transformers.generation.logits_process import (
 )
 
 from tandem.sampling_params import SamplingParams
-from tandem.worker.sampler import (
-    Sampler,
-    SamplingRow,
-    compute_logprobs,
-    make_generator,
-    process_logits,
-)
+from tandem.worker.logits_processing import process_logits
+from tandem.worker.sampler import Sampler, compute_logprobs, make_generator
+from tandem.worker.sampling_row import SamplingRow
 
 EOS = 2
 

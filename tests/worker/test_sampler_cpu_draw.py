@@ -1,7 +1,7 @@
-"""The sampler's draw through tandem's CPU kernel (``Sampler.draw_kernel``, kernels/cpu/sampling.cpp)
+"""The sampler's draw through tandem's CPU kernel (``cpu_ops.draw_rows``, kernels/cpu/sampling.cpp)
 against torch's softmax + cumsum + searchsorted draw on the same uniform numbers, against the
 distribution itself (chi-square), with seeds, and wired in by the worker only with tandem's
-kernels; the greedy argmax kernel (``Sampler.argmax_kernel``) against torch's ``max``."""
+kernels; the greedy argmax kernel (``cpu_ops.argmax_rows``) against torch's ``max``."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +10,8 @@ import torch
 from tandem import LLM
 from tandem.kernels import cpu_ops
 from tandem.sampling_params import SamplingParams
-from tandem.worker.sampler import Sampler, SamplingRow, _draw, make_generator
+from tandem.worker.sampler import Sampler, _draw, make_generator
+from tandem.worker.sampling_row import SamplingRow
 from tests.helpers.tiny_models import tiny_model_dir
 
 EOS = 2
@@ -19,22 +20,18 @@ CHI2_7DF_P999 = 24.32  # 99.9th percentile of the chi-square distribution, 7 deg
 
 @pytest.fixture(scope="module")
 def argmax_rows():
-    kernels = cpu_ops.load()
-    assert kernels is not None, "the CPU kernels build on this machine"
-    return kernels.argmax_rows
+    assert cpu_ops.load(), "the CPU kernels build on this machine"
+    return cpu_ops.argmax_rows
 
 
 @pytest.fixture(scope="module")
 def draw_rows():
-    kernels = cpu_ops.load()
-    assert kernels is not None, "the CPU kernels build on this machine"
-    return kernels.draw_rows
+    assert cpu_ops.load(), "the CPU kernels build on this machine"
+    return cpu_ops.draw_rows
 
 
 def kernel_sampler(draw_rows) -> Sampler:
-    sampler = Sampler()
-    sampler.draw_kernel = draw_rows
-    return sampler
+    return Sampler(cpu_kernels=True)
 
 
 def row(params, generator=None) -> SamplingRow:
@@ -57,7 +54,7 @@ def test_the_kernel_draws_the_tokens_torch_draws_from_the_same_numbers(draw_rows
     expected = _draw(logits.clone(), generators)
     generators = [make_generator(i, 0, "cpu") if i % 2 else None for i in range(300)]
     torch.manual_seed(0)
-    got = _draw(logits.clone(), generators, draw_rows)
+    got = _draw(logits.clone(), generators, cpu_kernel=True)
     assert got.dtype == torch.long and got[5] == -1 and got[4] == vocab - 1
     # the two sum in different orders: only a number within rounding of a boundary of the
     # cumulative sums may land on a neighbouring token
@@ -75,7 +72,7 @@ def test_logits_that_span_hundreds_draw_as_torch_draws(draw_rows):
     torch.manual_seed(12)
     expected = _draw(logits.clone(), [None] * 400)  # torch's softmax, cumsum and searchsorted
     torch.manual_seed(12)
-    got = _draw(logits.clone(), [None] * 400, draw_rows)
+    got = _draw(logits.clone(), [None] * 400, cpu_kernel=True)
     assert float((got == expected).float().mean()) >= 0.99
     assert bool(torch.isfinite(logits.gather(1, got[:, None])).all()), "a filtered token was drawn"
 
@@ -116,8 +113,7 @@ def test_the_argmax_kernel_flags_a_row_with_a_nan(argmax_rows, where):
 
 
 def test_the_greedy_sampler_with_the_argmax_kernel_matches_torch(argmax_rows):
-    sampler = Sampler()
-    sampler.argmax_kernel = argmax_rows
+    sampler = Sampler(cpu_kernels=True)
     params = SamplingParams(temperature=0.0)
     logits = torch.randn(16, 1000) * 5
     expected = Sampler()(logits.clone(), [row(params) for _ in range(16)]).token_ids
@@ -162,7 +158,6 @@ def test_a_seeded_request_draws_what_it_draws_without_the_kernel(draw_rows):
 def test_the_worker_uses_the_kernel_only_with_tandems_kernels(cpu_kernels, expected):
     llm = LLM(model=str(tiny_model_dir("llama")), num_kv_blocks=32, cpu_kernels=cpu_kernels)
     sampler = llm.engine.executor.worker.runner.sampler
-    assert (sampler.draw_kernel is not None) == expected
-    assert (sampler.argmax_kernel is not None) == expected
+    assert sampler.cpu_kernels == expected
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=1.0, seed=3, max_tokens=5))
     assert len(out[0].outputs[0].token_ids) == 5

@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tandem.sampling_params import SamplingParams
-from tandem.worker.sampler import Sampler, SamplingRow, compute_logprobs, make_generator
+from tandem.worker.sampler import Sampler, compute_logprobs, make_generator
+from tandem.worker.sampling_row import SamplingRow
 
 INF, NAN = math.inf, math.nan
 F32_MAX = torch.finfo(torch.float32).max

@@ -1,7 +1,7 @@
 """vLLM as a baseline of ``tandem bench offline``, measured in the same run (``--baseline vllm``).
 
 vLLM lives in a venv of its own (``scripts/make_vllm_venv.sh``), given by ``--vllm-python``. Its
-side is ``tandem/bench/vllm_offline_driver.py``, run as a file by that python: this module writes
+side is ``tandem/bench/peers/vllm_offline_driver.py``, run as a file by that python: this module writes
 the workload (the very prompt token ids and output lengths tandem gets, the model, the dtype and
 tandem's batch limits) to a JSON file, runs the driver and reads its outputs and wall time back as
 a ``ModeResult`` named ``vllm``. The two never run at once: they share the cores. Both are warmed
@@ -19,11 +19,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from tandem.bench import vllm_offline_driver as driver
-from tandem.bench.offline import ModeResult, Workload
+from tandem.bench.peers import vllm_offline_driver as driver
+from tandem.bench.workload import ModeResult, Workload
 from tandem.config import ConfigError
 
-BASELINES = ("vllm",)
+name = "vllm"
+"""The peer's mode name in the report (``tandem.bench.offline.Peer``)."""
+BASELINES = (name,)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,7 +70,7 @@ def read_result(path: Path) -> tuple[ModeResult, dict]:
     return ModeResult("vllm", result.pop("seconds"), result.pop("outputs")), result
 
 
-def run_vllm(args: argparse.Namespace, model: str, wl: Workload) -> ModeResult:
+def run(args: argparse.Namespace, model: str, wl: Workload) -> ModeResult:
     """Runs the driver under ``--vllm-python`` on this workload; its output streams through."""
     with tempfile.TemporaryDirectory(prefix="tandem-vllm-") as tmp:
         workload_path, result_path = Path(tmp) / "workload.json", Path(tmp) / "result.json"
@@ -92,9 +94,3 @@ def warm_up_tandem(llm, wl: Workload) -> None:
     llm.generate(driver.warmup_prompts(wl.prompts), SamplingParams(temperature=0.0, max_tokens=driver.WARMUP_TOKENS,
                                             ignore_eos=True))
     print(f"  tandem: warmed up in {time.perf_counter() - t0:.1f} s (not timed)", flush=True)
-
-
-def token_agreement(ours: list[list[int]], theirs: list[list[int]]) -> float:
-    """Share of output tokens equal at the same position of the same request."""
-    same = sum(a == b for x, y in zip(ours, theirs) for a, b in zip(x, y))
-    return same / max(sum(map(len, ours)), 1)

@@ -21,7 +21,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from tandem.bench import vllm_cli
+from tandem.bench.peers import vllm_cli
 from tandem.config import ConfigError
 
 STAT_KEYS = {"ttft_ms": "ttft_ms", "tpot_ms": "tpot_ms", "itl_ms": "itl_ms", "e2e_ms": "e2el_ms"}

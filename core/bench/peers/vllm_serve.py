@@ -14,8 +14,8 @@ import asyncio
 import shlex
 import time
 
-from tandem.bench import serve, vllm_cli, vllm_offline_driver
-from tandem.bench.vllm_baseline import check_arguments
+from tandem.bench import serve
+from tandem.bench.peers import vllm_cli, vllm_client, vllm_offline, vllm_offline_driver
 from tandem.config import ConfigError
 
 VLLM_START_TIMEOUT_S = 1200.0  # start-up compiles with inductor: minutes on two busy cores
@@ -24,12 +24,17 @@ RATIOS = (("output tok/s", "output_throughput", None), ("TTFT p50", "ttft_ms", "
           ("TPOT p50", "tpot_ms", "p50"), ("e2e p50", "e2e_ms", "p50"))
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``--baseline`` and ``--vllm-python``, as ``tandem bench offline`` takes them."""
+    vllm_offline.add_arguments(p)
+
+
 def run_side_by_side(args: argparse.Namespace) -> int:
     if args.url is not None:
         raise ConfigError("--baseline starts both servers itself: give --model, not --url")
     if args.plot or args.result_json:
         raise ConfigError("--plot and --result-json write one server's figures: not with --baseline")
-    check_arguments(args)
+    vllm_offline.check_arguments(args)
     dtype = args.dtype or "float32"
     tandem_cmd = ["--dtype", dtype, *shlex.split(args.server_args)]
     print(f"=== tandem ({dtype})", flush=True)
@@ -51,6 +56,11 @@ def run_side_by_side(args: argparse.Namespace) -> int:
     return 0
 
 
+def client(args: argparse.Namespace) -> serve.Client | None:
+    """vLLM's ``vllm bench serve`` with ``--client vllm``, else None (tandem's own client)."""
+    return vllm_client.bench if args.client == "vllm" else None
+
+
 def _warm_and_bench(args: argparse.Namespace, proc, url: str) -> dict | None:
     try:
         requests = serve.workload_requests(args, args.model)
@@ -61,7 +71,7 @@ def _warm_and_bench(args: argparse.Namespace, proc, url: str) -> dict | None:
         asyncio.run(serve.run_benchmark(url, name, warm, float("inf"), args.max_concurrency,
                                         args.seed))
         print(f"warm-up round (untimed): {time.perf_counter() - t0:.1f} s", flush=True)
-        return serve.bench(args, url)
+        return serve.bench(args, url, client(args))
     finally:
         serve.stop_server(proc)
 
