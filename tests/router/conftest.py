@@ -1,7 +1,8 @@
 """Shared instances for the router tests: one prefill and two decode ``tandem serve``
 subprocesses of the tiny Llama, started once per session (they are colocated instances: until
 the engine reads kv_transfer_params they ignore it, so a decode instance recomputes the prompt
-and its greedy output must equal a direct request's)."""
+and its greedy output must equal a direct request's). The first is also the colocated oracle of
+the disaggregated tests."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -31,6 +32,19 @@ def log_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def cluster(model_dir, log_dir) -> Iterator[Cluster]:
-    with instances(model_dir, log_dir, 3) as (prefill, decode0, decode1):
-        yield Cluster(prefill, [decode0, decode1])
+def cluster_instances(model_dir, log_dir) -> Iterator[list[InstanceProcess]]:
+    with instances(model_dir, log_dir, 3) as procs:
+        yield procs
+
+
+@pytest.fixture(scope="session")
+def cluster(cluster_instances) -> Cluster:
+    prefill, decode0, decode1 = cluster_instances
+    return Cluster(prefill, [decode0, decode1])
+
+
+@pytest.fixture(scope="session")
+def colocated(cluster_instances) -> InstanceProcess:
+    """A colocated instance with the default test flags: the oracle whose greedy answers a
+    disaggregated pair must repeat (the cluster's prefill instance; no test stops it)."""
+    return cluster_instances[0]

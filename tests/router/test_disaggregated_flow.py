@@ -64,12 +64,8 @@ class Setup:
 
 
 @pytest.fixture(scope="module")
-def oracle(model_dir, log_dir) -> Iterator[InstanceProcess]:
-    proc = InstanceProcess(model_dir, log_dir).start()
-    try:
-        yield proc.wait_ready()
-    finally:
-        proc.stop()
+def oracle(colocated) -> InstanceProcess:
+    return colocated
 
 
 @pytest.fixture(scope="module", params=["default", "tcp"])
