@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.tiny_models import tiny_model_dir
-from tests.router.instances import InstanceProcess, instances
+from tests.router.instances import PAIR_EXPIRY_S, InstanceProcess, instances, role_env
 
 
 @dataclass
@@ -48,3 +48,17 @@ def colocated(cluster_instances) -> InstanceProcess:
     """A colocated instance with the default test flags: the oracle whose greedy answers a
     disaggregated pair must repeat (the cluster's prefill instance; no test stops it)."""
     return cluster_instances[0]
+
+
+@pytest.fixture(scope="session")
+def nixl_pair(model_dir, log_dir) -> Iterator[tuple[InstanceProcess, InstanceProcess]]:
+    """A prefill and a decode instance over NIXL (UCX's default transports), KV expiry
+    PAIR_EXPIRY_S: shared by the disaggregated flow and the router's fuzzing, each with its own
+    router; each leaves them idle, every block free."""
+    prefill = InstanceProcess(model_dir, log_dir, **role_env("prefill", PAIR_EXPIRY_S)).start()
+    decode = InstanceProcess(model_dir, log_dir, **role_env("decode", PAIR_EXPIRY_S)).start()
+    try:
+        yield prefill.wait_ready(), decode.wait_ready()
+    finally:
+        prefill.stop()
+        decode.stop()
