@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from tests.helpers.tiny_models import hf_model, tiny_model_dir, tiny_tokenizer
+from tests.helpers.tiny_models import hf_model, is_tiny_model_dir, tiny_model_dir, tiny_tokenizer
 
 MAX_TOKENS = 12
 
@@ -26,16 +26,24 @@ def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 MIXED_LENGTHS = [1, 3, 15, 16, 17, 33, 48, 70, 5]
 
 
+_HF_GREEDY: dict[tuple[str, tuple[int, ...], int], list[int]] = {}
+"""HF's answers on the tiny checkpoints, which are built once per process and never changed:
+the engine, executor, transfer and model tests ask it for the same prompts again and again."""
+
+
 def hf_greedy(path, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
-    model = hf_model(path)
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                               min_new_tokens=max_tokens, do_sample=False)
-            outs.append(g[0, len(p):].tolist())
-    return outs
+    memo = _HF_GREEDY if is_tiny_model_dir(path) else {}
+    keys = [(str(path), tuple(p), max_tokens) for p in prompts]
+    missing = [k for k in keys if k not in memo]
+    if missing:
+        model = hf_model(path)
+        with torch.inference_mode():
+            for key in missing:
+                ids = torch.tensor([key[1]])
+                g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                   min_new_tokens=max_tokens, do_sample=False)
+                memo[key] = g[0, ids.shape[1]:].tolist()
+    return [list(memo[k]) for k in keys]
 
 
 def tandem_greedy(llm: LLM, prompts, max_tokens: int = MAX_TOKENS, n: int = 1):

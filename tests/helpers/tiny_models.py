@@ -24,6 +24,7 @@ Kinds (``TINY_KINDS``):
 
 API:
     tiny_model_dir(kind) -> Path       built once per process into a temporary folder, cached
+    is_tiny_model_dir(path) -> bool    whether path is one of those folders
     build_tiny_model(path, kind) -> Path
     tiny_tokenizer() -> PreTrainedTokenizerFast   (cached; the tokenizer every kind ships)
     hf_model(path) -> transformers model, float32, eval mode (the oracle)
@@ -190,6 +191,11 @@ def tiny_model_dir(kind: str) -> Path:
         _ROOT = Path(tempfile.mkdtemp(prefix="tandem-tiny-"))
         atexit.register(shutil.rmtree, _ROOT, True)
     return build_tiny_model(_ROOT / kind, kind)
+
+
+def is_tiny_model_dir(path: str | Path) -> bool:
+    """Whether ``path`` is one of ``tiny_model_dir``'s checkpoints (which no test changes)."""
+    return _ROOT is not None and Path(path).parent == _ROOT
 
 
 def hf_model(path: str | Path) -> torch.nn.Module:

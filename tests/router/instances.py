@@ -28,6 +28,8 @@ ADMIN_KEY = "admin-key-of-the-router-tests"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 KV_SECRET = {"X-Tandem-KV-Secret": CLUSTER_SECRET}
 """The header of a request carrying kv_transfer_params, as the router sends it."""
+PAIR_EXPIRY_S = 3.0
+"""The KV expiry of the session's disaggregated pair (tests/router/conftest.py ``nixl_pair``)."""
 INSTANCE_FLAGS = ["--served-model-name", MODEL_NAME, "--num-kv-blocks", "64", "--max-num-seqs", "8",
                   "--max-num-batched-tokens", "256"]
 

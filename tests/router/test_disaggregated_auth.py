@@ -62,13 +62,12 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(model_dir, log_dir) -> Iterator[Cluster]:
-    oracle = InstanceProcess(model_dir, log_dir).start()
+def cluster(model_dir, log_dir, colocated) -> Iterator[Cluster]:
     prefill = InstanceProcess(model_dir, log_dir, **role_env("prefill", EXPIRY_S, **SECRET_ENV)).start()
     decode = InstanceProcess(model_dir, log_dir, **role_env("decode", EXPIRY_S, **SECRET_ENV)).start()
-    cluster = Cluster(oracle, prefill, decode, "")
+    cluster = Cluster(colocated, prefill, decode, "")
     try:
-        for proc in (oracle, prefill, decode):
+        for proc in (prefill, decode):
             proc.wait_ready()
         with running_router([(prefill.url, "prefill"), (decode.url, "decode")],
                             kv_transfer_secret=SECRET) as router:
@@ -76,8 +75,7 @@ def cluster(model_dir, log_dir) -> Iterator[Cluster]:
             yield cluster
     finally:
         # the instances as the tests left them too (a test may replace one with a restarted process)
-        for proc in {id(p): p for p in (oracle, prefill, decode, cluster.oracle, cluster.prefill,
-                                          cluster.decode)}.values():
+        for proc in {id(p): p for p in (prefill, decode, cluster.prefill, cluster.decode)}.values():
             proc.stop()
 
 

@@ -21,6 +21,7 @@ from tests.engine.test_greedy_vs_hf import _prompts
 from tests.router.instances import (
     KV_SECRET,
     MODEL_NAME,
+    PAIR_EXPIRY_S,
     InstanceProcess,
     dispatched,
     role_env,
@@ -32,7 +33,7 @@ from tests.router.instances import (
 pytest.importorskip("nixl_cu12", reason="the nixl KV connector needs nixl-cu12")
 
 BLOCK = 16
-EXPIRY_S = 3.0
+EXPIRY_S = PAIR_EXPIRY_S
 
 
 def body(prompt: list[int], **extra) -> dict:
@@ -64,28 +65,29 @@ class Setup:
 
 
 @pytest.fixture(scope="module")
-def oracle(model_dir, log_dir) -> Iterator[InstanceProcess]:
-    proc = InstanceProcess(model_dir, log_dir).start()
-    try:
-        yield proc.wait_ready()
-    finally:
-        proc.stop()
+def oracle(colocated) -> InstanceProcess:
+    return colocated
 
 
-@pytest.fixture(scope="module", params=["default", "tcp"])
-def setup(request, model_dir, log_dir, oracle) -> Iterator[Setup]:
-    """Prefill and decode instances over UCX's default transports, or over TCP only."""
-    ucx = {"UCX_TLS": "tcp"} if request.param == "tcp" else {}
-    prefill = InstanceProcess(model_dir, log_dir, **role_env("prefill", EXPIRY_S, **ucx)).start()
-    decode = InstanceProcess(model_dir, log_dir, **role_env("decode", EXPIRY_S, **ucx)).start()
+@pytest.fixture(scope="module")
+def tcp_pair(model_dir, log_dir) -> Iterator[tuple[InstanceProcess, InstanceProcess]]:
+    tcp = {"UCX_TLS": "tcp"}
+    prefill = InstanceProcess(model_dir, log_dir, **role_env("prefill", EXPIRY_S, **tcp)).start()
+    decode = InstanceProcess(model_dir, log_dir, **role_env("decode", EXPIRY_S, **tcp)).start()
     try:
-        prefill.wait_ready()
-        decode.wait_ready()
-        with running_router([(prefill.url, "prefill"), (decode.url, "decode")]) as router:
-            yield Setup(oracle, prefill, decode, router.url)
+        yield prefill.wait_ready(), decode.wait_ready()
     finally:
         prefill.stop()
         decode.stop()
+
+
+@pytest.fixture(scope="module", params=["default", "tcp"])
+def setup(request, oracle) -> Iterator[Setup]:
+    """Prefill and decode instances over UCX's default transports (the session's pair), or over
+    TCP only."""
+    prefill, decode = request.getfixturevalue("nixl_pair" if request.param == "default" else "tcp_pair")
+    with running_router([(prefill.url, "prefill"), (decode.url, "decode")]) as router:
+        yield Setup(oracle, prefill, decode, router.url)
 
 
 @pytest.mark.timeout(180)

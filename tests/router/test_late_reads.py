@@ -33,18 +33,17 @@ def _texts(url: str, prompts: list[list[int]]) -> list[str]:
 
 
 @pytest.mark.timeout(300)
-def test_a_resumed_prefill_instance_writes_only_into_quarantined_blocks(model_dir, log_dir):
+def test_a_resumed_prefill_instance_writes_only_into_quarantined_blocks(model_dir, log_dir, colocated):
     tcp = {"UCX_TLS": "tcp"}
     prefill = InstanceProcess(model_dir, log_dir, **role_env("prefill", 60.0, **tcp)).start()
     decode = InstanceProcess(model_dir, log_dir, **role_env(
         "decode", 60.0, TANDEM_DISAGGREGATION__KV_TRANSFER_TIMEOUT_S=str(TIMEOUT_S),
         TANDEM_DISAGGREGATION__KV_LOAD_FAILURE_POLICY="fail", **tcp)).start()
-    oracle = InstanceProcess(model_dir, log_dir).start()
     try:
-        for proc in (prefill, decode, oracle):
+        for proc in (prefill, decode):
             proc.wait_ready()
         frozen_prompt, *others = _prompts(61, [10 * BLOCK + 3, 3 * BLOCK, 5 * BLOCK + 1, 2 * BLOCK, 4 * BLOCK])
-        want = _texts(oracle.url, others)
+        want = _texts(colocated.url, others)
         warm = _hand_over(prefill.url, _prompts(62, [BLOCK + 1])[0])  # the decode side meets its peer
         assert httpx.post(f"{decode.url}/v1/completions", timeout=60, headers=KV_SECRET, json=body(
             _prompts(62, [BLOCK + 1])[0], kv_transfer_params=warm)).status_code == 200
@@ -75,5 +74,5 @@ def test_a_resumed_prefill_instance_writes_only_into_quarantined_blocks(model_di
         assert _texts(decode.url, others) == want  # and nothing stale entered the prefix cache
     finally:
         prefill.send_signal(signal.SIGCONT)
-        for proc in (prefill, decode, oracle):
+        for proc in (prefill, decode):
             proc.stop()

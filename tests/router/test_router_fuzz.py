@@ -24,9 +24,8 @@ from tests.router.instances import (
     ADMIN,
     CLUSTER_SECRET,
     MODEL_NAME,
-    InstanceProcess,
+    PAIR_EXPIRY_S,
     dispatched,
-    role_env,
     router_instance,
     running_router,
     scrape,
@@ -37,28 +36,21 @@ from tests.server.server_helpers import ENGINE
 pytest.importorskip("nixl_cu12", reason="the nixl KV connector needs nixl-cu12")
 pytestmark = pytest.mark.slow
 
-EXPIRY_S = 3.0
+EXPIRY_S = PAIR_EXPIRY_S
 CONTROL_PROMPT = "Through the router and back, the fuzzer's traffic"
 CONTROL_TOKENS = 16
 ENGINE_FAILURES = "tandem:request_errors_total{reason=engine_exception}"
 MIN_REQUESTS = 100
-KV_FUZZ_SECONDS = 10
+KV_FUZZ_SECONDS = 5
 KV_HEADER = "X-Tandem-KV-Secret"
 
 
 @pytest.fixture(scope="module")
-def setup(model_dir, log_dir):
-    prefill = InstanceProcess(model_dir, log_dir, **role_env("prefill", EXPIRY_S)).start()
-    decode = InstanceProcess(model_dir, log_dir, **role_env("decode", EXPIRY_S)).start()
-    try:
-        prefill.wait_ready()
-        decode.wait_ready()
-        with running_router([(prefill.url, "prefill"), (decode.url, "decode")], health_interval_s=0.5) as router:
-            assert wait_for(lambda: all(router_instance(router.url, i.url)["healthy"] for i in (prefill, decode)))
-            yield prefill, decode, router
-    finally:
-        prefill.stop()
-        decode.stop()
+def setup(nixl_pair):
+    prefill, decode = nixl_pair
+    with running_router([(prefill.url, "prefill"), (decode.url, "decode")], health_interval_s=0.5) as router:
+        assert wait_for(lambda: all(router_instance(router.url, i.url)["healthy"] for i in (prefill, decode)))
+        yield prefill, decode, router
 
 
 def control_text(router_url: str) -> str:

@@ -339,7 +339,7 @@ class Harness:
         assert all(b.ref_count == 0 for b in self.kv.block_pool.blocks)
 
 
-PROPERTY_SETTINGS = settings(max_examples=250, deadline=None,
+PROPERTY_SETTINGS = settings(max_examples=100, deadline=None,
                              suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -365,7 +365,7 @@ class CappedFCFS(FCFSPolicy):
         return self.cap
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads(), st.integers(1, 12))
 def test_capped_prompt_workloads_keep_every_invariant_and_finish(workload, cap):
     Harness(workload, CappedFCFS(cap)).run()
