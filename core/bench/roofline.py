@@ -161,7 +161,7 @@ def measure_gemm_rate(rows: int, inner: int, outer: int, dtype: str, repeats: in
     """FLOP/s of the fastest GEMM this machine offers tandem for [rows, inner] x [inner, outer]
     in ``dtype`` (the fastest of ``repeats`` runs of ``GEMM_CALLS_PER_RUN`` calls each): torch's
     ``matmul`` against an [outer, inner] weight transposed (the layout of ``F.linear``; CPU torch
-    multiplies a row-major [inner, outer] bfloat16 operand some 20x slower) and, on the CPU, each
+    multiplies a row-major [inner, outer] bfloat16 operand far slower) and, on the CPU, each
     packed kernel of ``tandem.models.cpu_linear`` that is available here."""
     import torch
 

@@ -33,7 +33,7 @@ row that has a finite logit after steps 1-2 keeps one:
 Cost. Every pass is vectorized over the rows that need it (a row needing no penalty costs nothing
 there). Top-p looks for the nucleus among the ``_TOP_P_CANDIDATES`` most likely tokens, and only
 for the rows whose nucleus is larger among ``_TOP_P_GROWTH`` times as many, and so on (a full
-sort of 64 x 32000 costs ~20x a top-256).
+sort of the vocabulary costs far more than a top-k of a few hundred).
 """
 from __future__ import annotations
 
