@@ -1,4 +1,4 @@
-"""The engine side of disaggregated prefill/decode (ARCHITECTURE.md §2, pull model): it drives the
+"""The engine side of disaggregated prefill/decode (docs/architecture.md §2, pull model): it drives the
 hand-over state machines of ``tandem.handover`` over one ``KVConnector`` and the scheduler.
 
 ::

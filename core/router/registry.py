@@ -30,7 +30,7 @@ logger = logging.getLogger("tandem.router")
 ROLES = ("prefill", "decode", "both")
 _SERVES = {"prefill": ("prefill", "both"), "decode": ("decode", "both")}
 
-# The instance's /metrics gauges the load is read from (ARCHITECTURE.md §5).
+# The instance's /metrics gauges the load is read from (docs/metrics.md).
 _LOAD_GAUGES = {
     "tandem:num_requests_waiting": "num_waiting",
     "tandem:num_requests_running": "num_running",
