@@ -1,5 +1,6 @@
-"""The engine side of disaggregated prefill/decode (docs/architecture.md §2, pull model): it drives the
-hand-over state machines of ``tandem.handover`` over one ``KVConnector`` and the scheduler.
+"""The engine side of disaggregated prefill/decode (docs/architecture.md §2, pull model): it
+drives the hand-over state machines of ``tandem.handover`` over one ``KVConnector`` and the
+scheduler.
 
 ::
 

@@ -12,8 +12,9 @@ order) becomes contiguous groups by permuting the inputs: the packed weight's in
 
 The kernel's time grows with the rows of ``x`` (it reads the weight once per row), so it beats
 dequantizing the whole weight and running a dense bfloat16 matmul only for few rows (where they
-cross: docs/benchmarks.md). ``MAX_ROWS`` is where the quant methods switch to dequantizing. Supported: group sizes 32, 64, 128 and 256 dividing K, N a
-multiple of 16, every group exactly ``group_size`` inputs; ``pack`` returns None otherwise.
+cross: docs/benchmarks.md). ``MAX_ROWS`` is where the quant methods switch to dequantizing.
+Supported: group sizes 32, 64, 128 and 256 dividing K, N a multiple of 16, every group exactly
+``group_size`` inputs; ``pack`` returns None otherwise.
 The packed copy is kept beside the checkpoint's tensors (which the dequantizing path reads), so
 a layer's 4-bit weights take twice their memory: still half of bfloat16's.
 """

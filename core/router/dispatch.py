@@ -1,4 +1,4 @@
-"""The flow of one client request through the router (pull model, docs/architecture.md, "The router").
+"""The flow of one client request through the router (pull model; docs/architecture.md §9).
 
 Contract: a plan is chosen once per request (direct, needs_prompt, short_prompt, or prefill then
 decode); each step tries the healthy instances its policy picks, one after another — 429 moves on,
@@ -9,7 +9,6 @@ them, so it gets a 502 "instance_failed" instead of risking the fleet; a frozen 
 (``disaggregation.upstream_timeout_s``) counts as such a break (504 "upstream_timeout" when none is
 left). A stream is retried only until its first token reaches the client; only requests carrying
 kv_transfer_params (and the release) carry the cluster secret.
-"""
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ order while budget, seats and KV blocks last; there are no prefill or decode pha
 A request's status (waiting, running, waiting for remote KV, isolated, finished) is its
 ``RequestStatus``. Why one scheduler and pluggable policies: a plugin orders and picks victims but
 cannot break the KV accounting. Preemption, remote KV, pinned hand-over blocks, speculative
-decoding and step isolation: docs/architecture.md, "The scheduler".
+decoding and step isolation: docs/architecture.md §7.
 """
 from __future__ import annotations
 

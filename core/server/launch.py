@@ -15,8 +15,9 @@ import os
 import sys
 
 # Idle OpenMP workers must sleep, not spin: spinning torch threads starve the event-loop thread
-# on a machine with few cores (docs/benchmarks.md, "OpenMP wait policy"). libgomp reads this once, when torch is first imported, so it is set here, before the
-# app (and torch) is imported; an explicit OMP_WAIT_POLICY in the environment wins.
+# on a machine with few cores (docs/benchmarks.md, "OpenMP wait policy"). libgomp reads this
+# once, when torch is first imported, so it is set here, before the app (and torch) is imported;
+# an explicit OMP_WAIT_POLICY in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import uvicorn  # noqa: E402

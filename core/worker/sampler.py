@@ -8,7 +8,7 @@ its own generator and its own row only, so batching does not change its tokens).
 logits and the admitted parameters, every row gets a token in ``[0, vocab)`` and every logprob is
 finite (-inf is reported as float32's lowest value); a row left with nothing takes the model's own
 greedy choice, within its grammar if it has one. Logprobs are the raw model distribution's, as
-vLLM's default. Every rule, and why: docs/architecture.md, "The sampler".
+vLLM's default. Every rule, and why: docs/architecture.md §8.
 """
 from __future__ import annotations
 

@@ -13,8 +13,8 @@
 // Logits hold no NaN or +inf (the sampler's processing makes none); a row of -inf only gets -1.
 // exp runs on x - max clamped to kExpFloor: the vector exp falls back to scalar code, lane by
 // lane, below about -87 (where the result is no longer a normal float; a random model's logits
-// span hundreds, so most of a row would go that way); a token that far below the max gets probability 0
-// (it would get under 1e-34 of the total), as a -inf logit does.
+// span hundreds, so most of a row would go that way); a token that far below the max gets
+// probability 0 (it would get under 1e-34 of the total), as a -inf logit does.
 //
 //   argmax_rows(tokens [N] int64, logits [N, V] float32)
 //
