@@ -26,9 +26,8 @@ Read bandwidth: ``x.sum()`` over a float32 buffer several times the last-level c
 the fastest of ``torch.matmul`` and (on the CPU) tandem's packed kernels of
 ``tandem.models.cpu_linear`` for [B, hidden] × [hidden, intermediate] in the bench's dtype, the
 weight in the model's layout (a weight that fits in cache, so it measures arithmetic, not
-memory). Each is the fastest of several timed runs: a floor takes the machine at its best (on a
-shared, noisy machine a median rate moves from run to run by a third and, lower than what the
-model's own matmuls reach in a good moment, made the floor no floor).
+memory). Each is the fastest of several timed runs: a floor takes the machine at its best (a
+median rate on a noisy machine can fall below what the model's own matmuls reach).
 """
 from __future__ import annotations
 
