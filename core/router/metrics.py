@@ -1,6 +1,6 @@
 """The router's Prometheus metrics (its own registry; an instance's metrics stay on the instance).
 
-Every metric, label, outcome (``OUTCOMES``) and dispatch path (``PATHS``): docs/metrics.md. Time
+Every metric, label, outcome (``OUTCOMES``) and dispatch path: docs/metrics.md. Time
 to first token runs from the router receiving the request to it relaying the first event that
 carries a token — prefill, hand-over and the first decode step as the client sees them, less its
 own network.

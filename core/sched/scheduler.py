@@ -5,9 +5,9 @@ first (a decode token, or the next chunk of a prompt), then waiting requests in 
 order while budget, seats and KV blocks last; there are no prefill or decode phases. It advances
 ``num_computed_tokens`` by what it scheduled; ``update_from_output()`` takes the step's result
 (and rejected drafts back). When blocks run out the policy names a victim, preempted by recompute.
-A request's status (waiting, running, waiting for remote KV, isolated, finished) is its
+A request's status (waiting for a grammar or remote KV, running, isolated, finished …) is its
 ``RequestStatus``. Why one scheduler and pluggable policies: a plugin orders and picks victims but
-cannot break the KV accounting. Preemption, remote KV, pinned hand-over blocks, speculative
+cannot break the KV accounting. Preemption, remote KV, pins and quarantines, speculative
 decoding and step isolation: docs/architecture.md §7.
 """
 from __future__ import annotations
