@@ -17,7 +17,7 @@ bfloat16, float16 queries and pools); GQA by the head ratio. See the source for 
 ``argmax_rows(tokens, logits)`` — the greedy fast path: each row's first index of its largest
 logit, -1 for a row that holds a NaN (sampling.cpp).
 
-``load()`` builds the extension once per machine (g++ and ninja, once; torch caches it under
+``load()`` builds the extension once per machine (g++ and ninja, 20–45 s; torch caches it under
 ``TORCH_EXTENSIONS_DIR``, by default ~/.cache/torch_extensions) and returns its operators
 (``torch.ops.tandem_cpu``), or None when it cannot be built — callers then keep their torch
 path. The build targets the CPU
