@@ -9,16 +9,11 @@ the head is tied to it).
 
 Kernels (``mode``):
 
-- ``tandem``: tandem's own (``kernels/cpu/linear.cpp``): 16-column panels in the model's dtype,
-  a 6 x 16 AVX2 register tile, float32 products and sums (16-bit weights widen as they load, so
-  a bfloat16 model keeps bfloat16 weights and reads half the bytes; from 32 rows on, once per
-  K-slice for all the row tiles), the weight prefetched into
-  L2 three K-slices ahead, the panels taken a few at a time by the threads from a shared
-  counter (timings: docs/benchmarks.md).
-- ``onednn``: oneDNN's reordered weights (``torch.ops.mkldnn``, inductor's CPU path), in the
-  model's dtype where the CPU has instructions for it, else in float32 (twice the memory of a
-  16-bit model).
-- ``torch``: ``F.linear`` on the plain weights — the reference the tests compare against.
+- ``tandem``: tandem's own panels (``kernels/cpu/linear.cpp``, docs/architecture.md §11): 16-bit
+  weights stay 16-bit and widen to float32 as they load, so they read half the bytes;
+- ``onednn``: oneDNN's reordered weights (``torch.ops.mkldnn``), in the model's dtype where the
+  CPU has instructions for it, else in float32 (twice the memory of a 16-bit model);
+- ``torch``: ``F.linear`` on the plain weights — the reference the tests compare against;
 - ``auto``: ``tandem`` when its kernels build here, else ``onednn`` when torch has oneDNN, else
   ``torch``.
 
