@@ -14,7 +14,7 @@ cpu        anything else                                   float32
 =========  ==============================================  ===========
 
 Native bfloat16 math means the AVX512-BF16 or AMX-BF16 instructions: there bfloat16 matmuls run
-2-3x faster than float32 and halve the weights' memory; elsewhere bfloat16 is emulated and slower
+faster than float32 and halve the weights' memory; elsewhere bfloat16 is emulated and slower
 than float32, so the CPU keeps float32. A float16 checkpoint runs in bfloat16 on the CPU because
 torch's CPU float16 matmuls are slower than float32 (as in vLLM's CPU backend); most float16
 checkpoints today are GPTQ/AWQ ones, whose 4-bit weights lose nothing in the cast.

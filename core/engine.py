@@ -157,7 +157,7 @@ class LLMEngine:
         return "longrope-long" if num_prompt_tokens > scaling.original_max_position_embeddings else "longrope-short"
 
     def kv_compat_hash(self) -> str:
-        """What two instances must share to exchange KV blocks (ARCHITECTURE.md §2): the model
+        """What two instances must share to exchange KV blocks (docs/architecture.md §2): the model
         name, dtype, KV shapes and block size, and fingerprints of the weights and the tokenizer
         (``tandem.models.fingerprint``), so that two checkpoints of one architecture, or two
         tokenizers, never exchange KV."""

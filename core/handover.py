@@ -1,4 +1,5 @@
-"""The two sides of a KV hand-over, each an explicit state machine (ARCHITECTURE.md §2, pull model).
+"""The two sides of a KV hand-over, each an explicit state machine (pull model,
+docs/architecture.md §2).
 
 A hand-over is named by its ``transfer_id``, which the prefill instance makes when it pins a
 finished request's blocks and the decode instance echoes back. Each side keeps one object per

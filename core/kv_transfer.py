@@ -1,26 +1,8 @@
-"""The engine side of disaggregated prefill/decode (ARCHITECTURE.md §2, pull model): it drives the
-hand-over state machines of ``tandem.handover`` over one ``KVConnector`` and the scheduler.
+"""The engine side of disaggregated prefill/decode (docs/architecture.md §2, pull model): it
+drives the hand-over state machines of ``tandem.handover`` over one ``KVConnector`` and the
+scheduler.
 
-::
-
-    prefill instance                                  decode instance
-    request with do_remote_decode finishes            request with do_remote_prefill (its
-      → scheduler pins its blocks (PinnedKV)            RemotePrefill) arrives: admit() checks it
-      → on_new_pins: PINNED, kv_transfer_params         is no replay, its prompt's digest, the
-        (transfer_id, block_ids, num_tokens,            peer → ADMITTED; the scheduler gives it
-         prompt_digest, compat_hash, expires_at;        blocks for prompt positions 0..P-2
-         the server adds handshake_url, signs them)
-                                                      start_loads: a read of the blocks
-                                                        [first_block, blocks_for(P-1)) → LOADING
-    poll: notification for transfer_id  <──────────── (the connector notifies when the read ends,
-      → RELEASED, unpin                                or notify_release when nothing is read)
-    release(transfer_id): the router gave the
-      hand-over up (POST /kv/release) → RELEASED
-    poll: pin older than kv_expiry_s → EXPIRED        poll: "done" → LOADED, the request runs
-                                                            "error:*" → FAILED: recompute or fail
-                                                            deadline → QUARANTINED: recompute or fail
-                                                              in fresh blocks; the old ones are
-                                                              held until the read is "closed"
+The flow over both sides, drawn: docs/architecture.md §2, "The hand-over on the engine thread".
 
 A transfer id is used once: one in flight, or among the last ``CONSUMED_IDS`` ended, is refused
 (``KVTransferReplayed``) and the first hand-over is left alone. A prompt whose digest differs

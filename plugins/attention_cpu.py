@@ -4,10 +4,8 @@ Everything but the batched decode call is the torch backend's (tandem.plugins.at
 the KV writes, prefill and chunked prefill through ``scaled_dot_product_attention``. The one-query
 rows (decodes, drafts being checked, tiny chunks) go to the C++ kernel of
 ``tandem.kernels.cpu_ops``, which walks each row's block table over the pool itself
-instead of gathering every sequence's context into a padded buffer per layer and masking it.
-On bench-100m at batch 64 (contexts 100–300) one layer's decode
-attention took 12–15 ms through the torch path (two gathers and a masked SDPA) and 3.0 ms
-(float32) / 2.0 ms (bfloat16) here. Rows go to the threads one at a time from a shared counter,
+instead of gathering every sequence's context into a padded buffer per layer and masking it
+(timings: docs/benchmarks.md). Rows go to the threads one at a time from a shared counter,
 so long and short contexts even out and a thread the OS holds up delays only its own row.
 
 CPU only; where the kernel cannot be built (no compiler) it logs a warning once and decodes

@@ -159,7 +159,7 @@ class _StepPlan:
             buf = torch.empty((block_ids.shape[0], *source.shape[1:]), dtype=source.dtype, device=source.device)
             self.buffers[buf_key] = buf
         # Each block's K (or V) is one contiguous chunk: select whole chunks as rows of a 2-D
-        # strided view, which is ~8x faster on the CPU than index_select over the 4-D view.
+        # strided view, which is much faster on the CPU than index_select over the 4-D view.
         chunk = buf[0].numel()
         assert source[0].is_contiguous()
         rows = torch.as_strided(source, (source.shape[0], chunk), (source.stride(0), 1))
@@ -197,7 +197,7 @@ class TorchAttentionBackend(AttentionBackend):
     def _write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan) -> None:
         if plan.write_rows is not None:
             key, value = key[plan.write_rows], value[plan.write_rows]
-        # Index the layer's slots as rows of one strided view: index_copy_ on it is ~100x faster on
+        # Index the layer's slots as rows of one strided view: index_copy_ on it is far faster on
         # the CPU than advanced-index assignment into the (non-contiguous) layer view.
         block_stride, kv_stride, slot_stride = kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2)
         assert block_stride % slot_stride == 0 and kv_stride % slot_stride == 0

@@ -11,11 +11,10 @@ order) becomes contiguous groups by permuting the inputs: the packed weight's in
 ``x[:, perm[k]]``.
 
 The kernel's time grows with the rows of ``x`` (it reads the weight once per row), so it beats
-dequantizing the whole weight and running a dense bfloat16 matmul only for few rows. On a 2-core
-AVX512-BF16 CPU, for layers of 768x2304, 768x6144 and 3072x768: 2x faster than the dense matmul
-alone at 1 row, 3.5-5x faster than dequantize+matmul at 16 rows, and as fast as it at about
-75-110 rows. ``MAX_ROWS`` is where the quant methods switch to dequantizing. Supported: group sizes 32, 64, 128 and 256 dividing K, N a
-multiple of 16, every group exactly ``group_size`` inputs; ``pack`` returns None otherwise.
+dequantizing the whole weight and running a dense bfloat16 matmul only for few rows (where they
+cross: docs/benchmarks.md). ``MAX_ROWS`` is where the quant methods switch to dequantizing.
+Supported: group sizes 32, 64, 128 and 256 dividing K, N a multiple of 16, every group exactly
+``group_size`` inputs; ``pack`` returns None otherwise.
 The packed copy is kept beside the checkpoint's tensors (which the dequantizing path reads), so
 a layer's 4-bit weights take twice their memory: still half of bfloat16's.
 """

@@ -1,6 +1,6 @@
 """tandem.config: defaults, the file < environment < overrides precedence, error messages, byte
 sizes, plugin-name checks and the TOML round trip. Expected values are written out by hand from
-the configuration contract (ARCHITECTURE.md §4), never read back from the code."""
+the configuration contract (docs/architecture.md §4), never read back from the code."""
 from __future__ import annotations
 
 import re

@@ -1,6 +1,6 @@
 """SamplingParams' ranges and check_request's engine limits: each refusal is an InvalidRequest (a
 ValueError) naming the field; values vLLM accepts are accepted. The limits are written out by hand
-from the documented rules (README "Limits"), not read from the code."""
+from the documented rules (docs/api.md, "What a request may ask"), not read from the code."""
 from __future__ import annotations
 
 import math

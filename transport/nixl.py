@@ -13,19 +13,17 @@ Per request, ``start_read`` makes one prepared READ of exactly the given blocks 
 ``remote[i]`` into ``local[i]``) with the transfer id as its notification, and posts it; ``poll``
 checks each transfer's state. The owner receives the notification once the reader's data has
 arrived and learns the id through ``get_notifications``. Between two processes of one host UCX
-reads through shared memory (cma) inside ``start_read`` itself: 125 blocks of 256 KiB took 3-4 ms
-here, about a single-threaded memcpy (up to 15 ms with both cores busy); over TCP the read runs
-in the background.
+reads through shared memory (cma) inside ``start_read`` itself, at about a single-threaded
+memcpy's speed; over TCP the read runs in the background.
 
-Failures measured on loopback TCP and shared memory: a killed peer raises
+Failures, as seen on loopback TCP and shared memory: a killed peer raises
 ``nixlRemoteDisconnectError`` within milliseconds ("error:peer"); a frozen peer leaves a transfer in
 "PROC" forever, hence the per-transfer deadline, after which it is reported "error:deadline". What
 happens to the read then differs: over UCX's TCP transport (``UCX_TLS=tcp``) a frozen peer that
-resumes still delivers the whole read into the local blocks — measured here: 100 of 100 blocks
-overwritten after the deadline, whether the request was released (cancelled) first or the peer's
-metadata invalidated. So a transfer past its deadline is not released: its request stays watched,
-and once it reports done (the late data arrived) or the peer is gone (nothing more can arrive,
-measured: a killed peer's pending read writes nothing), ``poll`` reports the transfer "closed" and
+resumes still delivers the whole read into the local blocks, whether the request was released
+(cancelled) first or the peer's metadata invalidated. So a transfer past its deadline is not
+released: its request stays watched, and once it reports done (the late data arrived) or the peer
+is gone (a killed peer's pending read writes nothing), ``poll`` reports the transfer "closed" and
 its local blocks become the caller's.
 """
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """A NIXL agent (UCX backend) over NIXL's bindings, with a progress thread that sleeps.
 
 NIXL's Python wrapper (``nixl._api.nixl_agent``) hard-codes a progress-thread delay of 0: its UCX
-progress thread then polls without sleeping and takes a whole core per agent, idle or not
-(measured here: 0.97 core). Built from the bindings with a delay, the thread sleeps in ``poll()``
-on the UCX worker's event fd, wakes on traffic, and wakes every ``progress_delay_us`` besides
-(NIXL's own safety net; measured: 0.02 core idle at 1 ms). Only the calls the connector needs are
+progress thread then polls without sleeping and takes a whole core per agent, idle or not.
+Built from the bindings with a delay, the thread sleeps in ``poll()`` on the UCX worker's event
+fd, wakes on traffic, and wakes every ``progress_delay_us`` besides (NIXL's own safety net,
+almost free when idle). Only the calls the connector needs are
 wrapped; a transfer request and a prepared descriptor list are plain integer handles.
 """
 from __future__ import annotations
@@ -45,9 +45,9 @@ def back_with_huge_pages(address: int, nbytes: int) -> bool:
     """Move the whole 2 MiB pages of host memory ``[address, address + nbytes)`` onto transparent
     huge pages now (``madvise`` MADV_HUGEPAGE, then MADV_COLLAPSE, Linux 6.1+), contents kept.
 
-    A same-host read (UCX's cma transport, ``process_vm_readv``) pins the owner's pages one by one:
-    measured here on 125 scattered 256 KiB blocks, 2.3 GiB/s on 4 KiB pages and up to 9 GiB/s on
-    huge pages. Returns False, changing nothing that matters, where the kernel refuses."""
+    A same-host read (UCX's cma transport, ``process_vm_readv``) pins the owner's pages one by one,
+    so fewer, larger pages make it several times faster (docs/benchmarks.md). Returns False,
+    changing nothing that matters, where the kernel refuses."""
     if not sys.platform.startswith("linux"):
         return False
     start = -(-address // _HUGE_PAGE_BYTES) * _HUGE_PAGE_BYTES

@@ -16,7 +16,7 @@ Requests in flight at the deadline finish and count. Every prompt is fresh rando
 prefix-cache hits); both setups get the same prompts. TPOT is measured on the steady streams
 (the decode latency that disaggregation protects), TTFT on both kinds. The report is a table of
 TTFT and TPOT at p50 and p99 for both setups and the ratio colocated p99 TPOT / disaggregated p99
-TPOT against the 1.5x target (issue 5 item 6(b)); ``--plot FILE.png`` draws the distributions.
+TPOT against the 1.5x target; ``--plot FILE.png`` draws the distributions.
 
 The default burst interval (15 s) is sized for bench-100m on a 2-core CPU: a burst of four
 1,500-token prompts takes one torch thread about 13 s to prefill, so a shorter interval overloads

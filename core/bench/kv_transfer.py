@@ -19,9 +19,9 @@ and one reader process (both spawned here, talking JSON lines over their stdin/s
 not elsewhere; ``--hosts netns`` requires it; ``--hosts none`` skips it.
 
 The baseline copies the same scattered blocks between two pools of the same layout in this
-process, one ``copy_`` per block on one torch thread by default (the fastest torch way measured:
-``index_select`` + ``index_copy_`` copies twice and took 1.8x as long, and two threads on a busy
-two-core machine stall at every block). Rounds alternate between the copy and every route, so
+process, one ``copy_`` per block on one torch thread by default (the fastest torch way:
+``index_select`` + ``index_copy_`` copies twice, and two threads on a busy two-core machine stall
+at every block). Rounds alternate between the copy and every route, so
 that all see the same machine; each runs ``--repeats`` times after ``--warmup`` rounds and the
 medians are compared (target: the same-host read reaches at least 50% of the copy's bandwidth;
 the two-host figure is printed against both same-host ones).

@@ -1,5 +1,5 @@
 """Test hosts: network namespaces on a bridge, made and torn down by a test or a benchmark, so
-that several "machines" talk over real TCP/IP on one machine (ARCHITECTURE.md §6).
+that several "machines" talk over real TCP/IP on one machine (docs/architecture.md §6).
 
 ::
 

@@ -26,9 +26,8 @@ Read bandwidth: ``x.sum()`` over a float32 buffer several times the last-level c
 the fastest of ``torch.matmul`` and (on the CPU) tandem's packed kernels of
 ``tandem.models.cpu_linear`` for [B, hidden] × [hidden, intermediate] in the bench's dtype, the
 weight in the model's layout (a weight that fits in cache, so it measures arithmetic, not
-memory). Each is the fastest of several timed runs: a floor takes the machine at its best (on a
-shared, noisy machine a median rate moves from run to run by a third and, lower than what the
-model's own matmuls reach in a good moment, made the floor no floor).
+memory). Each is the fastest of several timed runs: a floor takes the machine at its best (a
+median rate on a noisy machine can fall below what the model's own matmuls reach).
 """
 from __future__ import annotations
 
@@ -161,7 +160,7 @@ def measure_gemm_rate(rows: int, inner: int, outer: int, dtype: str, repeats: in
     """FLOP/s of the fastest GEMM this machine offers tandem for [rows, inner] x [inner, outer]
     in ``dtype`` (the fastest of ``repeats`` runs of ``GEMM_CALLS_PER_RUN`` calls each): torch's
     ``matmul`` against an [outer, inner] weight transposed (the layout of ``F.linear``; CPU torch
-    multiplies a row-major [inner, outer] bfloat16 operand some 20x slower) and, on the CPU, each
+    multiplies a row-major [inner, outer] bfloat16 operand far slower) and, on the CPU, each
     packed kernel of ``tandem.models.cpu_linear`` that is available here."""
     import torch
 

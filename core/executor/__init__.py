@@ -1,4 +1,4 @@
-"""The executor: between the engine and the model (ARCHITECTURE.md §2).
+"""The executor: between the engine and the model (docs/architecture.md §10).
 
 The engine process owns the scheduler, the detokenizer and the API; an executor owns the workers —
 one per rank, each with its share of the model, its KV pool, its model runner and CUDA graphs —

@@ -1,8 +1,7 @@
 """Linear layers on the CPU with their weights packed once (``engine.cpu_kernels``).
 
-``F.linear`` multiplies by a plain row-major weight with MKL's sgemm, which on a 2-core AVX2
-machine reaches a third of the FMA units' rate at decode batch sizes; bfloat16 has no GEMM
-instructions there at all (torch emulates it at ~15 GFLOP/s). ``pack_cpu_linears(model, mode)``
+Why: ``F.linear`` on a plain row-major weight uses the FMA units poorly at decode batch sizes,
+and a CPU without bfloat16 instructions emulates bfloat16 GEMMs. ``pack_cpu_linears(model, mode)``
 runs once after the weights are loaded and gives every unquantized ``LinearLayer`` and the LM
 head a ``PackedLinear`` (``layer.packed``), which ``UnquantizedLinearMethod.apply`` and
 ``LMHead.forward`` call instead; the dense weight is freed (the embedding keeps its table when
@@ -10,20 +9,11 @@ the head is tied to it).
 
 Kernels (``mode``):
 
-- ``tandem``: tandem's own (``kernels/cpu/linear.cpp``): 16-column panels in the model's dtype,
-  a 6 x 16 AVX2 register tile, float32 products and sums (16-bit weights widen as they load, so
-  a bfloat16 model keeps bfloat16 weights and reads half the bytes; from 32 rows on, once per
-  K-slice for all the row tiles), the weight prefetched into
-  L2 three K-slices ahead, the panels taken a few at a time by the threads from a shared
-  counter. Measured here on the linear layers of bench-100m's 8 layers with weights cold (not
-  in cache): at 1 / 8 / 16 / 32 / 64 rows 13 / 15 / 20 / 35 / 59 ms in float32 (without the
-  prefetch 13 / 17 / 24 / 37 / 62; bfloat16 weights, before the prefetch, 7.7 / 13 / 21 / 38 /
-  75 ms), against oneDNN's 18.1 / 37.2 / - / 52.8 / 76.7 and ``F.linear``'s 20 / 69 / - / 96 /
-  133; at 512 rows (prefill) 0.88x oneDNN's rate.
-- ``onednn``: oneDNN's reordered weights (``torch.ops.mkldnn``, inductor's CPU path), in the
-  model's dtype where the CPU has instructions for it, else in float32 (twice the memory of a
-  16-bit model).
-- ``torch``: ``F.linear`` on the plain weights — the reference the tests compare against.
+- ``tandem``: tandem's own panels (``kernels/cpu/linear.cpp``, docs/architecture.md §11): 16-bit
+  weights stay 16-bit and widen to float32 as they load, so they read half the bytes;
+- ``onednn``: oneDNN's reordered weights (``torch.ops.mkldnn``), in the model's dtype where the
+  CPU has instructions for it, else in float32 (twice the memory of a 16-bit model);
+- ``torch``: ``F.linear`` on the plain weights — the reference the tests compare against;
 - ``auto``: ``tandem`` when its kernels build here, else ``onednn`` when torch has oneDNN, else
   ``torch``.
 

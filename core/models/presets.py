@@ -4,9 +4,9 @@
 and a tokenizer (byte-level BPE trained on the interpreter's standard library, Llama-3-like chat
 template) that ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer`` load as they are. Weights
 are random but deterministic (fixed seed): normal(0, 0.02) scaled ×3, the LM head a further ×8, so
-greedy decoding has clear winners instead of near-ties (ARCHITECTURE.md §6).
+greedy decoding has clear winners instead of near-ties (docs/architecture.md §4).
 
-Presets (ARCHITECTURE.md §4):
+Presets (docs/architecture.md §4):
     demo        Llama, vocab 4096, hidden 256, 4 layers, 8 heads / 2 KV heads: built in seconds
     bench-100m  Llama, vocab 32000, hidden 768, intermediate 2048, 8 layers, 12 heads / 4 KV heads,
                 untied, max position 4096, float32: about 100M parameters

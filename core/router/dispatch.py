@@ -1,50 +1,14 @@
-"""The flow of one client request through the router (ARCHITECTURE.md §2, pull model).
+"""The flow of one client request through the router (pull model; docs/architecture.md §9).
 
-    plan      no instance of role "prefill" registered, several prompts, or an unreadable
-              body                                                        → decode step ("direct")
-              prompt logprobs asked for, or max_tokens 0 (prompts.needs_prompt_computed)
-                                                                     → decode step ("needs_prompt")
-              estimated prompt tokens < min_disaggregated_prompt_tokens   → decode step ("short_prompt")
-              otherwise                                     → prefill step, then decode step
-    prefill   the prefill policy picks among the healthy prefill-capable instances not yet
-              tried, which gets the request reduced to one token (prompts.prefill_body):
-                200          → its answer's kv_transfer_params go to the decode step ("disaggregated";
-                               an answer without them leaves the prompt to the decode instance)
-                429          → the next instance
-                503, no answer → out of rotation, the next instance
-                other status → relayed to the client (the decode instance would refuse it too)
-              none left → the decode instance computes the prompt itself ("local_prefill")
-    decode    the decode policy picks among the healthy decode-capable instances not yet tried,
-              which gets the client's request plus the hand-over (prompts.decode_body):
-                200          → relayed (a stream from its first token on)
-                429          → the next instance; the last 429 is relayed when none is left
-                503, no answer → out of rotation, the next instance; when the request may have
-                               reached the failed instance, the retry carries no hand-over (that
-                               instance may have claimed the prefill's blocks: the next one
-                               recomputes the prompt, and the prefill instance frees its blocks
-                               at its own expiry)
-                other status → relayed (a 500 is that request's failure: the instance stays)
-              none left → 503 "no_instance"
-    release   when the decode step ends without a decode instance holding the hand-over (any
-              answer but 200 or 409, and no connection broke under it), the prefill instance is
-              told to release its pinned blocks now (POST /kv/release), not at its kv_expiry_s
-
-Every request that carries kv_transfer_params (prefill and decode steps) and the release carry
-the cluster secret in the header X-Tandem-KV-Secret when ``disaggregation.kv_transfer_secret``
-is set; the client's own requests never reach an instance with it.
-
-A request whose connection broke after it reached an instance may be what broke it (a poison
-request): once MAX_BROKEN_CONNECTIONS instances, prefill and decode together, broke that way under
-it, the client gets a 502 "instance_failed" and no other instance is risked. An instance that
-took the request and then sent nothing for ``disaggregation.upstream_timeout_s`` (frozen) counts
-as such a break: out of rotation, the next instance; when that ends the request, or no instance
-is left, the answer is a 504 "upstream_timeout".
-
-A stream is retried until its first token reaches the client; if the connection breaks (or the
-instance goes silent for the read timeout) after that and before the instance's ``[DONE]``, the
-stream ends with an error event and ``[DONE]``.
-The client's stream ends at the instance's ``[DONE]``; the rest of the upstream body is read
-afterwards, for at most DRAIN_AFTER_DONE_S, to keep the connection.
+Contract: a plan is chosen once per request (direct, needs_prompt, short_prompt, or prefill then
+decode); each step tries the healthy instances its policy picks, one after another — 429 moves on,
+503 or no answer takes the instance out of rotation, any other status is relayed — and a hand-over
+no decode instance took is released at once (POST /kv/release) rather than at its expiry. Why the
+limits: a request whose connection broke on MAX_BROKEN_CONNECTIONS instances may be what breaks
+them, so it gets a 502 "instance_failed" instead of risking the fleet; a frozen instance
+(``disaggregation.upstream_timeout_s``) counts as such a break (504 "upstream_timeout" when none is
+left). A stream is retried only until its first token reaches the client; only requests carrying
+kv_transfer_params (and the release) carry the cluster secret.
 """
 from __future__ import annotations
 

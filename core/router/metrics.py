@@ -1,27 +1,9 @@
 """The router's Prometheus metrics (its own registry; an instance's metrics stay on the instance).
 
-| metric | type | labels |
-|---|---|---|
-| ``tandem:router_upstream_requests_total`` | counter | instance, step (prefill/decode/release), outcome |
-| ``tandem:router_requests_total`` | counter | path (how the request was dispatched) |
-| ``tandem:router_time_to_first_token_seconds`` | histogram | (streamed requests) |
-| ``tandem:router_e2e_request_latency_seconds`` | histogram | |
-| ``tandem:router_instance_healthy`` | gauge, 1 in rotation | instance, role |
-| ``tandem:router_instance_in_flight`` | gauge | instance, role |
-
-Outcomes of one attempt on an instance: ``ok`` (200), ``error`` (another status, relayed to the
-client), ``busy`` (429: the next instance is tried), ``unavailable`` (503: out of rotation),
-``unreachable`` (no answer: out of rotation), ``broken`` (a stream whose connection broke after
-its first token). The "release" step is the router telling a prefill instance to free the
-blocks of a hand-over that no decode instance took (ok, error, unreachable). Paths: ``disaggregated`` (prefill instance, then decode instance),
-``local_prefill`` (no prefill instance could take it: the decode instance computed the prompt),
-``short_prompt`` (under ``min_disaggregated_prompt_tokens``), ``needs_prompt`` (prompt logprobs
-or max_tokens 0: the decode instance computes the prompt), ``direct`` (no prefill instance
-registered, several prompts in one request, or a body the router cannot read).
-
-Time to first token runs from the moment the router receives the request to the moment it
-relays the first event that carries a token: prefill, hand-over and the first decode step,
-as the client sees them less its own network.
+Every metric, label, outcome (``OUTCOMES``) and dispatch path: docs/metrics.md. Time
+to first token runs from the router receiving the request to it relaying the first event that
+carries a token — prefill, hand-over and the first decode step as the client sees them, less its
+own network.
 """
 from __future__ import annotations
 

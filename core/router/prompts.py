@@ -12,7 +12,7 @@ disaggregated and goes whole to a decode instance, which validates it. Token ids
 ``[0, 2**63)`` (no vocabulary has them; routing policies pack ids as int64) make a prompt one the
 router cannot read.
 
-The disaggregated flow (ARCHITECTURE.md §2) sends the prefill instance the request reduced to
+The disaggregated flow (docs/architecture.md §2) sends the prefill instance the request reduced to
 one output token (``max_tokens = 1``, not streamed, one sequence, no logprobs, no echo) plus
 ``kv_transfer_params = {"do_remote_decode": true}``; the decode instance gets the client's
 request plus the prefill answer's ``kv_transfer_params`` with ``"do_remote_prefill": true``.

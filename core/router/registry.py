@@ -30,7 +30,7 @@ logger = logging.getLogger("tandem.router")
 
 _SERVES = {"prefill": (Role.PREFILL, Role.BOTH), "decode": (Role.DECODE, Role.BOTH)}
 
-# The instance's /metrics gauges the load is read from (ARCHITECTURE.md §5).
+# The instance's /metrics gauges the load is read from (docs/metrics.md).
 _LOAD_GAUGES = {
     "tandem:num_requests_waiting": "num_waiting",
     "tandem:num_requests_running": "num_running",

@@ -1,68 +1,14 @@
-"""Continuous batching: tandem's one Scheduler. Pure Python.
+"""Continuous batching: tandem's one Scheduler. Pure Python, never imports torch.
 
-Each step hands out a token budget. Running requests come first, in order: each gets
-``num_tokens - num_computed_tokens`` tokens capped by what is left (1 for a decode, a chunk for an
-ongoing prefill). Then waiting requests are admitted in the policy's order, after a prefix-cache
-lookup, while budget, sequence seats and blocks last. There are no prefill or decode phases.
-
-When a running request cannot get a block, the policy names a victim (possibly the request itself)
-that is preempted by recompute: its blocks are freed, its progress reset, and it goes back to the
-waiting queue; a victim already scheduled this step gives its tokens back. A waiting request may
-preempt a running one only when the policy says so; otherwise admission stops at the first request
-that does not fit (head of line), which keeps FCFS free of starvation. No request is admitted in a
-step that preempted from the running ones.
-
-A request with ``n > 1`` is forked into ``n`` sequences at the end of the step that completes its
-prompt: the children share its blocks (copy-on-write on their first own token).
-
-``schedule()`` advances ``num_computed_tokens`` by the scheduled counts (the output carries the
-values from before). A request aborted between ``schedule()`` and ``update_from_output()`` has
-that step's tokens counted as never computed, so none of their KV enters the prefix cache.
-
-Disaggregated prefill/decode adds two mechanisms, both pure bookkeeping (the engine moves bytes;
-tandem.handover has the hand-over's states):
-
-- Remote KV (decode side). A request whose ``remote_kv`` is LOAD is admitted like any other
-  (prefix-cache hits count) but computes nothing: it gets blocks for prompt positions
-  ``0 .. P-2`` and waits in WAITING_FOR_REMOTE_KV while the engine loads positions
-  ``[num_cached, P-1)`` from the prefill instance (``take_new_loads``)::
-
-      prompt positions   0 ....... num_cached ........ P-2 | P-1
-      blocks             local cache hits | loaded remotely  | computed here (last prompt token)
-
-  ``finish_remote_load(ok=True)`` sets ``num_computed_tokens = P - 1`` and the request joins the
-  running batch (sent to the runner in full on its first step); ``ok=False`` frees its blocks and
-  puts it back in the waiting queue as an ordinary request (recompute). Loading requests hold
-  their sequence seats.
-- Quarantine (decode side). Blocks that a read may still write into never return to the free
-  pool while it can: a loading request that finishes (aborted) leaves its blocks quarantined
-  under ``quarantine_holder_id(request_id)``, and ``finish_remote_load(ok=False,
-  quarantine=True)`` (a read past its deadline that may still land) does the same while the
-  request recomputes in fresh blocks; ``release_blocks`` frees them once the transport says the
-  read is over. Quarantined blocks never enter the prefix cache.
-- Pins (prefill side). A request whose ``remote_kv`` is SEND that finishes normally (stop or
-  length) while running keeps its blocks pinned under ``pin_holder_id(request_id)``
-  (``take_new_pins``) for a decode instance to read, until ``release_blocks``.
-
-A pin and a quarantine are one mechanism: the blocks get a second holder (one more reference
-each) that is not a request.
-
-Speculative decoding (``num_speculative_tokens > 0``) gives a decoding sequence its last known
-token plus up to that many n-gram drafts (tandem.sched.ngram) in one step;
-``num_computed_tokens`` then counts the drafts until ``update_from_output`` learns how many the
-model accepted and takes the rest back.
-
-Isolation after a failed step. When executing a step raises (a model, kernel or plugin error),
-the engine calls ``isolate_step()``: the step's tokens count as never computed, and unless every
-sequence of the step belongs to one client request (then that request is the culprit and the
-engine fails it), each of them is preempted by recompute and becomes ISOLATED, at the end of the
-isolation queue. While that queue is not empty, each step schedules only its head (the probe),
-alone, which may preempt others to get its blocks; the probe leaves the queue once it has sampled
-a new token::
-
-    step of A B C raises → A B C preempted, isolation queue [A, B, C]
-    step [A] ok, A samples → queue [B, C]       step [B] raises → B failed (alone), queue [C]
-    step [C] ok            → queue []           normal batching resumes
+Contract: ``schedule()`` is called once per step and hands out a token budget — running requests
+first (a decode token, or the next chunk of a prompt), then waiting requests in the policy's
+order while budget, seats and KV blocks last; there are no prefill or decode phases. It advances
+``num_computed_tokens`` by what it scheduled; ``update_from_output()`` takes the step's result
+(and rejected drafts back). When blocks run out the policy names a victim, preempted by recompute.
+A request's status (waiting for a grammar or remote KV, running, isolated, finished …) is its
+``RequestStatus``. Why one scheduler and pluggable policies: a plugin orders and picks victims but
+cannot break the KV accounting. Preemption, remote KV, pins and quarantines, speculative
+decoding and step isolation: docs/architecture.md §7.
 """
 from __future__ import annotations
 

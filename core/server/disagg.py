@@ -1,37 +1,16 @@
 """The server half of disaggregated prefill/decode: a request's ``kv_transfer_params`` (parsed
 into ``KVTransferParams`` at the API boundary), the cluster secret, the prefill instance's
-handshake, and the hand-over in a prefill answer.
+handshake, and the hand-over in a prefill answer. The protocol, drawn: docs/disaggregation.md.
 
-::
-
-    router → prefill instance   kv_transfer_params = {"do_remote_decode": true}, max_tokens 1,
-                                not streamed, n 1  → the answer carries kv_transfer_params =
-                                {engine_id, handshake_url, transfer_id, block_ids, num_tokens,
-                                 prompt_digest, compat_hash, expires_at, signature}
-    router → decode instance    kv_transfer_params = that + {"do_remote_prefill": true}
-                                → the signature checked (``tandem.handover_auth``), then
-                                  GET handshake_url (once per prefill engine, on the event loop;
-                                  cached by engine_id) → the engine loads the blocks
-    router → prefill instance   POST /kv/release {transfer_id} when no decode instance took
-                                the hand-over (it refused the request): the pin goes at once
-
-Every one of these requests carries the header ``X-Tandem-KV-Secret`` when the cluster has a
-secret (``disaggregation.kv_transfer_secret``): an instance that has one answers 401 to
-``kv_transfer_params``, ``/kv/handshake`` and ``/kv/release`` without it, before it does anything
-else (it pins nothing, fetches nothing). The decode instance sends the secret with its handshake
-fetches, which are http(s) only, time-limited, size-limited and depth-limited.
-
-The hand-over itself is signed by the prefill instance under the same secret, its
-``handshake_url`` included: a decode instance refuses (400) a hand-over that is unsigned, altered
-or signed under another secret before it fetches or reads anything, so a hand-over can be neither
-forged nor redirected by whoever gets params relayed with the header (a router passing on a
-client's). An expired one is a load failure.
-
-An instance ignores the half of the hand-over that is not its role's (a colocated instance
-ignores both): it serves the request as an ordinary one, so a router that mistakes its role still
-gets correct answers. A compat-hash mismatch is a 400 naming both hashes. A prefill instance whose
-handshake cannot be fetched is a load failure: under ``kv_load_failure_policy = "recompute"`` the
-decode instance computes the prompt itself, under "fail" the answer is a 502.
+Contract: with a cluster secret (``disaggregation.kv_transfer_secret``), ``kv_transfer_params``,
+``/kv/handshake`` and ``/kv/release`` without the header ``X-Tandem-KV-Secret`` are a 401 before
+anything is done (nothing pinned, nothing fetched). A decode instance refuses (400) a hand-over
+that is unsigned, altered or signed under another secret before it fetches or reads anything —
+why: whoever gets params relayed with the header must not forge or redirect a hand-over. Its
+handshake fetches are http(s) only and bounded in time, size and depth. An instance ignores the
+half of the hand-over that is not its role's, so a router that mistakes its role still gets
+correct answers. A compat-hash mismatch is a 400 naming both hashes; an unreachable handshake is
+a load failure (recompute, or 502 under ``kv_load_failure_policy = "fail"``).
 """
 from __future__ import annotations
 

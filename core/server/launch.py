@@ -15,10 +15,9 @@ import os
 import sys
 
 # Idle OpenMP workers must sleep, not spin: spinning torch threads starve the event-loop thread
-# on a machine with few cores (measured on 2 cores: 300 streamed tokens of a tiny model took 13 s
-# instead of 0.8 s; bench-100m decoding at batch 1 ran 2.6x faster with PASSIVE on a busy
-# machine). libgomp reads this once, when torch is first imported, so it is set here, before the
-# app (and torch) is imported; an explicit OMP_WAIT_POLICY in the environment wins.
+# on a machine with few cores (docs/benchmarks.md, "OpenMP wait policy"). libgomp reads this
+# once, when torch is first imported, so it is set here, before the app (and torch) is imported;
+# an explicit OMP_WAIT_POLICY in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import uvicorn  # noqa: E402

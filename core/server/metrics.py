@@ -1,4 +1,4 @@
-"""Prometheus metrics of one server, with the names of ARCHITECTURE.md §5.
+"""Prometheus metrics of one server, with the names of docs/metrics.md.
 
 Each app has its own ``CollectorRegistry`` (several apps can live in one process, as in tests).
 Three sources feed it:

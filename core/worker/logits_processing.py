@@ -13,27 +13,13 @@ Per row, in this order (``process_logits``; greedy rows get steps 1-5 only), as 
 5. the rows that sample are divided by the temperature and filtered by top-k, top-p and min-p
    (filtered logits become -inf).
 
-Safe for every admitted value. Given logits without NaN or +inf (tandem.worker.sampler sanitizes
-them), no step makes one; -inf (excluded) stays -inf through every step, arithmetic that
-overflows float32 saturates (a bias of ±100 leaves float32's largest finite logits finite), and a
-row that has a finite logit after steps 1-2 keeps one:
+Safe for every admitted value: given logits without NaN or +inf (the sampler sanitizes them), no
+step makes one, -inf stays -inf, overflowing arithmetic saturates at float32's finite bounds, and a
+row with a finite logit after steps 1-2 keeps one (each value's rule: docs/architecture.md §8).
 
-- the repetition penalty is computed in float64 and a finite logit stays within float32's finite
-  range (a seen logit of 1.0 under a penalty of 5e-324 becomes float32's max, one of -2.0 under
-  1e308 its negative);
-- a temperature outside float32's range acts as its bound (smallest normal, largest finite);
-  where a row's largest logit divided by the temperature overflows, the row keeps only the tokens
-  tied with its largest logit, as equals (in float32 every other token's probability is exactly 0
-  there: the temperature is effectively greedy);
-- ``top_p`` below float32's smallest normal acts as it (the nucleus is the single most likely
-  token); top-k and min-p keep the largest logit whatever k (-1, 0, beyond the vocabulary) or
-  ``min_p`` (up to 1: the ties with the max), ``log(min_p)`` taken in float64;
-- a ban of an id outside the vocabulary does nothing.
-
-Cost. Every pass is vectorized over the rows that need it (a row needing no penalty costs nothing
-there). Top-p looks for the nucleus among the ``_TOP_P_CANDIDATES`` most likely tokens, and only
-for the rows whose nucleus is larger among ``_TOP_P_GROWTH`` times as many, and so on (a full
-sort of 64 x 32000 costs ~20x a top-256).
+Cost: each pass runs only over the rows that need it; top-p searches the ``_TOP_P_CANDIDATES``
+most likely tokens first, growing by ``_TOP_P_GROWTH`` only for rows whose nucleus is larger (a
+full sort of the vocabulary costs far more).
 """
 from __future__ import annotations
 

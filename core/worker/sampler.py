@@ -1,51 +1,14 @@
 """The sampler: one step's logits in, one token per row out.
 
-Runs in the engine thread on the model's device, once per step, over every row that samples this
-step. Per row: its logits are sanitized (below); a constrained row's ``allowed`` mask (structured
-outputs) sets the tokens it excludes to -inf; tandem.worker.logits_processing applies
-``allowed_token_ids``, the bad-word and ``min_tokens`` bans, ``logit_bias``, the repetition,
-presence and frequency penalties and, for the rows that sample, the temperature and the top-k,
-top-p and min-p filters; greedy rows (``temperature == 0``) then take the argmax and
-the others are drawn from.
-
-Logprobs describe the RAW model distribution (``log_softmax`` of the sanitized logits, before the
-mask, the allowed ids, the bans, the logit bias, the penalties and the filters), as vLLM's default.
-
-Safety. Whatever the logits (``+inf``, ``-inf`` and NaN included) and whatever the admitted
-parameters (penalties down to 5e-324 or up to 1e308, temperatures from 1e-300 to 1e300, ``top_p``
-near 0, ``top_k`` beyond the vocabulary, ``min_p == 1``, masks and bans that exclude everything),
-every row gets a token in ``[0, vocab)`` and every logprob is a finite float:
-
-- Sanitizing. A NaN logit is -inf (its token is excluded). A row holding ``+inf`` keeps only those
-  tokens, as equals: they become 0, every other token -inf (the limit of the distribution).
-  Logits of another dtype are converted to float32 first.
-- Processing makes no NaN or ``+inf``, and a row with a finite logit after the mask and the bans
-  keeps one through every step (tandem.worker.logits_processing says how extreme values saturate:
-  a temperature so small it overflows is effectively greedy, a penalty that overflows takes a
-  token to float32's largest finite value or its negative, never to NaN or -inf).
-- Fallback. A row left with no finite logit (its structured-output mask, ``allowed_token_ids``,
-  bad-word and ``min_tokens`` bans exclude every token with a finite logit, or the model gave
-  none) takes the argmax of its sanitized raw logits, the model's own greedy choice ignoring
-  bans, mask and penalties; token 0 where those are all -inf too. A row with a
-  structured-output mask takes the argmax among the tokens its mask allows instead (its first
-  allowed token where all of them are -inf): the grammar wins over every ban, so the output
-  stays valid (a grammar that allows only EOS ends the sequence under ``min_tokens`` too). It still consumes its uniform number, so a seeded stream stays aligned.
-- Logprobs are those of the sanitized raw logits. A logprob of -inf, and every logprob of a row
-  with no finite logit (whose distribution is undefined), is reported as float32's lowest value
-  ``-3.4028234663852886e38``: JSON cannot carry infinity, and it sorts below every real logprob.
-  At most ``vocab`` alternatives are returned.
-
-Randomness. A draw is inverse-CDF sampling: one uniform number ``u`` per row, the token is the first
-whose cumulative probability exceeds ``u`` times the row's total. A seeded row takes its ``u`` from
-its own generator and its CDF from its own row only, so its tokens do not depend on what else shares
-the batch; unseeded rows share the device's default generator.
-
-Cost. A batch of plain greedy rows is a single argmax, plus a look at the values it chose (torch's
-argmax takes a NaN over any number, so a NaN there sends the batch through sanitizing). Otherwise
-sanitizing is one row-sum pass while every logit is finite, each filter costs nothing unless a
-row uses it, and on the CPU with tandem's kernels (``Sampler(cpu_kernels=True)``) the draw is
-one C++ pass per row instead of softmax, cumsum and searchsorted over the whole batch, and the
-greedy argmax one vector pass instead of torch's ``max``.
+Contract: called on the engine's model device once per step over every row that samples. Each row
+is sanitized (NaN excluded, a row with ``+inf`` keeps only those tokens), masked by its grammar,
+processed by tandem.worker.logits_processing (allowed ids, bans, bias, penalties, temperature and
+filters), then greedy rows take the argmax and the others an inverse-CDF draw (a seeded row uses
+its own generator and its own row only, so batching does not change its tokens). Whatever the
+logits and the admitted parameters, every row gets a token in ``[0, vocab)`` and every logprob is
+finite (-inf is reported as float32's lowest value); a row left with nothing takes the model's own
+greedy choice, within its grammar if it has one. Logprobs are the raw model distribution's, as
+vLLM's default. Every rule, and why: docs/architecture.md §8.
 """
 from __future__ import annotations
 
@@ -164,7 +127,7 @@ def sanitize_logits(logits: torch.Tensor) -> list[int]:
     docstring). Returns the rows that hold a logit other than a finite one (or whose sum
     overflows), in ascending order."""
     # A row's sum is finite only if every logit in it is: one cheap pass finds the rows to rewrite
-    # (an argmax, which would spot them too, costs 10x as much on a CPU).
+    # (an argmax, which would spot them too, costs far more on a CPU).
     non_finite = (~logits.sum(dim=-1).isfinite()).nonzero().squeeze(1)
     if non_finite.numel():
         rows = logits[non_finite]

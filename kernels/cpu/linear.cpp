@@ -100,12 +100,10 @@ inline void tile_kernel(const float* x, int64_t ldx, const W* panel, int64_t k_s
 
 // 16-bit weights feeding kWidenOnceRows rows or more widen once per K-slice into this float32
 // buffer, which every tile then reads, instead of once per tile: the widening's shuffles compete
-// with the FMAs for the vector ports. Measured on bench-100m's linear layers (bfloat16 weights):
-// 12% faster at 39 rows, 22% at 64 and 96; below about 30 rows the round trip through the
-// buffer costs more than it saves. Where the buffer lives matters, for reasons not pinned down:
-// a function-local thread_local in linear_impl gives the figures above, while the same buffer on the
-// stack next to the sums, or as a thread_local at namespace scope, made the tiles 1.6-2x slower
-// than reading the weight itself (measured, interleaved runs).
+// with the FMAs for the vector ports. Below about 30 rows the round trip through the buffer costs
+// more than it saves. Where the buffer lives matters, for reasons not pinned down: keep it a
+// function-local thread_local in linear_impl; on the stack next to the sums, or as a thread_local
+// at namespace scope, it made the tiles slower than reading the weight itself.
 constexpr int64_t kWidenOnceRows = 32;
 
 // kc rows of a 16-bit panel widened to float32 into `wide`; for each row widened, the panel row

@@ -12,15 +12,15 @@
 // within the block that passes, its tokens' own sums). A token of probability 0 is never drawn.
 // Logits hold no NaN or +inf (the sampler's processing makes none); a row of -inf only gets -1.
 // exp runs on x - max clamped to kExpFloor: the vector exp falls back to scalar code, lane by
-// lane, below about -87 (where the result is no longer a normal float; 10x slower on a row of a
-// random model's logits, which span hundreds); a token that far below the max gets probability 0
-// (it would get under 1e-34 of the total), as a -inf logit does.
+// lane, below about -87 (where the result is no longer a normal float; a random model's logits
+// span hundreds, so most of a row would go that way); a token that far below the max gets
+// probability 0 (it would get under 1e-34 of the total), as a -inf logit does.
 //
 //   argmax_rows(tokens [N] int64, logits [N, V] float32)
 //
 // The greedy fast path (tandem.worker.sampler._plain_argmax): tokens[i] = the first index of row
 // i's largest logit, or -1 where the row holds a NaN (the sampler then sanitizes the batch), as
-// torch's max(dim=-1) but in one vector pass (torch's takes ~10x as long as its amax).
+// torch's max(dim=-1) but in one vector pass (torch's takes far longer than its amax).
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 

@@ -3,8 +3,8 @@
 Every checkpoint is float32, deterministic (fixed seeds), has a locally trained byte-level BPE
 tokenizer (vocab 512, ``<|bos|>`` prepended, a chat template) and a generation_config.json whose
 ``eos_token_id`` is ``[<|eos|>, <|eot|>]`` (config.json names only ``<|eos|>``). Weights are
-scaled as ARCHITECTURE.md §6 says (×3 for matrices, a further ×8 for the LM head) so that greedy
-top-2 gaps are wide; norm weights and biases are randomised so that loading them matters.
+scaled as docs/architecture.md §6 says (×3 for matrices, a further ×8 for the LM head) so that
+greedy top-2 gaps are wide; norm weights and biases are randomised so that loading them matters.
 
 Kinds (``TINY_KINDS``):
     "llama"          LlamaForCausalLM, 2 layers, hidden 64, 4 heads / 2 KV heads (head_dim 16)

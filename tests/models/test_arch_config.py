@@ -113,7 +113,7 @@ def test_from_pretrained_dir_reads_config_json(tmp_path):
 
 
 def test_kv_pool_shape_and_block_bytes_of_bench_100m():
-    # ARCHITECTURE.md §2: 256 KiB per block for the 100M bench model (8 layers, 4 KV heads of 64).
+    # docs/architecture.md §2: 256 KiB per block for bench-100m (8 layers, 4 KV heads of 64).
     cfg = ModelArchConfig.from_dict({**BASE, "hidden_size": 768, "num_hidden_layers": 8,
                                      "num_attention_heads": 12, "num_key_value_heads": 4})
     assert kv_cache_shape(cfg, 100, 16) == (100, 8, 2, 16, 4, 64)

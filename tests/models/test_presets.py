@@ -1,5 +1,6 @@
 """Model presets: the folders load in transformers as they are, tokenize and render chats, are
-deterministic, are not rebuilt needlessly, and bench-100m has exactly ARCHITECTURE.md §4's shape."""
+deterministic, are not rebuilt needlessly, and bench-100m has exactly the
+shape of docs/architecture.md §4."""
 from __future__ import annotations
 
 import hashlib

@@ -1,7 +1,7 @@
 """The router's side of the disaggregated protocol, against recording stand-ins for instances
 (tests/router/fakes.py): what the prefill and decode instances receive, how answers and streams
 come back, and what happens when an instance refuses, is busy or breaks. Expected bodies and
-event sequences are written out by hand from the flow of ARCHITECTURE.md §2."""
+event sequences are written out by hand from the flow of docs/architecture.md §9."""
 from __future__ import annotations
 
 import json

@@ -1,5 +1,5 @@
 """The router's instance registry: roles and rotation, in-flight counts, and the load read from
-an instance's Prometheus text (written by hand in the format of ARCHITECTURE.md §5)."""
+an instance's Prometheus text (written by hand in the format of docs/metrics.md)."""
 from __future__ import annotations
 
 import pytest

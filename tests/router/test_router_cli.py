@@ -1,6 +1,6 @@
 """``tandem router --config FILE`` as a subprocess: it routes, stops with exit status 0 on SIGTERM,
 refuses a bad config with status 2, and the router's modules stay off the engine (the dependency
-rule of ARCHITECTURE.md §1: the router talks to instances over HTTP only)."""
+rule of docs/architecture.md §1: the router talks to instances over HTTP only)."""
 from __future__ import annotations
 
 import os

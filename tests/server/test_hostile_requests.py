@@ -2,8 +2,8 @@
 then the server must still answer a greedy request exactly as the offline oracle does, be
 healthy and hold no KV block.
 
-Expected statuses are worked out by hand from the API's rules (README "Limits", issue 11):
-values vLLM accepts are served (200, the sampler must cope with them); values outside the
+Expected statuses are worked out by hand from the API's rules (docs/api.md, "What a request may
+ask"): values vLLM accepts are served (200, the sampler must cope with them); values outside the
 documented ranges, NaN/±Infinity, token ids outside the vocabulary, text that is not Unicode,
 unknown roles, empty conversations and fields tandem does not implement get a 400 naming the
 field. A 400 must be the HTTP status, before any stream starts — never an SSE error event.
