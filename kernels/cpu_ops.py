@@ -8,7 +8,7 @@ None, and states the shapes and dtypes it accepts; the C++ side checks them and 
 ``RuntimeError`` otherwise. All tensors are CPU tensors. Call ``load()`` first: a wrapper
 called when it returned False fails.
 
-``load()`` builds the extension once per machine (g++ and ninja, 20–45 s; torch caches it under
+``load()`` builds the extension once per machine (g++ and ninja; torch caches it under
 ``TORCH_EXTENSIONS_DIR``, by default ~/.cache/torch_extensions) and registers its operators;
 it returns False when they cannot be built — callers then keep their torch path. The build
 targets the CPU capability torch reports (AVX2, AVX512); the extension's name carries that and
