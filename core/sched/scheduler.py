@@ -216,10 +216,10 @@ class Scheduler:
         """Enqueue ``request`` as WAITING, or reject it at once (FINISHED_REJECTED with a
         ``reject_reason``) when it could never run, even alone. Its ``remote_kv`` says its part
         in a hand-over (see the module docstring). With ``wait_for_grammar`` it is held in
-        WAITING_FOR_GRAMMAR instead, unchecked, until ``grammar_compiled``."""
-        if request.request_id in self._requests:
-            return self._reject(request, f"request id {request.request_id!r} is already in use; "
-                                         "give each request a unique id")
+        WAITING_FOR_GRAMMAR instead, unchecked, until ``grammar_compiled``. Its id is not in use:
+        the engine's entry points refuse a duplicate before it gets here (``LLMEngine.add_request``
+        offline, ``AsyncEngine.add_requests`` for the server)."""
+        assert request.request_id not in self._requests, f"request id {request.request_id!r} is in use"
         if wait_for_grammar:
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
             self._requests[request.request_id] = request

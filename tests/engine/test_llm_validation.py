@@ -69,6 +69,20 @@ def test_after_refusals_the_engine_still_generates(llm):
     assert again == want and len(want) == 6
 
 
+def test_a_request_id_in_use_is_refused_and_the_first_request_runs_on(llm):
+    params = SamplingParams(temperature=0, max_tokens=4)
+    want = llm.generate("def f(x):", params)[0].outputs[0].token_ids
+    engine = llm.engine
+    engine.add_request("def f(x):", params, request_id="dup")
+    with pytest.raises(ValueError, match="request id 'dup' is already in use"):
+        engine.add_request("class A:", params, request_id="dup")
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += [out for out in engine.step() if out.finished]
+    assert [out.request_id for out in finals] == ["dup"]
+    assert finals[0].outputs[0].token_ids == want and len(want) == 4
+
+
 def test_max_logprobs_is_configurable():
     small = LLM(model=str(tiny_model_dir("llama")), num_kv_blocks=16, max_logprobs=2, num_threads=1)
     with pytest.raises(ValueError, match="logprobs must be at most 2 "):

@@ -149,14 +149,6 @@ def test_a_request_that_fits_exactly_is_accepted():
     assert s.num_waiting == 1
 
 
-def test_a_duplicate_request_id_is_rejected():
-    s = make_scheduler()
-    s.add_request(make_request("a", range(3)))
-    dup = s.add_request(make_request("a", range(3)))
-    assert dup.status is RequestStatus.FINISHED_REJECTED and "already in use" in dup.reject_reason
-    assert s.num_waiting == 1
-
-
 def decode_until_finished(s, rid, tokens):
     """Feed ``tokens`` one per step as request ``rid``'s samples; return its final updates."""
     updates = []
