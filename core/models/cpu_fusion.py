@@ -3,8 +3,9 @@
 Per layer and step torch runs the residual add and RMSNorm as six operations (add, cast, pow,
 mean, rsqrt, mul...) and rotary and SiLU-and-mul as four or five, each a pass over the rows with
 its own temporary, a visible share of a small model's decode step. Once
-``enable_cpu_fusion(model)`` has marked the modules (``RMSNorm.kernel``, ``fused = True`` for
-the others), they call one C++ pass each instead:
+``enable_cpu_fusion(model)`` has asked the modules to (``RMSNorm.use_kernel``,
+``use_cpu_kernels`` of the others: each module decides whether it can), they call one C++ pass
+each instead:
 
 - ``RMSNorm`` (the plain one: Gemma's variant keeps torch) with or without the residual add,
   in place on the layer's fresh output;
@@ -21,20 +22,20 @@ import torch
 from torch import nn
 
 from tandem.kernels import cpu_ops
-from tandem.models.layers import Attention, GatedMLP, use_norm_kernel
+from tandem.models.layers import Attention, GatedMLP, RMSNorm
 
 
 def enable_cpu_fusion(model: nn.Module) -> int:
-    """Mark the modules of ``model`` whose step a fused kernel replaces; returns how many (0
-    when tandem's CPU kernels cannot be built here)."""
+    """Ask the modules of ``model`` to run their step as a fused kernel; returns how many took
+    it (0 when tandem's CPU kernels cannot be built here)."""
     if not cpu_ops.load():
         return 0
-    count = use_norm_kernel(model, rms_norm)
+    count = 0
     for module in model.modules():
-        if (isinstance(module, GatedMLP) and module.act is torch.nn.functional.silu) \
-                or (isinstance(module, Attention) and module.rotary_dim == module.head_dim):
-            module.fused = True
-            count += 1
+        if isinstance(module, RMSNorm):
+            count += module.use_kernel(rms_norm)
+        elif isinstance(module, (GatedMLP, Attention)):
+            count += module.use_cpu_kernels()
     return count
 
 

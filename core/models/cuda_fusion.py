@@ -2,9 +2,9 @@
 
 Per layer and step torch runs the residual add and RMSNorm as five or six kernels (add, cast,
 the norm, cast, multiply), each a round trip of the rows through memory. Once
-``enable_cuda_fusion(model)`` has given every plain ``RMSNorm`` its ``kernel``, the norm runs as
-one pass of ``tandem.kernels.fused_rmsnorm``: the residual add in front (the sum written back
-into ``residual``), the norm in float32, rounded to the model's dtype where torch rounds
+``enable_cuda_fusion(model)`` has offered every ``RMSNorm`` the kernel (``use_kernel``), the
+norm runs as one pass of ``tandem.kernels.fused_rmsnorm``: the residual add in front (the sum
+written back into ``residual``), the norm in float32, rounded to the model's dtype where torch rounds
 (``weight * normed.to(dtype)``, HF Llama's), so it gives torch's values up to the order of the
 float32 sum. Gemma's variant (weight + 1, scaled in float32) keeps torch's path.
 
@@ -26,16 +26,16 @@ logger = logging.getLogger("tandem")
 
 
 def enable_cuda_fusion(model: nn.Module) -> int:
-    """Give every plain ``RMSNorm`` of ``model`` the Triton kernel; returns how many (0 when
-    triton cannot be imported: the model keeps torch's norm)."""
-    from tandem.models.layers import use_norm_kernel
+    """Offer every ``RMSNorm`` of ``model`` the Triton kernel (Gemma's variant declines);
+    returns how many took it (0 when triton cannot be imported: the model keeps torch's norm)."""
+    from tandem.models.layers import RMSNorm
 
     try:
         from tandem.kernels import fused_rmsnorm  # noqa: F401 - imports triton
     except ImportError as exc:
         logger.warning("triton could not be imported (%s); RMSNorm stays on torch's kernels", exc)
         return 0
-    return use_norm_kernel(model, rms_norm)
+    return sum(m.use_kernel(rms_norm) for m in model.modules() if isinstance(m, RMSNorm))
 
 
 def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

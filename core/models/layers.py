@@ -58,18 +58,29 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = _empty_param(hidden_size)
         self.eps = eps
-        self.kernel: FusedNorm | None = None
-        """A fused pass with ``forward``'s contract, ``kernel(x, residual, weight, eps)``, set by
-        ``tandem.models.cpu_fusion`` on the CPU (one C++ pass, which overwrites ``x`` when a
-        residual is given: the layer's own fresh output) or ``tandem.models.cuda_fusion`` on
-        CUDA (tandem's Triton kernel, which overwrites ``residual`` with the sum)."""
+        self._kernel: FusedNorm | None = None
+
+    @property
+    def kernel(self) -> FusedNorm | None:
+        """The fused pass ``forward`` runs instead of torch's (``use_kernel``), None: torch."""
+        return self._kernel
+
+    def use_kernel(self, kernel: FusedNorm) -> bool:
+        """Run ``kernel(x, residual, weight, eps)``, a fused pass with ``forward``'s contract,
+        from now on (on contiguous inputs of the weight's dtype); True when this norm takes it.
+        The passes: ``tandem.models.cpu_fusion`` on the CPU (one C++ pass, which overwrites
+        ``x`` when a residual is given: the layer's own fresh output) and
+        ``tandem.models.cuda_fusion`` on CUDA (tandem's Triton kernel, which overwrites
+        ``residual`` with the sum)."""
+        self._kernel = kernel
+        return True
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.kernel is not None and x.dtype == self.weight.dtype and x.is_contiguous() \
+        if self._kernel is not None and x.dtype == self.weight.dtype and x.is_contiguous() \
                 and (residual is None or residual.is_contiguous()):
-            return self.kernel(x, residual, self.weight, self.eps)
+            return self._kernel(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
         normed = F.rms_norm(x.to(torch.float32), x.shape[-1:], eps=self.eps)
@@ -79,20 +90,16 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(dtype)
 
 
-def use_norm_kernel(model: nn.Module, kernel: FusedNorm) -> int:
-    """Give every plain ``RMSNorm`` of ``model`` (not Gemma's variant) ``kernel``; returns how many."""
-    norms = [m for m in model.modules() if type(m) is RMSNorm]
-    for norm in norms:
-        norm.kernel = kernel
-    return len(norms)
-
-
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the checkpoint stores the weight minus one, and the scaling happens in
     float32 before the cast: ``(normed * (1 + weight)).to(dtype)``. Same ``residual`` contract."""
 
     def _scale(self, normed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return (normed * (1.0 + self.weight.float())).to(dtype)
+
+    def use_kernel(self, kernel: FusedNorm) -> bool:
+        """False: the fused passes scale as the plain norm does, so this one stays on torch."""
+        return False
 
 
 class LinearLayer(nn.Module):
@@ -257,12 +264,22 @@ class GatedMLP(nn.Module):
                                         column_splits(parallel, 2), parallel)
         self.down_proj = LinearLayer(intermediate_size, [hidden_size], bias, quant_method,
                                      row_split(parallel), parallel)
-        self.fused = False
-        """Set by ``tandem.models.cpu_fusion`` on the CPU (SiLU only): one C++ pass for the act
-        (``tandem.kernels.cpu_ops.silu_and_mul``)."""
+        self._fused = False
+
+    @property
+    def fused(self) -> bool:
+        """True once ``use_cpu_kernels`` took the fused act."""
+        return self._fused
+
+    def use_cpu_kernels(self) -> bool:
+        """Compute ``silu(gate) * up`` in one C++ pass (``tandem.kernels.cpu_ops.silu_and_mul``)
+        from now on, when the act is SiLU; True when it does. CPU tensors only (the pass of
+        ``tandem.models.cpu_fusion``)."""
+        self._fused = self.act is torch.nn.functional.silu
+        return self._fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
+        if self._fused:
             gate_up = self.gate_up_proj(x)
             act = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
             cpu_ops.silu_and_mul(act, gate_up)
@@ -324,9 +341,7 @@ class Attention(nn.Module):
         norm = options.qk_norm
         self.q_norm = norm(self.head_dim, config.rms_norm_eps) if norm is not None else None
         self.k_norm = norm(self.head_dim, config.rms_norm_eps) if norm is not None else None
-        self.fused = False
-        """Set by ``tandem.models.cpu_fusion`` on the CPU (full-width rotary): rotary in place
-        (``tandem.kernels.cpu_ops.rotary_neox``)."""
+        self._fused = False
         self.attn = attn_backend_cls(
             self.num_heads,
             self.num_kv_heads,
@@ -334,6 +349,18 @@ class Attention(nn.Module):
             scale=options.scale if options.scale is not None else self.head_dim**-0.5,
             sliding_window=config.sliding_window_for(layer_idx),
         )
+
+    @property
+    def fused(self) -> bool:
+        """True once ``use_cpu_kernels`` took the in-place rotary."""
+        return self._fused
+
+    def use_cpu_kernels(self) -> bool:
+        """Rotate q and k in place in one C++ pass (``tandem.kernels.cpu_ops.rotary_neox``) from
+        now on, when the rotary is full-width (without q/k norms); True when it does. CPU
+        tensors only (the pass of ``tandem.models.cpu_fusion``)."""
+        self._fused = self.rotary_dim == self.head_dim
+        return self._fused
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
@@ -345,7 +372,7 @@ class Attention(nn.Module):
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q)[0], self.k_norm(k)[0]), dim=1)
         # q and k sit side by side in the fused output: rotate them as one tensor (half the ops).
-        if self.use_rope and self.fused and self.q_norm is None:
+        if self.use_rope and self._fused and self.q_norm is None:
             cpu_ops.rotary_neox(qk, cos, sin)  # in place on the projection's fresh output
         elif self.use_rope and self.rotary_dim == self.head_dim:
             qk = rotate(qk, cos, sin)
