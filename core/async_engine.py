@@ -5,8 +5,10 @@ an asyncio loop.
 
     asyncio loop (server)                              engine thread (owns the LLMEngine)
     ─────────────────────                              ──────────────────────────────────
-    process ──► InputProcessor.process (tokenizer thread: checks, tokenizes; 400s raise here)
-    add_processed ── _Add ────► inbox (SimpleQueue) ──► engine.add_processed
+    add_requests(batch)
+      ├─► InputProcessor.process, every prompt (tokenizer thread; 400s raise here, before any
+      │   prompt of the batch is admitted)
+      └─► per prompt: queue check (429) ── _Add ──► inbox (SimpleQueue) ──► engine.add_processed
         ▲                                                  │ accepted / ValueError
         └──── future ◄────────── call_soon_threadsafe ◄────┘
     RequestStream ◄── outputs ◄─ call_soon_threadsafe ◄─── engine.step()   (one call per step)
@@ -108,6 +110,27 @@ class EngineSnapshot:
 StepListener = Callable[[StepStats], None]
 
 
+@dataclass(slots=True, frozen=True)
+class RequestBatch:
+    """The engine requests of one request body: one per prompt, all with ``params``, the
+    ``priority`` and the ``cache_salt``; ``request_ids[i]`` names the request of
+    ``prompts[i]``. ``remote_decode``/``remote_prefill`` (see ``LLMEngine.add_processed``) go
+    with a batch of one prompt."""
+
+    prompts: list[str | list[int]]
+    params: SamplingParams
+    request_ids: list[str]
+    priority: int = 0
+    cache_salt: str | None = None
+    remote_decode: bool = False
+    remote_prefill: RemotePrefill | None = None
+
+    def __post_init__(self) -> None:
+        assert len(self.request_ids) == len(self.prompts), "one request id per prompt"
+        assert len(self.prompts) == 1 or not (self.remote_decode or self.remote_prefill), \
+            "a KV hand-over goes with one prompt"
+
+
 @dataclass(slots=True)
 class _Add:
     request_id: str
@@ -170,9 +193,10 @@ class RequestStream:
         self.state = StreamState.PENDING
         self.output: RequestOutput | None = None
         self._engine = engine
-        self._prompt = prompt
+        self.prompt = prompt
+        """The prompt's text, None when it came as token ids."""
         self._admission = admission
-        """Settled when the engine has accepted (or refused) the request (``add_processed``)."""
+        """Settled when the engine has accepted (or refused) the request."""
         self._error: BaseException | None = None
         self._changed = asyncio.Event()
 
@@ -183,7 +207,7 @@ class RequestStream:
     def _on_output(self, item: RequestOutput) -> None:
         """PENDING/STREAMING → STREAMING, or FINISHED with the finished output."""
         if self.output is None:
-            item.prompt = self._prompt
+            item.prompt = self.prompt
             self.output = item
         else:
             self.output.absorb(item)
@@ -240,6 +264,9 @@ class AsyncEngine:
         self._engine: LLMEngine | None = None
         self.tokenizer = None
         """The event loop's tokenizer (a copy of the engine's), for single-token decodes."""
+        self.default_sampling: dict = {}
+        """The sampling fields a request leaves out take these (``LLMEngine.default_sampling``,
+        copied when the model has loaded)."""
         self.tokenizer_thread = TokenizerThread(lambda: self.tokenizer)
         """Where prompts are checked and encoded and chat templates rendered, off the loop."""
         self.snapshot = EngineSnapshot()
@@ -297,11 +324,6 @@ class AsyncEngine:
         return self._engine.request_limits.vocab_size
 
     @property
-    def default_sampling(self) -> dict:
-        """The sampling fields a request leaves out take these (``LLMEngine.default_sampling``)."""
-        return self._engine.default_sampling
-
-    @property
     def disaggregation(self):
         """The ``[disaggregation]`` settings of the loaded engine (its role, its policies)."""
         return self._engine.config.disaggregation
@@ -350,15 +372,37 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ requests (event loop)
 
-    async def process(self, prompt: str | list[int], params: SamplingParams, priority: int = 0,
-                      cache_salt: str | None = None) -> ProcessedRequest:
-        """The request checked and tokenized (``InputProcessor.process``) on the tokenizer
-        thread, ready for ``add_processed``. Raises ``EngineUnavailable`` (not ready / shutting
-        down) and ``InvalidRequest`` (a ValueError naming the field: empty prompt, ids outside
-        the vocabulary, too long, a grammar the backend refuses…)."""
+    async def add_requests(self, batch: RequestBatch) -> list[RequestStream]:
+        """Admit the requests of one body, all or none, and return their streams (in the
+        batch's order). The server's one way in.
+
+        Every prompt is checked and tokenized first (``InputProcessor.process``, on the
+        tokenizer thread), so a bad prompt anywhere refuses the batch before any is queued; a
+        refusal while admitting closes those already admitted. Raises ``EngineUnavailable``
+        (not ready / shutting down), ``InvalidRequest`` (a ValueError naming the field: empty
+        prompt, ids outside the vocabulary, too long, a grammar the backend refuses…),
+        ``QueueFull`` (waiting queue at its bound), ``ValueError`` (an id in use — this path's
+        one check of ids; the engine refuses it: an ``n`` the KV pool can never hold, a grammar
+        that does not compile…), ``RequestFailed`` (admitting it raised something else: a
+        plugin's bug)."""
         self.check_admitting()
-        return await self.tokenizer_thread.run(self._engine.input_processor.process, prompt, params,
-                                               priority, cache_salt)
+        requests = await self.tokenizer_thread.run(self._process_all, self._engine.input_processor,
+                                                   batch)
+        streams: list[RequestStream] = []
+        try:
+            for request, request_id in zip(requests, batch.request_ids):
+                streams.append(await self._admit(request, request_id, batch.remote_decode,
+                                                 batch.remote_prefill))
+        except BaseException:
+            for stream in streams:
+                stream.close()
+            raise
+        return streams
+
+    @staticmethod
+    def _process_all(tokenizer, input_processor, batch: RequestBatch) -> list[ProcessedRequest]:
+        return [input_processor.process(tokenizer, prompt, batch.params, batch.priority, batch.cache_salt)
+                for prompt in batch.prompts]
 
     async def add_request(
         self,
@@ -370,24 +414,15 @@ class AsyncEngine:
         remote_prefill: RemotePrefill | None = None,
         cache_salt: str | None = None,
     ) -> RequestStream:
-        """``process`` then ``add_processed``: admit a request and return its stream."""
-        request = await self.process(prompt, params, priority, cache_salt)
-        return await self.add_processed(request, request_id, remote_decode, remote_prefill)
+        """Admit one request (``add_requests`` of a batch of one) and return its stream."""
+        batch = RequestBatch([prompt], params, [request_id if request_id is not None else uuid.uuid4().hex],
+                             priority, cache_salt, remote_decode, remote_prefill)
+        return (await self.add_requests(batch))[0]
 
-    async def add_processed(self, request: ProcessedRequest, request_id: str | None = None,
-                            remote_decode: bool = False,
-                            remote_prefill: RemotePrefill | None = None) -> RequestStream:
-        """Admit a processed request and return its stream (``remote_decode``,
-        ``remote_prefill``: see ``LLMEngine.add_processed``).
-
-        Raises at once: ``EngineUnavailable`` (not ready / shutting down), ``QueueFull`` (waiting
-        queue at its bound), ``ValueError`` (an id in use; the engine refuses it: an ``n`` the
-        KV pool can never hold, a grammar that does not compile…), ``RequestFailed`` (admitting
-        it raised something else: a plugin's bug).
-        """
+    async def _admit(self, request: ProcessedRequest, request_id: str, remote_decode: bool,
+                     remote_prefill: RemotePrefill | None) -> RequestStream:
         self.check_admitting()
         self._check_queue(len(request.prompt_token_ids))
-        request_id = request_id if request_id is not None else uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         future = self._loop.create_future()
@@ -535,6 +570,7 @@ class AsyncEngine:
             self._engine.delta_outputs = True
             self._engine.report_grammar_admissions = True
             self.tokenizer = copy.deepcopy(self._engine.tokenizer)
+            self.default_sampling = dict(self._engine.default_sampling)
         except BaseException as exc:  # noqa: BLE001 — reported to the loop, which decides
             logger.exception("the engine failed to load")
             self._post(self._on_loaded, exc)

@@ -93,8 +93,8 @@ class LLMEngine:
         self._num_failed_steps_in_row = 0
         self.structured = self._build_structured_outputs()
         self.input_processor = InputProcessor(self.request_limits, self.structured)
-        """Checks and tokenizes every request (``add_request``; the async engine runs it on its
-        tokenizer thread, then calls ``add_processed``)."""
+        """Checks and tokenizes every request (``add_request``; ``AsyncEngine.add_requests`` runs
+        it on its tokenizer thread, then calls ``add_processed``)."""
         self.report_grammar_admissions = False
         """Record the ends of grammar waits for ``take_grammar_admissions`` (the async engine
         sets it)."""
@@ -236,8 +236,8 @@ class LLMEngine:
         it (``add_processed``); returns its id. ``cache_salt`` (vLLM's): its prompt shares
         prefix-cache blocks only with requests of the same salt. Raises ``InvalidRequest`` (a
         ValueError naming the field) for input this engine refuses (see
-        ``InputProcessor.process``), ValueError for an id already in use, and what
-        ``add_processed`` raises."""
+        ``InputProcessor.process``), ValueError for an id already in use (the offline path's one
+        check of ids: ``add_processed``'s callers own it), and what ``add_processed`` raises."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.outputs.states:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -248,7 +248,8 @@ class LLMEngine:
 
     def add_processed(self, request_id: str, processed: ProcessedRequest, arrival_time: float | None = None,
                       remote_decode: bool = False, remote_prefill: RemotePrefill | None = None) -> None:
-        """Queue a request the input processor has checked, under an id not in use. Raises
+        """Queue a request the input processor has checked, under an id not in use (the
+        caller's to check: ``add_request``, ``AsyncEngine.add_requests``). Raises
         RequestRejected (a ValueError) when the KV pool could never hold it, an
         ``InvalidRequest`` for a grammar that does not compile when it compiles at once, and
         ValueError for a KV hand-over asked of a colocated instance.

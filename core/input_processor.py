@@ -2,7 +2,7 @@
 takes the prompt (text or token ids), the ``SamplingParams`` and the per-request options, and
 returns a ``ProcessedRequest`` (tokenized, bad words tokenized, every limit checked) or raises.
 The offline ``LLM`` reaches it through ``LLMEngine.add_request``; the server through
-``AsyncEngine.add_request``, which runs it on the tokenizer thread (``tandem.tokenizer_thread``).
+``AsyncEngine.add_requests``, which runs it on the tokenizer thread (``tandem.tokenizer_thread``).
 
 ``SamplingParams`` checks what holds on every engine (ranges, finite numbers, seed width, stop
 strings); ``check_request`` adds what depends on this engine: its vocabulary, its context length,

@@ -10,8 +10,14 @@ import time
 import pytest
 
 from tandem import LLM, SamplingParams
-from tandem.async_engine import AsyncEngine, EngineState, QueueLimits, RequestStream
-from tandem.errors import EngineError, EngineUnavailable, QueueFull, RequestAbortedByShutdown
+from tandem.async_engine import AsyncEngine, EngineState, QueueLimits, RequestBatch, RequestStream
+from tandem.errors import (
+    EngineError,
+    EngineUnavailable,
+    InvalidRequest,
+    QueueFull,
+    RequestAbortedByShutdown,
+)
 from tandem.config import load_config
 from tandem.engine import LLMEngine
 from tandem.outputs import CompletionOutput, RequestOutput
@@ -186,6 +192,38 @@ def test_engine_refusal_raises_value_error_and_releases_the_queue(model_dir):
             await engine.shutdown()
 
     assert asyncio.run(run()) == 0
+
+
+def test_a_batch_is_checked_whole_then_admitted_all_or_none(model_dir, offline):
+    """Every prompt is checked before any is queued (a bad third prompt is a refusal, not the
+    second's full queue); a full queue closes the prompts already admitted; an id in use is
+    refused and the request holding it runs on."""
+    params = SamplingParams(temperature=0, max_tokens=3)
+    want = offline.generate("def main():", params)[0].outputs[0].token_ids
+
+    async def run():
+        engine = await _started(_factory(model_dir, step_delay_s=0.2),
+                                QueueLimits(max_requests=1, max_tokens=10_000))
+        try:
+            with pytest.raises(InvalidRequest) as bad:
+                await engine.add_requests(RequestBatch(["a", "b", [10**6]], params, ["x-0", "x-1", "x-2"]))
+            with pytest.raises(QueueFull):
+                await engine.add_requests(RequestBatch(["a", "b"], params, ["y-0", "y-1"]))
+            queued = engine.num_queued_requests
+            stream = await engine.add_request("def main():", params, request_id="z")
+            refused = 0
+            async for out in stream:
+                if not out.finished and not refused:  # out of the waiting queue, still running
+                    with pytest.raises(ValueError, match="request id 'z' is already in use"):
+                        await engine.add_request("class Foo:", params, request_id="z")
+                    refused += 1
+            return bad.value.param, queued, refused, out
+        finally:
+            await engine.shutdown()
+
+    param, queued, refused, out = asyncio.run(run())
+    assert param == "prompt" and queued == 0 and refused == 1
+    assert out.outputs[0].token_ids == want and len(want) == 3
 
 
 def test_fatal_engine_error_fails_every_request(model_dir):

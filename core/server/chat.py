@@ -40,7 +40,6 @@ from tandem.server.serving import (
     admit,
     log_unknown_fields,
     merged,
-    process,
     prompt_logprobs_body,
     request_params,
     sse,
@@ -76,12 +75,11 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     max_tokens_name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     grammar_name = "tools" if tools.schema is not None else (
         "structured_outputs" if body.structured_outputs is not None else "response_format")
-    requests = await process(ctx, [token_ids], params, body.priority, body.cache_salt,
-                             {"prompt": "messages", "logprobs": "top_logprobs",
-                              "max_tokens": max_tokens_name, "structured_outputs": grammar_name})
     kv_transfer = await kv_transfer_args(ctx.engine, ctx.handshakes, body, 1)
     view = _ChatView(ctx, body, f"chatcmpl-{uuid.uuid4().hex}", len(token_ids), tools)
-    streams = await admit(ctx, requests, view.request_id, kv_transfer)
+    streams = await admit(ctx, [token_ids], params, body, view.request_id, kv_transfer,
+                          {"prompt": "messages", "logprobs": "top_logprobs",
+                           "max_tokens": max_tokens_name, "structured_outputs": grammar_name})
     if body.stream:
         return SSEResponse(view.stream(streams), ctx, streams)
     final = await until_disconnect(request, lambda: view.collect(streams))

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from tandem.async_engine import RequestStream
 from tandem.outputs import CompletionOutput, Logprob, RequestOutput
 from tandem.server.disagg import check_kv_secret, dump, hand_over, kv_transfer_args
 from tandem.server.errors import APIError, bad_request
@@ -25,9 +26,9 @@ from tandem.server.serving import (
     ServingContext,
     SSEResponse,
     admit,
+    close_all,
     log_unknown_fields,
     merged,
-    process,
     prompt_logprobs_body,
     request_params,
     sse,
@@ -51,15 +52,16 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     prompt_logprobs, prompt_logprobs_name = _prompt_logprobs(body)
     params = request_params(ctx, body, body.max_tokens, body.logprobs, prompt_logprobs)
     grammar_name = "structured_outputs" if body.structured_outputs is not None else "response_format"
-    requests = await process(ctx, _prompts(body.prompt), params, body.priority, body.cache_salt,
-                             {"prompt_logprobs": prompt_logprobs_name, "structured_outputs": grammar_name})
-    prompts = [r.prompt_token_ids for r in requests]
-    texts = [r.prompt for r in requests]
-    if body.echo:
-        texts = await ctx.tokenize(_echoed_texts, prompts, texts)
+    prompts = _prompts(body.prompt)
     kv_transfer = await kv_transfer_args(ctx.engine, ctx.handshakes, body, len(prompts))
-    view = _CompletionView(ctx, body, f"cmpl-{uuid.uuid4().hex}", prompts, texts)
-    streams = await admit(ctx, requests, view.request_id, kv_transfer)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    streams = await admit(ctx, prompts, params, body, request_id, kv_transfer,
+                          {"prompt_logprobs": prompt_logprobs_name, "structured_outputs": grammar_name})
+    try:
+        view = await _view(ctx, body, request_id, streams)
+    except BaseException:
+        close_all(streams)
+        raise
     if body.stream:
         return SSEResponse(view.stream(streams), ctx, streams)
     finals = await until_disconnect(request, lambda: view.collect(streams))
@@ -89,6 +91,15 @@ def _prompts(prompt) -> list[str | list[int]]:
     if any(isinstance(p, str) and not p for p in prompt):
         raise bad_request("the prompt is empty", "prompt")
     return [p if isinstance(p, str) else list(p) for p in prompt]
+
+
+async def _view(ctx: ServingContext, body: CompletionRequest, request_id: str,
+                streams: list[RequestStream]) -> _CompletionView:
+    prompts = [s.prompt_token_ids for s in streams]
+    texts = [s.prompt for s in streams]
+    if body.echo:
+        texts = await ctx.tokenize(_echoed_texts, prompts, texts)
+    return _CompletionView(ctx, body, request_id, prompts, texts)
 
 
 def _echoed_texts(tokenizer, prompts: list[list[int]], texts: list[str | None]) -> list[str]:

@@ -1,6 +1,6 @@
 """What the completions and chat endpoints share: sampling parameters from a request body,
-the engine's checks of each prompt (``AsyncEngine.process``), admitting one engine request per
-prompt, merging their streams, and aborting them when the client goes away.
+admitting one engine request per prompt in one call (``AsyncEngine.add_requests``, which
+checks every prompt first), merging their streams, and aborting them when the client goes away.
 """
 from __future__ import annotations
 
@@ -16,9 +16,8 @@ from typing import Any, TypeVar
 from fastapi import Request
 from starlette.responses import StreamingResponse
 
-from tandem.async_engine import AsyncEngine, RequestStream, StreamState
+from tandem.async_engine import AsyncEngine, RequestBatch, RequestStream, StreamState
 from tandem.errors import EngineUnavailable, InvalidRequest
-from tandem.input_processor import ProcessedRequest
 from tandem.interfaces import ToolParser
 from tandem.server.disagg import HandshakeCache, KVTransferArgs
 from tandem.outputs import Logprob, RequestOutput
@@ -152,42 +151,29 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return {int(key): value for key, value in bias.items()}
 
 
-async def process(ctx: ServingContext, prompts: list[str | list[int]], params: SamplingParams,
-                  priority: int, cache_salt: str | None,
-                  names: Mapping[str, str] | None = None) -> list[ProcessedRequest]:
-    """Each prompt checked and tokenized by the engine (``AsyncEngine.process``); a refusal is
-    a 400 (or the 503 of an engine not ready). ``names`` maps a SamplingParams field to the
-    request field the client sent (chat's ``top_logprobs`` for ``logprobs``; ``response_format``
-    or ``tools`` for ``structured_outputs``)."""
+async def admit(ctx: ServingContext, prompts: list[str | list[int]], params: SamplingParams,
+                body: SamplingFields, request_id: str, kv_transfer: KVTransferArgs = KVTransferArgs(),
+                names: Mapping[str, str] | None = None) -> list[RequestStream]:
+    """One engine request per prompt (``{request_id}-{i}``), all or none, in one call
+    (``AsyncEngine.add_requests``: every prompt is checked before any is admitted). A refusal
+    raises the matching APIError: 400 for a prompt the engine refuses, then 429, 503. ``names``
+    maps a SamplingParams field to the request field the client sent (chat's ``top_logprobs``
+    for ``logprobs``; ``response_format`` or ``tools`` for ``structured_outputs``).
+    ``kv_transfer`` applies to a single prompt."""
+    batch = RequestBatch(prompts, params, [f"{request_id}-{i}" for i in range(len(prompts))],
+                         body.priority, body.cache_salt, kv_transfer.remote_decode,
+                         kv_transfer.remote_prefill)
     try:
-        return [await ctx.engine.process(prompt, params, priority, cache_salt) for prompt in prompts]
+        streams = await ctx.engine.add_requests(batch)
     except InvalidRequest as exc:
         name = (names or {}).get(exc.param, exc.param)
         raise APIError(400, f"{name} {exc.detail}", param=name,
                        code=getattr(exc, "code", "invalid_request")) from exc
-    except (ValueError, EngineUnavailable) as exc:
+    except Exception as exc:
         raise api_error_from(exc) from exc
-
-
-async def admit(ctx: ServingContext, requests: list[ProcessedRequest], request_id: str,
-                kv_transfer: KVTransferArgs = KVTransferArgs()) -> list[RequestStream]:
-    """One engine request per processed prompt, all or none: a refusal aborts those already
-    admitted and raises the matching APIError (429, 400, 503). ``kv_transfer`` applies to a
-    single prompt."""
-    streams: list[RequestStream] = []
-    try:
-        for i, request in enumerate(requests):
-            streams.append(await ctx.engine.add_processed(
-                request, f"{request_id}-{i}", remote_decode=kv_transfer.remote_decode,
-                remote_prefill=kv_transfer.remote_prefill))
-    except BaseException as exc:
-        close_all(streams)
-        if isinstance(exc, Exception):
-            raise api_error_from(exc) from exc
-        raise
     if ctx.log_requests:
-        logger.info("%s: admitted %d prompt(s) of %s tokens, priority %d, %s", request_id, len(requests),
-                    [len(r.prompt_token_ids) for r in requests], requests[0].priority, requests[0].params)
+        logger.info("%s: admitted %d prompt(s) of %s tokens, priority %d, %s", request_id, len(streams),
+                    [s.num_prompt_tokens for s in streams], body.priority, params)
     return streams
 
 
