@@ -1,6 +1,13 @@
-"""docs/plugins.md documents every hook of tandem.hookspecs, and its examples are valid: the
-Python examples compile, and each plugin example registers through a real plugin manager (which
-checks its classes against the interfaces); the TOML examples parse."""
+"""The docs against the code.
+
+docs/plugins.md documents every hook of tandem.hookspecs, and its examples are valid: the Python
+examples compile, and each plugin example registers through a real plugin manager (which checks
+its classes against the interfaces); the TOML examples parse.
+
+docs/configuration.md has every field of the config schema (``tandem.config``) with its default —
+the documented default, read as TOML, validates through the schema to the schema's own default —
+and docs/api.md every route of the instance's app and of the router's app; neither names a field
+or a route that does not exist."""
 from __future__ import annotations
 
 import inspect
@@ -10,11 +17,16 @@ import types
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
 from tandem import hookspecs
+from tandem.config import TandemConfig, load_config
 from tandem.plugin_manager import TandemPluginManager, build_registry
+from tandem.router.app import create_router_app
+from tandem.server.app import create_app
 
-GUIDE = Path(__file__).resolve().parents[1] / "docs" / "plugins.md"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+GUIDE = DOCS / "plugins.md"
 TEXT = GUIDE.read_text()
 
 
@@ -83,3 +95,65 @@ def test_plugin_examples_register_valid_components(index):
 @pytest.mark.parametrize("index", range(len(code_blocks("toml"))))
 def test_toml_examples_parse(index):
     tomllib.loads(code_blocks("toml")[index])
+
+
+# ------------------------------------------------------------------ configuration and API references
+
+CONFIGURATION = (DOCS / "configuration.md").read_text()
+API = (DOCS / "api.md").read_text()
+SECTIONS: dict[str, type[BaseModel]] = {name: field.annotation for name, field in TandemConfig.model_fields.items()}
+
+
+def documented_fields() -> dict[str, dict[str, str]]:
+    """Section → {field: default text} of the ``## `[section]``` tables."""
+    parts = re.split(r"^## `\[(\w+)\]`\s*$", CONFIGURATION, flags=re.MULTILINE)
+    return {name: dict(re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", body, re.MULTILINE))
+            for name, body in zip(parts[1::2], parts[2::2])}
+
+
+def test_the_reference_has_every_section_and_no_other():
+    assert set(documented_fields()) == set(SECTIONS)
+
+
+@pytest.mark.parametrize("section", sorted(SECTIONS))
+def test_every_field_of_a_section_is_documented_and_no_other(section):
+    documented = documented_fields().get(section, {})
+    fields = SECTIONS[section].model_fields
+    assert sorted(set(fields) - set(documented)) == [], f"[{section}] fields missing from the reference"
+    assert sorted(set(documented) - set(fields)) == [], f"[{section}] names fields that do not exist"
+
+
+@pytest.mark.parametrize("section, name", [(s, f) for s, cls in sorted(SECTIONS.items())
+                                           for f in cls.model_fields])
+def test_the_documented_default_is_the_schema_default(section, name):
+    text = documented_fields()[section][name]
+    schema_default = getattr(SECTIONS[section](), name)
+    if text == "unset":
+        assert schema_default is None, f"[{section}] {name} defaults to {schema_default!r}, documented unset"
+        return
+    value = tomllib.loads(f"value = {text}")["value"]
+    assert getattr(SECTIONS[section].model_validate({name: value}), name) == schema_default, \
+        f"[{section}] {name}: documented {text}, the schema's default is {schema_default!r}"
+
+
+def app_routes() -> set[str]:
+    """``METHOD /path`` of the instance's and the router's apps (path parameters as ``{}``)."""
+    config = load_config(overrides={"model.path": "unused: the apps are built, never started"})
+    routes = set()
+    for app in (create_app(config), create_router_app(config)):
+        for path, operations in app.openapi()["paths"].items():
+            routes |= {f"{method.upper()} {re.sub(r'{[^}]*}', '{}', path)}" for method in operations}
+    return routes
+
+
+def documented_routes() -> set[str]:
+    """Every ``METHOD /path`` the API reference names (in code spans; a query left out)."""
+    found = re.findall(r"`(GET|POST|PUT|PATCH|DELETE) (/[^`\s?]*)", API)
+    return {f"{method} {re.sub(r'{[^}]*}', '{}', path)}" for method, path in found}
+
+
+def test_every_route_is_documented_and_no_other():
+    routes, documented = app_routes(), documented_routes()
+    assert "POST /v1/completions" in routes and "GET /admin/instances" in routes
+    assert sorted(routes - documented) == [], "routes missing from docs/api.md"
+    assert sorted(documented - routes) == [], "docs/api.md names routes that do not exist"
