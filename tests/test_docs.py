@@ -4,10 +4,11 @@ docs/plugins.md documents every hook of tandem.hookspecs, and its examples are v
 examples compile, and each plugin example registers through a real plugin manager (which checks
 its classes against the interfaces); the TOML examples parse.
 
-docs/configuration.md has every field of the config schema (``tandem.config``) with its default —
-the documented default, read as TOML, validates through the schema to the schema's own default —
-and docs/api.md every route of the instance's app and of the router's app; neither names a field
-or a route that does not exist."""
+docs/configuration.md has every field of the config schema (``tandem.config``) with its default
+(the documented default, read as TOML, validates through the schema to the schema's own default);
+docs/api.md every route of the instance's app and of the router's app, and each of its request
+tables the fields of its model in ``tandem.server.protocol``; neither names a field or a route
+that does not exist."""
 from __future__ import annotations
 
 import inspect
@@ -157,3 +158,50 @@ def test_every_route_is_documented_and_no_other():
     assert "POST /v1/completions" in routes and "GET /admin/instances" in routes
     assert sorted(routes - documented) == [], "routes missing from docs/api.md"
     assert sorted(documented - routes) == [], "docs/api.md names routes that do not exist"
+
+
+def documented_request_fields() -> dict[str, list[str]]:
+    """The ``### heading`` of each request-field table of docs/api.md → its field names."""
+    parts = re.split(r"^### (.+?)\s*$", API, flags=re.MULTILINE)
+    tables = {}
+    for heading, body in zip(parts[1::2], parts[2::2]):
+        if "| field | type | default | bounds |" in body:
+            tables[heading] = re.findall(r"^\| `(\w+)` \|", body, re.MULTILINE)
+    return tables
+
+
+def _names(model: type[BaseModel], less: type[BaseModel] | None = None) -> list[str]:
+    skip = set(less.model_fields) if less is not None else set()
+    return [f.alias or name for name, f in model.model_fields.items() if name not in skip]
+
+
+def _request_models() -> dict[str, list[str]]:
+    """Where each request model of ``tandem.server.protocol`` is documented (a heading's start)."""
+    from tandem.server import protocol as p
+
+    return {
+        "Fields of both": _names(p.SamplingFields),
+        "`/v1/completions` only": _names(p.CompletionRequest, p.SamplingFields),
+        "`/v1/chat/completions` only": _names(p.ChatCompletionRequest, p.SamplingFields),
+        "A chat message": _names(p.ChatMessage),
+        "A tool (`tools[i]`)": _names(p.ChatCompletionTool),
+        "`tools[i].function`": _names(p.FunctionDefinition),
+        "A named `tool_choice`": _names(p.NamedToolChoice),
+        "`response_format`": _names(p.ResponseFormat),
+        "`response_format.json_schema`": _names(p.JsonSchemaFormat),
+        "`stream_options`": _names(p.StreamOptions),
+        "`POST /tokenize`": _names(p.TokenizeRequest),
+        "`POST /detokenize`": _names(p.DetokenizeRequest),
+        "`kv_transfer_params`": _names(p.KVTransferParams),
+        "`POST /kv/release`": _names(p.KVReleaseRequest),
+    }
+
+
+def test_every_request_table_lists_its_model_fields_and_no_other():
+    tables, models = documented_request_fields(), _request_models()
+    matched = {start: [h for h in tables if h.startswith(start)] for start in models}
+    assert all(len(headings) == 1 for headings in matched.values()), matched
+    assert sorted(h for headings in matched.values() for h in headings) == sorted(tables), \
+        "a request-field table of docs/api.md documents no model of tandem.server.protocol"
+    for start, fields in models.items():
+        assert sorted(tables[matched[start][0]]) == sorted(fields), f"docs/api.md '### {start}'"
