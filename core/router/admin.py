@@ -24,7 +24,7 @@ from tandem.config import InstanceConfig, Role
 from tandem.router.auth import admin_check, has_bearer
 from tandem.router.errors import RouterError
 from tandem.router.metrics import RouterMetrics
-from tandem.router.registry import DuplicateInstance, InstanceRegistry
+from tandem.router.registry import DuplicateInstance, InstanceRegistry, Step
 
 
 def admin_routes(registry: InstanceRegistry, health_client: httpx.AsyncClient,
@@ -71,7 +71,7 @@ def add_operator_routes(app: FastAPI, registry: InstanceRegistry, metrics: Route
     async def health(request: Request) -> JSONResponse:
         """200 while at least one decode-capable instance is in rotation, else 503; the
         instances only with the admin key."""
-        ready = bool(registry.candidates("decode"))
+        ready = bool(registry.candidates(Step.DECODE))
         body: dict = {"status": "ok" if ready else "not_ready"}
         if admin_key is not None and has_bearer(request, admin_key):
             body["instances"] = [s.as_dict() for s in registry.all()]

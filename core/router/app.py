@@ -52,7 +52,7 @@ from tandem.router.metrics import RouterMetrics
 from tandem.router.model_ids import is_valid_model_id
 from tandem.router.prompts import PromptInfo, chat_prompt, completion_prompt
 from tandem.router.proxy import RawHeaders, timed_out
-from tandem.router.registry import InstanceRegistry
+from tandem.router.registry import InstanceRegistry, Step
 from tandem.http_limits import BodyLimitMiddleware
 
 logger = logging.getLogger("tandem.router")
@@ -169,7 +169,7 @@ async def relay_to_any(dispatcher: Dispatcher, request: Request, path: str,
     headers = _relayed_headers(request)
     registry = dispatcher.registry
     any_timed_out = False
-    for info in registry.candidates("decode") + registry.candidates("prefill"):
+    for info in registry.candidates(Step.DECODE) + registry.candidates(Step.PREFILL):
         try:
             if body is None:
                 answer = await dispatcher.client.get(f"{info.url}{path}", headers=headers)

@@ -45,7 +45,7 @@ from tandem.router.proxy import (
     post,
     timed_out,
 )
-from tandem.router.registry import InstanceRegistry
+from tandem.router.registry import InstanceRegistry, Step
 
 logger = logging.getLogger("tandem.router")
 
@@ -151,7 +151,7 @@ class Dispatcher:
                  decode_policy: RoutingPolicy, metrics: RouterMetrics, client: httpx.AsyncClient,
                  min_disaggregated_prompt_tokens: int, kv_secret: str | None = None) -> None:
         self.registry = registry
-        self.policies = {"prefill": prefill_policy, "decode": decode_policy}
+        self.policies = {Step.PREFILL: prefill_policy, Step.DECODE: decode_policy}
         self.metrics = metrics
         self.client = client
         self.min_disaggregated_prompt_tokens = min_disaggregated_prompt_tokens
@@ -185,7 +185,7 @@ class Dispatcher:
             return Plan.SHORT_PROMPT
         return Plan.DISAGGREGATED
 
-    def _pick(self, step: str, request: RouterRequest, tried: set[str]) -> str | None:
+    def _pick(self, step: Step, request: RouterRequest, tried: set[str]) -> str | None:
         candidates = self.registry.candidates(step, exclude=tried)
         if not candidates:
             return None
@@ -196,7 +196,7 @@ class Dispatcher:
                                f"not one of the {step} candidates {[c.url for c in candidates]}")
         return url
 
-    def _lost(self, url: str, step: str, outcome: str, reason: str) -> None:
+    def _lost(self, url: str, step: Step, outcome: str, reason: str) -> None:
         self.registry.mark_down(url, reason)
         self.metrics.attempt(url, step, outcome)
 
@@ -209,23 +209,23 @@ class Dispatcher:
         body = prefill_body(request.body)
         headers = request.headers + self._secret_header
         tried: set[str] = set()
-        while (url := self._pick("prefill", request, tried)) is not None:
+        while (url := self._pick(Step.PREFILL, request, tried)) is not None:
             tried.add(url)
             try:
                 with self.registry.in_flight(url):
                     answer = await post(self.client, url + request.path, body, headers)
             except Unreachable as exc:
-                self._lost(url, "prefill", "unreachable", f"prefill request failed: {exc}")
+                self._lost(url, Step.PREFILL, "unreachable", f"prefill request failed: {exc}")
                 if exc.connected and broken.add(exc):
                     return broken.response()
                 continue
             if answer.status == 429:
-                self.metrics.attempt(url, "prefill", "busy")
+                self.metrics.attempt(url, Step.PREFILL, "busy")
                 continue
             if answer.status == 503:
-                self._lost(url, "prefill", "unavailable", "answered 503")
+                self._lost(url, Step.PREFILL, "unavailable", "answered 503")
                 continue
-            self.metrics.attempt(url, "prefill", "ok" if answer.status == 200 else "error")
+            self.metrics.attempt(url, Step.PREFILL, "ok" if answer.status == 200 else "error")
             if answer.status != 200:
                 return answer.response()
             params = _hand_over(answer)
@@ -239,7 +239,7 @@ class Dispatcher:
                       broken: _Broken) -> Response:
         tried: set[str] = set()
         busy: Answer | None = None
-        while (url := self._pick("decode", request, tried)) is not None:
+        while (url := self._pick(Step.DECODE, request, tried)) is not None:
             tried.add(url)
             flight = ExitStack()
             flight.enter_context(self.registry.in_flight(url))
@@ -249,7 +249,7 @@ class Dispatcher:
                 result = await self._send(request, url, body, offered)
             except Unreachable as exc:
                 flight.close()
-                self._lost(url, "decode", "unreachable", f"decode request failed: {exc}")
+                self._lost(url, Step.DECODE, "unreachable", f"decode request failed: {exc}")
                 if exc.connected:
                     if offered:
                         hand_over.may_be_claimed = True
@@ -264,13 +264,13 @@ class Dispatcher:
                 return self._relay(request, url, result, flight)
             flight.close()
             if result.status == 429:
-                self.metrics.attempt(url, "decode", "busy")
+                self.metrics.attempt(url, Step.DECODE, "busy")
                 busy = result
                 continue
             if result.status == 503:
-                self._lost(url, "decode", "unavailable", "answered 503")
+                self._lost(url, Step.DECODE, "unavailable", "answered 503")
                 continue
-            self.metrics.attempt(url, "decode", "ok" if result.status == 200 else "error")
+            self.metrics.attempt(url, Step.DECODE, "ok" if result.status == 200 else "error")
             self._done(request)
             return result.response()
         self._done(request)
@@ -342,7 +342,7 @@ class Dispatcher:
                 await opened.close(DRAIN_AFTER_DONE_S if done[0] else 0.0)
             finally:
                 flight.close()
-                self.metrics.attempt(url, "decode", outcome[0])
+                self.metrics.attempt(url, Step.DECODE, outcome[0])
                 self._done(request)
 
         return RelayedStream(events(), close)

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tandem.router.registry import InstanceRegistry
+from tandem.router.registry import InstanceRegistry, Step
 
 OUTCOMES = ("ok", "error", "busy", "unavailable", "unreachable", "broken")
 
@@ -58,7 +58,7 @@ class RouterMetrics:
                              registry=r)
         r.register(_InstanceCollector(instances))
 
-    def attempt(self, url: str, step: str, outcome: str) -> None:
+    def attempt(self, url: str, step: Step, outcome: str) -> None:
         assert outcome in OUTCOMES, outcome
         self.upstream.labels(instance=url, step=step, outcome=outcome).inc()
 

@@ -15,6 +15,7 @@ decode step one of role decode or both. Everything here runs on the router's eve
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
@@ -28,7 +29,19 @@ from tandem.interfaces import InstanceInfo
 
 logger = logging.getLogger("tandem.router")
 
-_SERVES = {"prefill": (Role.PREFILL, Role.BOTH), "decode": (Role.DECODE, Role.BOTH)}
+
+
+class Step(enum.StrEnum):
+    """A step of a request through the router, each served by its own instances; the values are
+    the ``step`` label of ``tandem:router_upstream_requests_total``."""
+
+    PREFILL = "prefill"
+    """Compute the prompt and hand its KV blocks over (prefill and colocated instances)."""
+    DECODE = "decode"
+    """Generate the tokens (decode and colocated instances)."""
+
+
+_SERVES = {Step.PREFILL: (Role.PREFILL, Role.BOTH), Step.DECODE: (Role.DECODE, Role.BOTH)}
 
 # The instance's /metrics gauges the load is read from (docs/metrics.md).
 _LOAD_GAUGES = {
@@ -125,8 +138,8 @@ class InstanceRegistry:
         """Whether any registered instance, healthy or not, has exactly ``role``."""
         return any(s.role == role for s in self._instances.values())
 
-    def candidates(self, step: str, exclude: Collection[str] = ()) -> list[InstanceInfo]:
-        """Healthy instances that can serve ``step`` ("prefill" or "decode"), except ``exclude``."""
+    def candidates(self, step: Step, exclude: Collection[str] = ()) -> list[InstanceInfo]:
+        """Healthy instances that can serve ``step``, except ``exclude``."""
         roles = _SERVES[step]
         return [s.info() for s in self._instances.values()
                 if s.healthy and s.role in roles and s.url not in exclude]
