@@ -135,6 +135,19 @@ class _Step:
         return record.num_new if record is not None else 0
 
 
+@dataclass(slots=True)
+class _RunnerNotices:
+    """What the runner learns in the next step's output about requests that left the running
+    batch between steps: they no longer have a status to carry it (finished) or must be
+    recomputed from scratch (isolated). The scheduler's one outbox to the runner."""
+
+    finished: set[str] = field(default_factory=set)
+    """Finished requests: the runner drops their state and their generator."""
+    dropped: set[str] = field(default_factory=set)
+    """Running requests isolated after a failed step: the runner drops their state (the
+    generator goes on)."""
+
+
 _QUEUED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
@@ -162,11 +175,10 @@ class Scheduler:
         self._waiting: list[tuple[Any, int, Request]] = []
         self._running: list[Request] = []
         self._queue_seq = itertools.count()
-        self._finished_ids: set[str] = set()  # for the runner, in the next step's output
+        self._notices = _RunnerNotices()
         self._new_loads: list[RemoteKVLoad] = []  # for the engine: take_new_loads
         self._new_pins: list[PinnedKV] = []  # for the engine: take_new_pins
         self._isolated: list[Request] = []  # the isolation queue, in the failed steps' order
-        self._dropped: set[str] = set()  # preempted between steps: the runner drops their state
         self._step: _Step | None = None  # the step being built or executed
         self.num_preemptions = 0
 
@@ -353,7 +365,7 @@ class Scheduler:
                                            request.cache_salt))
         self.kv.free(rid)
         del self._requests[rid]
-        self._finished_ids.add(rid)
+        self._notices.finished.add(rid)
 
     def _enqueue(self, request: Request) -> None:
         heapq.heappush(self._waiting, (self.policy.sort_key(request), next(self._queue_seq), request))
@@ -414,7 +426,7 @@ class Scheduler:
         if request.status is RequestStatus.RUNNING:
             self._running.remove(request)
             self._reset(request)
-            self._dropped.add(request.request_id)
+            self._notices.dropped.add(request.request_id)
         elif request.status in _QUEUED:
             self._unqueue(request)  # when the admission that raised had not taken it off already
         else:
@@ -626,13 +638,12 @@ class Scheduler:
         return forked
 
     def _build_output(self, step: _Step, forked: list[ForkedRequestData]) -> SchedulerOutput:
+        notices, self._notices = self._notices, _RunnerNotices()
         out = SchedulerOutput(
             forked_requests=forked,
-            finished_req_ids=self._finished_ids,
-            preempted_req_ids=step.preempted | self._dropped,
+            finished_req_ids=notices.finished,
+            preempted_req_ids=step.preempted | notices.dropped,
         )
-        self._finished_ids = set()
-        self._dropped = set()
         for request_id, record in step.scheduled.items():
             request, allocation = record.request, record.allocation
             sent, request.num_tokens_sent = request.num_tokens_sent, request.num_tokens
