@@ -278,9 +278,6 @@ class AsyncEngine:
         """Set on the loop when the engine thread ends with an error after loading."""
         self._streams: dict[str, RequestStream] = {}
         self._releases: set[asyncio.Future] = set()  # release_kv_transfer calls not yet answered
-        self._live: set[str] = set()  # engine thread only: ids the engine holds
-        self._grammar_adds: dict[str, asyncio.Future] = {}
-        """Engine thread only: admissions answered once the request's grammar has compiled."""
 
     # ------------------------------------------------------------------ lifecycle (event loop)
 
@@ -514,19 +511,25 @@ class AsyncEngine:
                 del self._streams[out.request_id]
 
     def _fail(self, request_ids: list[str] | None, error: BaseException) -> None:
-        """Fail the given streams (all of them when None) and the pending admissions."""
+        """Fail the given streams (all of them when None) and their pending admissions (and,
+        for all of them, the pending releases)."""
         ids = list(self._streams) if request_ids is None else request_ids
-        admissions = []
+        futures = [] if request_ids is not None else list(self._releases)
         for rid in ids:
             stream = self._streams.get(rid)
             if stream is not None:
                 self._forget(stream)
                 stream._on_error(error)
-                admissions.append(stream._admission)
-        if request_ids is None:
-            for fut in [*filter(None, admissions), *self._releases]:
-                if not fut.done():
-                    fut.set_exception(error)
+                futures.append(stream._admission)
+        for fut in filter(None, futures):
+            self._settle(fut, error)
+
+    def _admitted(self, request_id: str, error: BaseException | None) -> None:
+        """The grammar wait of ``request_id`` ended: settle its admission (a refusal when
+        ``error``); nothing when its stream has gone (aborted meanwhile)."""
+        stream = self._streams.get(request_id)
+        if stream is not None and stream._admission is not None:
+            self._settle(stream._admission, error)
 
     def _on_loaded(self, error: BaseException | None) -> None:
         if error is not None:
@@ -617,13 +620,12 @@ class AsyncEngine:
         """One step (or a poll of the KV transfers while idle), then publish the outputs and
         the snapshot."""
         if engine.has_unfinished_requests():
-            outputs = self._settle_grammar_adds(engine, engine.step())
+            outputs = self._settle_grammar_waits(engine, engine.step())
             if self._step_listener is not None and engine.last_step is not None:
                 try:
                     self._step_listener(engine.last_step)
                 except Exception:  # noqa: BLE001 — metrics must not stop the engine
                     logger.exception("the step listener raised")
-            self._live.difference_update(o.request_id for o in outputs if o.finished)
             if outputs:
                 self._post(self._deliver, outputs)
         else:
@@ -639,18 +641,14 @@ class AsyncEngine:
             kv_transfer=kv_transfer.stats() if kv_transfer is not None else None,
         )
 
-    def _settle_grammar_adds(self, engine: LLMEngine, outputs: list[RequestOutput]) -> list[RequestOutput]:
+    def _settle_grammar_waits(self, engine: LLMEngine, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Answer the admissions whose grammar wait ended: a compile that failed or timed out
         refuses the request (its ``add_request`` raises, as for any refusal: an HTTP 400)."""
         refused = set()
         for request_id, error in engine.take_grammar_admissions():
-            future = self._grammar_adds.pop(request_id, None)
-            if future is None:
-                continue
             if error is not None:
                 refused.add(request_id)
-                self._live.discard(request_id)
-            self._post(self._settle, future, error)
+            self._post(self._admitted, request_id, error)
         return [out for out in outputs if out.request_id not in refused] if refused else outputs
 
     @staticmethod
@@ -663,9 +661,7 @@ class AsyncEngine:
 
     def _fail_transfers(self, engine: LLMEngine) -> None:
         for request_id, message in engine.take_failed_requests():
-            if request_id in self._live:
-                self._live.discard(request_id)
-                self._post(self._fail, [request_id], KVTransferFailed(message))
+            self._post(self._fail, [request_id], KVTransferFailed(message))
 
     def _take_commands(self, wait_s: float | None) -> list:
         cmds = []
@@ -686,13 +682,10 @@ class AsyncEngine:
             self._post(_set_result, cmd.future, released)
             return
         if isinstance(cmd, _Abort):
-            self._grammar_adds.pop(cmd.request_id, None)
-            if cmd.request_id in self._live:
-                self._live.discard(cmd.request_id)
-                try:
-                    engine.abort_request(cmd.request_id)
-                except Exception:  # noqa: BLE001 — the next commands must still be handled
-                    logger.exception("aborting request %s failed", cmd.request_id)
+            try:
+                engine.abort_request(cmd.request_id)
+            except Exception:  # noqa: BLE001 — the next commands must still be handled
+                logger.exception("aborting request %s failed", cmd.request_id)
             return
         try:
             engine.add_processed(cmd.request_id, cmd.request, remote_decode=cmd.remote_decode,
@@ -704,18 +697,11 @@ class AsyncEngine:
             self._post(self._settle, cmd.future, RequestFailed(
                 f"request {cmd.request_id} failed in the engine (admission): {type(exc).__name__}: {exc}"))
         else:
-            self._live.add(cmd.request_id)
-            if engine.is_awaiting_grammar(cmd.request_id):
-                self._grammar_adds[cmd.request_id] = cmd.future
-            else:
+            if not engine.is_awaiting_grammar(cmd.request_id):  # else: take_grammar_admissions
                 self._post(self._settle, cmd.future, None)
 
     def _abort_all(self, engine: LLMEngine, error: BaseException) -> None:
-        ids = sorted(self._live)
-        self._live.clear()
-        for future in self._grammar_adds.values():
-            self._post(self._settle, future, error)
-        self._grammar_adds.clear()
+        ids = engine.request_ids()
         if ids:
             engine.abort_request(ids)
             self._post(self._fail, ids, error)

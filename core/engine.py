@@ -340,9 +340,10 @@ class LLMEngine:
             self._grammar_admissions.append((request_id, error))
 
     def abort_request(self, request_ids: str | list[str], error: str | None = None) -> list[RequestOutput]:
-        """Abort requests at any moment: their blocks are free when this returns. Returns their
-        final outputs: finish reason "abort" for every sequence that had not finished, or
-        "error" with ``error`` as the output's message when one is given."""
+        """Abort requests at any moment (ids it does not hold are ignored): their blocks are free
+        when this returns. Returns their final outputs: finish reason "abort" for every sequence
+        that had not finished, or "error" with ``error`` as the output's message when one is
+        given."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         reason = "abort" if error is None else "error"
         if self.kv_transfer is not None:
@@ -353,6 +354,11 @@ class LLMEngine:
         for request in self.scheduler.abort_requests(ids):
             self._on_finished(request, reason)
         return [out for rid in ids if (out := self.outputs.output(rid, self.delta_outputs)) is not None]
+
+    def request_ids(self) -> list[str]:
+        """The ids of the requests this engine holds: admitted, their final output not yet
+        returned."""
+        return list(self.outputs.states)
 
     def has_unfinished_requests(self) -> bool:
         """Requests to step, or KV hand-overs not over (reads whose blocks are held)."""

@@ -99,7 +99,7 @@ def test_fifty_streams_that_never_read_leave_memory_flat_and_free_their_blocks(m
         assert stalled + finished == 50 and stalled >= 25
         assert grown < 64, f"RSS grew by {grown:.0f} MiB"
         engine = srv.engine
-        assert not engine._streams and not engine._live and engine.num_queued_requests == 0
-        assert not engine._engine.outputs.states and not engine._engine.scheduler.has_unfinished_requests()
+        assert not engine._streams and engine.num_queued_requests == 0
+        assert not engine._engine.request_ids() and not engine._engine.scheduler.has_unfinished_requests()
     finally:
         srv.stop()
