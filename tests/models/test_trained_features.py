@@ -18,6 +18,8 @@ QUESTIONS = ["What is the capital of France?", "Name three fruits.",
              "Why is the sky blue? Explain it to a child in simple words."]
 REPEAT = ("Repeat this sentence word for word: the old lighthouse keeper walked down to the harbour "
           "every morning to count the fishing boats.")
+REPEAT_TOKENS = 24
+"""New tokens of the repeated sentence: enough drafts for an acceptance rate."""
 BUDGET = 32
 """max_num_batched_tokens: below every prompt's length, so each prompt is computed in chunks."""
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
@@ -68,7 +70,6 @@ def test_single_and_batched_greedy_equal_hf_under_preemption_chunks_and_prefix_c
     llm, recorder = smollm2
     prompts = [chat_ids([{"role": "user", "content": q}]) for q in QUESTIONS]
     assert min(map(len, prompts)) > BUDGET, [len(p) for p in prompts]
-    print("prompt lengths", [len(p) for p in prompts])
 
     single = _chat(llm, QUESTIONS[:1])[0]
     assert single.prompt_token_ids == prompts[0]
@@ -89,9 +90,9 @@ def test_single_and_batched_greedy_equal_hf_under_preemption_chunks_and_prefix_c
 def test_ngram_drafts_are_accepted_on_repeated_text_and_greedy_is_unchanged(smollm2):
     llm, recorder = smollm2
     prompt = chat_ids([{"role": "user", "content": REPEAT}])
-    out = llm.generate([prompt], GREEDY)[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=REPEAT_TOKENS))[0]
     counts = recorder.take()
-    assert out.outputs[0].token_ids == hf_greedy(prompt)  # HF: greedy without speculation
+    assert out.outputs[0].token_ids == hf_greedy(prompt, REPEAT_TOKENS)  # HF: greedy without speculation
     rate = counts["accepted"] / counts["drafts"]
     print(f"n-gram acceptance on SmolLM2 repeating its prompt: {counts['accepted']}/{counts['drafts']} "
           f"drafts = {rate:.2f}")
