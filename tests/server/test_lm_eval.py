@@ -3,16 +3,23 @@ real uvicorn serving SmolLM2-135M-Instruct (the registry's GGUF file, float32), 
 transformers backend (``hf`` loading the same file, float32) as the oracle. The task is built
 here (lm_eval_tasks/: sixteen hand-written questions, no download), run twice: as multiple
 choice, scored from the prompt logprobs /v1/completions echoes, and as greedy generation. Each
-item must get the same answer from both."""
+item must get the same answer from both. transformers' float32 load of the GGUF is saved once per
+machine (cache_dir()/lm_eval) as a plain folder both backends read: the oracle's weights and the
+tokenizer local-completions needs, without converting the file twice per run."""
 from __future__ import annotations
 
+import json
 import math
+import shutil
 from pathlib import Path
 
 import httpx
 import pytest
-from transformers import AutoTokenizer
+import torch
+from safetensors.torch import save_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tandem.models.presets import cache_dir
 from tests.helpers.gguf_files import registry_gguf
 from tests.server.server_helpers import running_server, server_config
 
@@ -34,13 +41,29 @@ def _evaluate(model: str, model_args: dict) -> dict[str, list[dict]]:
     return {task: sorted(samples, key=lambda s: s["doc_id"]) for task, samples in out["samples"].items()}
 
 
+def _hf_folder(gguf: Path) -> Path:
+    """transformers' float32 model and tokenizer of ``gguf``, saved once (keyed by its size)."""
+    folder = cache_dir() / "lm_eval" / f"{gguf.stem}-{gguf.stat().st_size}-float32"
+    if not (folder / "config.json").exists():
+        partial = folder.with_name(folder.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(partial)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        # save_pretrained refuses a model loaded from GGUF: its dequantized weights and its
+        # config without the gguf quantization entry make a plain float32 checkpoint
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        (partial / "config.json").write_text(json.dumps(config))
+        save_model(model, str(partial / "model.safetensors"))
+        partial.rename(folder)
+    return folder
+
+
 @pytest.fixture(scope="module")
-def samples(tmp_path_factory) -> tuple[dict, dict]:
+def samples() -> tuple[dict, dict]:
     """lm-eval's logged samples of both tasks: (through tandem, through lm-eval's hf backend)."""
     path = registry_gguf("smollm2-135m-instruct")
-    # local-completions tokenizes with a transformers tokenizer folder: the GGUF's, saved
-    tokenizer_dir = tmp_path_factory.mktemp("smollm2_tokenizer")
-    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(tokenizer_dir)
+    hf_folder = _hf_folder(path)
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(REPO_ROOT)
         mp.setenv("HF_DATASETS_OFFLINE", "1")
@@ -48,10 +71,10 @@ def samples(tmp_path_factory) -> tuple[dict, dict]:
         with running_server(server_config(path, **{"model.dtype": "float32"})) as server:
             served = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
             tandem = _evaluate("local-completions", {
-                "model": served, "base_url": f"{server.url}/v1/completions", "tokenizer": str(tokenizer_dir),
+                "model": served, "base_url": f"{server.url}/v1/completions", "tokenizer": str(hf_folder),
                 "tokenizer_backend": "huggingface", "batch_size": BATCH})
-        hf = _evaluate("hf", {"pretrained": str(path.parent), "gguf_file": path.name, "dtype": "float32",
-                              "device": "cpu", "batch_size": BATCH})
+        hf = _evaluate("hf", {"pretrained": str(hf_folder), "dtype": "float32", "device": "cpu",
+                              "batch_size": BATCH})
     return tandem, hf
 
 
