@@ -26,10 +26,9 @@
 //         value 128h + 32t + l (h < 2, t < 4, l < 32): q = nibble t / 2 of ql[64h + 32(t % 2) + l]
 //         | bits 2t, 2t + 1 of qh[32h + l] << 4;  w = d * scales[8h + 2t + l / 16] * (q - 32)
 //
-// Few rows (M < kPanelRows): each thread takes output rows a few at a time (work_queue.h),
-// widens one row of W into a float32 buffer (L1) and dots it with every row of x: the weight is
-// read once, as packed bytes. More rows: each thread widens 16 rows of W at a time into a
-// [K, 16] panel (L2) and runs 6 x 16 register tiles over all of x, as panel_linear does.
+// Each block widens to float32 (AVX2 where built for it) into a per-thread buffer that holds a
+// group of rows of W, which every row of x then dots with (linear_impl): the weight is read
+// once per call, as packed bytes, for any M.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -49,9 +48,6 @@
 
 namespace {
 
-constexpr int64_t kPanel = 16;
-constexpr int64_t kTile = 6;
-constexpr int64_t kPanelRows = 8;
 
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
@@ -69,37 +65,69 @@ inline uint32_t u32_at(const uint8_t* p) {
   return v;
 }
 
+#ifdef TANDEM_AVX2
+// y[0 .. 16) = d * q + bias for 16 unsigned bytes q
+inline void widen16(__m128i q, __m256 d, __m256 bias, float* y) {
+  _mm256_storeu_ps(y, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), d, bias));
+  _mm256_storeu_ps(y + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8))), d, bias));
+}
+
+// byte j of the result is 0x10 where bit j of `bits` is set, else 0
+inline __m128i bit_per_byte(uint32_t bits16) {
+  const __m128i spread = _mm_shuffle_epi8(_mm_set1_epi32(static_cast<int>(bits16)),
+                                          _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+  const __m128i mask = _mm_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, mask), mask), _mm_set1_epi8(0x10));
+}
+#endif
+
 // 4-bit (and 5-bit) 32-value blocks: y[j] = d * q[j] + bias
+template <bool five_bits>
 inline void nibbles32(const uint8_t* qs, uint32_t qh, float d, float bias, float* y) {
+#ifdef TANDEM_AVX2
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), low4 = _mm_set1_epi8(15);
+  __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+  if (five_bits) {
+    lo = _mm_or_si128(lo, bit_per_byte(qh & 0xFFFF));
+    hi = _mm_or_si128(hi, bit_per_byte(qh >> 16));
+  }
+  const __m256 vd = _mm256_set1_ps(d), vb = _mm256_set1_ps(bias);
+  widen16(lo, vd, vb, y);
+  widen16(hi, vd, vb, y + 16);
+#else
   for (int j = 0; j < 16; ++j) {
-    const int lo = (qs[j] & 15) | static_cast<int>((qh >> j) & 1) << 4;
-    const int hi = (qs[j] >> 4) | static_cast<int>((qh >> (j + 16)) & 1) << 4;
+    int lo = qs[j] & 15, hi = qs[j] >> 4;
+    if (five_bits) {
+      lo |= static_cast<int>((qh >> j) & 1) << 4;
+      hi |= static_cast<int>((qh >> (j + 16)) & 1) << 4;
+    }
     y[j] = d * static_cast<float>(lo) + bias;
     y[j + 16] = d * static_cast<float>(hi) + bias;
   }
+#endif
 }
 
 struct Q4_0 {
   static constexpr int64_t elems = 32, bytes = 18;
   static void dequant(const uint8_t* b, float* y) {
     const float d = half_at(b);
-    nibbles32(b + 2, 0, d, -8.0f * d, y);
+    nibbles32<false>(b + 2, 0, d, -8.0f * d, y);
   }
 };
 struct Q4_1 {
   static constexpr int64_t elems = 32, bytes = 20;
-  static void dequant(const uint8_t* b, float* y) { nibbles32(b + 4, 0, half_at(b), half_at(b + 2), y); }
+  static void dequant(const uint8_t* b, float* y) { nibbles32<false>(b + 4, 0, half_at(b), half_at(b + 2), y); }
 };
 struct Q5_0 {
   static constexpr int64_t elems = 32, bytes = 22;
   static void dequant(const uint8_t* b, float* y) {
     const float d = half_at(b);
-    nibbles32(b + 6, u32_at(b + 2), d, -16.0f * d, y);
+    nibbles32<true>(b + 6, u32_at(b + 2), d, -16.0f * d, y);
   }
 };
 struct Q5_1 {
   static constexpr int64_t elems = 32, bytes = 24;
-  static void dequant(const uint8_t* b, float* y) { nibbles32(b + 8, u32_at(b + 4), half_at(b), half_at(b + 2), y); }
+  static void dequant(const uint8_t* b, float* y) { nibbles32<true>(b + 8, u32_at(b + 4), half_at(b), half_at(b + 2), y); }
 };
 struct Q8_0 {
   static constexpr int64_t elems = 32, bytes = 34;
@@ -134,11 +162,24 @@ inline void dequant_k4(const uint8_t* b, float* y) {
     const uint8_t* q = qs + 32 * (s / 2);
     const int shift = 4 * (s % 2);
     float* ys = y + 32 * s;
+#ifdef TANDEM_AVX2
+    const __m128i low4 = _mm_set1_epi8(15), count = _mm_cvtsi32_si128(shift);
+    const __m256 vd = _mm256_set1_ps(ds), vb = _mm256_set1_ps(-ms);
+    for (int l = 0; l < 32; l += 16) {
+      __m128i v = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + l)), count), low4);
+      if (five_bits) {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + l));
+        v = _mm_or_si128(v, _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(h, _mm_cvtsi32_si128(s)), _mm_set1_epi8(1)), 4));
+      }
+      widen16(v, vd, vb, ys + l);
+    }
+#else
     for (int l = 0; l < 32; ++l) {
       int v = (q[l] >> shift) & 15;
       if (five_bits) v |= ((qh[l] >> s) & 1) << 4;
       ys[l] = ds * static_cast<float>(v) - ms;
     }
+#endif
   }
 }
 
@@ -165,10 +206,21 @@ struct Q6_K {
         float* yt = y + 128 * h + 32 * t;
         for (int half = 0; half < 2; ++half) {
           const float ds = d * static_cast<float>(scales[8 * h + 2 * t + half]);
+#ifdef TANDEM_AVX2
+          const int l = 16 * half;
+          const __m128i lo = _mm_and_si128(
+              _mm_srl_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(l4 + l)), _mm_cvtsi32_si128(shift)),
+              _mm_set1_epi8(15));
+          const __m128i hi = _mm_and_si128(
+              _mm_srl_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h2 + l)), _mm_cvtsi32_si128(2 * t)),
+              _mm_set1_epi8(3));
+          widen16(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), _mm256_set1_ps(ds), _mm256_set1_ps(-32.0f * ds), yt + l);
+#else
           for (int l = 16 * half; l < 16 * half + 16; ++l) {
             const int q = ((l4[l] >> shift) & 15) | ((h2[l] >> (2 * t)) & 3) << 4;
             yt[l] = ds * static_cast<float>(q - 32);
           }
+#endif
         }
       }
     }
@@ -180,117 +232,94 @@ inline void dequant_row(const uint8_t* row, int64_t k_size, float* y) {
   for (int64_t b = 0; b < k_size / T::elems; ++b) T::dequant(row + b * T::bytes, y + b * T::elems);
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
 #ifdef TANDEM_AVX2
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps(),
-         acc3 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
-    acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), acc2);
-    acc3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), acc3);
-  }
-  const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3));
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_hadd_ps(s, s);
-  s = _mm_hadd_ps(s, s);
-  float total = _mm_cvtss_f32(s);
-#else
-  float total = 0.0f;
-  int64_t i = 0;
-#endif
-  for (; i < n; ++i) total += a[i] * b[i];
-  return total;
+  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
 }
+#endif
 
-// rows x 16 outputs of one widened panel: tile[r * 16 + c] = sum_k x[r, k] * panel[k, c]
-template <int rows>
-inline void tile_kernel(const float* x, int64_t ldx, const float* panel, int64_t k_size, float* tile) {
+// out[r * ldo + c] = dot(x[r, :], w[c, :]) for r < rows, c < cols: each 8 weights loaded feed
+// `rows` FMAs, each 8 inputs `cols` (k_size a multiple of 8)
+template <int rows, int cols>
+inline void dot_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k_size, float* out,
+                     int64_t ldo) {
 #ifdef TANDEM_AVX2
-  __m256 acc[rows][2];
-  for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < k_size; ++k) {
-    const __m256 w0 = _mm256_load_ps(panel + k * kPanel), w1 = _mm256_load_ps(panel + k * kPanel + 8);
+  __m256 acc[rows][cols];
+  for (int r = 0; r < rows; ++r) {
+    for (int c = 0; c < cols; ++c) acc[r][c] = _mm256_setzero_ps();
+  }
+  for (int64_t k = 0; k < k_size; k += 8) {
+    __m256 wv[cols];
+    for (int c = 0; c < cols; ++c) wv[c] = _mm256_loadu_ps(w + c * ldw + k);
     for (int r = 0; r < rows; ++r) {
-      const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
-      acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
+      const __m256 xv = _mm256_loadu_ps(x + r * ldx + k);
+      for (int c = 0; c < cols; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
     }
   }
   for (int r = 0; r < rows; ++r) {
-    _mm256_storeu_ps(tile + r * kPanel, acc[r][0]);
-    _mm256_storeu_ps(tile + r * kPanel + 8, acc[r][1]);
+    for (int c = 0; c < cols; ++c) out[r * ldo + c] = hsum(acc[r][c]);
   }
 #else
-  float acc[rows][kPanel] = {};
-  for (int64_t k = 0; k < k_size; ++k) {
-    for (int r = 0; r < rows; ++r) {
-      for (int c = 0; c < kPanel; ++c) acc[r][c] += x[r * ldx + k] * panel[k * kPanel + c];
+  for (int r = 0; r < rows; ++r) {
+    for (int c = 0; c < cols; ++c) {
+      float sum = 0.0f;
+      for (int64_t k = 0; k < k_size; ++k) sum += x[r * ldx + k] * w[c * ldw + k];
+      out[r * ldo + c] = sum;
     }
   }
-  std::memcpy(tile, acc, sizeof(acc));
 #endif
 }
 
-void run_tile(int64_t rows, const float* x, int64_t ldx, const float* panel, int64_t k_size, float* tile) {
-  switch (rows) {
-    case 1: return tile_kernel<1>(x, ldx, panel, k_size, tile);
-    case 2: return tile_kernel<2>(x, ldx, panel, k_size, tile);
-    case 3: return tile_kernel<3>(x, ldx, panel, k_size, tile);
-    case 4: return tile_kernel<4>(x, ldx, panel, k_size, tile);
-    case 5: return tile_kernel<5>(x, ldx, panel, k_size, tile);
-    default: return tile_kernel<6>(x, ldx, panel, k_size, tile);
+constexpr int kTileRows = 2, kTileCols = 4;
+
+template <int rows>
+void dot_tile_cols(int cols, const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k_size, float* out,
+                   int64_t ldo) {
+  switch (cols) {
+    case 1: return dot_tile<rows, 1>(x, ldx, w, ldw, k_size, out, ldo);
+    case 2: return dot_tile<rows, 2>(x, ldx, w, ldw, k_size, out, ldo);
+    case 3: return dot_tile<rows, 3>(x, ldx, w, ldw, k_size, out, ldo);
+    default: return dot_tile<rows, kTileCols>(x, ldx, w, ldw, k_size, out, ldo);
   }
 }
 
-// a float32 buffer per thread, grown to the largest size asked for
+// a float32 buffer per thread, grown to the largest size asked for, 64-byte aligned
 float* scratch(std::vector<float>& buffer, int64_t size) {
   if (static_cast<int64_t>(buffer.size()) < size + 16) buffer.resize(size + 16);
   return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
 }
 
-template <typename T>
-void rows_impl(float* out, const float* x, int64_t m_size, const uint8_t* w, int64_t n_size, int64_t k_size) {
-  const int64_t row_bytes = k_size / T::elems * T::bytes;
-  tandem_cpu::for_each_chunk(n_size, tandem_cpu::chunk_for(n_size, 8), [&](int64_t begin, int64_t end) {
-    static thread_local std::vector<float> buffer;
-    float* wide = scratch(buffer, k_size);
-    for (int64_t n = begin; n < end; ++n) {
-      dequant_row<T>(w + n * row_bytes, k_size, wide);
-      for (int64_t m = 0; m < m_size; ++m) out[m * n_size + n] = dot(wide, x + m * k_size, k_size);
-    }
-  });
-}
-
-template <typename T>
-void panels_impl(float* out, const float* x, int64_t m_size, const uint8_t* w, int64_t n_size, int64_t k_size) {
-  const int64_t row_bytes = k_size / T::elems * T::bytes;
-  const int64_t n_panels = (n_size + kPanel - 1) / kPanel;
-  tandem_cpu::for_each_chunk(n_panels, tandem_cpu::chunk_for(n_panels, 4), [&](int64_t begin, int64_t end) {
-    static thread_local std::vector<float> buffer;
-    float* wide = scratch(buffer, k_size * (kPanel + 1));
-    float* row = wide + k_size * kPanel;
-    alignas(32) float tile[kTile * kPanel];
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t col0 = p * kPanel, cols = std::min(kPanel, n_size - col0);
-      for (int64_t c = 0; c < kPanel; ++c) {
-        if (c < cols) dequant_row<T>(w + (col0 + c) * row_bytes, k_size, row);
-        for (int64_t k = 0; k < k_size; ++k) wide[k * kPanel + c] = c < cols ? row[k] : 0.0f;
-      }
-      for (int64_t r0 = 0; r0 < m_size; r0 += kTile) {
-        const int64_t rows = std::min(kTile, m_size - r0);
-        run_tile(rows, x + r0 * k_size, k_size, wide, k_size, tile);
-        for (int64_t r = 0; r < rows; ++r) std::memcpy(out + (r0 + r) * n_size + col0, tile + r * kPanel, cols * sizeof(float));
-      }
-    }
-  });
-}
-
+// Threads take groups of `group` output rows from a shared counter, widen the group's rows of
+// W into a float32 buffer once, and run 2 x 4 dot tiles of every row of x against it. Few rows
+// of x: groups of 4 (16 K floats, in L1 for K up to 2048); more: groups of 16, so that x is
+// read from cache once per 16 outputs rather than per 4.
 template <typename T>
 void linear_impl(float* out, const float* x, int64_t m_size, const uint8_t* w, int64_t n_size, int64_t k_size) {
-  if (m_size < kPanelRows) return rows_impl<T>(out, x, m_size, w, n_size, k_size);
-  panels_impl<T>(out, x, m_size, w, n_size, k_size);
+  const int64_t row_bytes = k_size / T::elems * T::bytes;
+  const int64_t group = m_size < 8 ? 4 : 16;
+  const int64_t groups = (n_size + group - 1) / group;
+  tandem_cpu::for_each_chunk(groups, tandem_cpu::chunk_for(groups, 8), [&](int64_t begin, int64_t end) {
+    static thread_local std::vector<float> buffer;
+    float* wide = scratch(buffer, group * k_size);
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t n0 = g * group, width = std::min(group, n_size - n0);
+      for (int64_t c = 0; c < width; ++c) dequant_row<T>(w + (n0 + c) * row_bytes, k_size, wide + c * k_size);
+      for (int64_t m0 = 0; m0 < m_size; m0 += kTileRows) {
+        for (int64_t c0 = 0; c0 < width; c0 += kTileCols) {
+          const int cols = static_cast<int>(std::min<int64_t>(kTileCols, width - c0));
+          const float* xm = x + m0 * k_size;
+          float* om = out + m0 * n_size + n0 + c0;
+          if (m_size - m0 >= 2) {
+            dot_tile_cols<2>(cols, xm, k_size, wide + c0 * k_size, k_size, k_size, om, n_size);
+          } else {
+            dot_tile_cols<1>(cols, xm, k_size, wide + c0 * k_size, k_size, k_size, om, n_size);
+          }
+        }
+      }
+    }
+  });
 }
 
 template <typename T>
