@@ -14,9 +14,12 @@ adjacent shards of one type becomes one part, kept as ``qweight_<i>`` (uint8 ``[
 
     qkv_proj of a Q4_K_M file:  part 0 = q, k (Q4_K) | part 1 = v (Q6_K)  →  y = [y0 | y1]
 
-``apply`` dequantizes a part's rows and multiplies (nothing dequantized is kept between calls).
-The token embedding and the LM head are linear layers of this method too
-(``quantizes_embeddings``): ``embed`` dequantizes only the rows of the ids looked up.
+``apply`` multiplies by a part's blocks directly where a kernel takes its type
+(``tandem.kernels.gguf_types.BLOCKS``): ``cpu_ops.gguf_linear`` on the CPU (float32 or bfloat16
+activations), ``gguf_matmul.gguf_linear_triton`` on CUDA; other types (Q2_K, Q3_K) and
+activations are dequantized with torch ops (``tandem.quant.gguf_blocks``) and multiplied,
+nothing dequantized kept between calls. The token embedding and the LM head are linear layers
+of this method too (``quantizes_embeddings``): ``embed`` dequantizes only the rows looked up.
 
 Tensor parallelism: output rows split anywhere (whole rows); inputs only on block boundaries
 (``K / tp`` a multiple of the type's 32 or 256 values per block), else a ValueError naming the
@@ -31,6 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from tandem.interfaces import QuantMethod, TensorSplit
+from tandem.kernels import cpu_ops
+from tandem.kernels.gguf_types import BLOCKS as KERNEL_BLOCKS
 from tandem.quant.gguf_blocks import BLOCKS, dequantize_rows, type_name
 from tandem.quant.sharding import add_param, init_shards, unknown_tensor
 
@@ -142,15 +147,32 @@ class GGUFLinearMethod(QuantMethod):
         data = getattr(layer, part.param)
         if part.ggml_type is None:
             return F.linear(x, data.to(x.dtype))
+        if part.ggml_type in KERNEL_BLOCKS and (x.is_cuda or _cpu_kernel(x)):
+            x2 = x.reshape(-1, layer.input_size).contiguous()
+            if x.is_cuda:
+                from tandem.kernels.gguf_matmul import gguf_linear_triton
+
+                out = gguf_linear_triton(x2, data, part.ggml_type, layer.input_size)
+            else:
+                out = cpu_ops.gguf_linear(x2, data, part.ggml_type, layer.input_size)
+            return out.view(*x.shape[:-1], part.size)
         return F.linear(x, dequantize_rows(data, part.ggml_type, layer.input_size, x.dtype))
 
     def embed(self, layer: Any, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the layer's weight (the token embedding), dequantized to its dtype."""
         (part,) = layer.gguf_parts
-        rows = getattr(layer, part.param)[ids]
+        data = getattr(layer, part.param)
         if part.ggml_type is None:
-            return rows
-        return dequantize_rows(rows, part.ggml_type, layer.input_size, layer.params_dtype)
+            return data[ids]
+        if part.ggml_type in KERNEL_BLOCKS and not data.is_cuda and cpu_ops.load():
+            rows = cpu_ops.gguf_dequantize_rows(data, part.ggml_type, layer.input_size, ids.reshape(-1).long(),
+                                                layer.params_dtype)
+            return rows.view(*ids.shape, layer.input_size)
+        return dequantize_rows(data[ids], part.ggml_type, layer.input_size, layer.params_dtype)
+
+
+def _cpu_kernel(x: torch.Tensor) -> bool:
+    return x.dtype in (torch.float32, torch.bfloat16) and cpu_ops.load()
 
 
 def _check_shape(layer: Any, name: str, tensor: torch.Tensor, shard: int, expected: tuple[int, ...]) -> None:
