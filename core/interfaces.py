@@ -271,6 +271,12 @@ class QuantMethod(ABC):
     """
 
     name: ClassVar[str] = ""
+    reads_gguf_blocks: ClassVar[bool] = False
+    """Reads only GGUF files, whose quantized tensors reach ``load_weight`` as the file stores
+    them (``qweight`` blocks and their ``ggml_type``) instead of dequantized (``weight``)."""
+    quantizes_embeddings: ClassVar[bool] = False
+    """The token embedding and the LM head are linear layers of this method too (``embed``
+    looks rows up); False keeps them plain tables in the model's dtype."""
 
     @classmethod
     def from_config(cls, quant_config: dict[str, Any]) -> QuantMethod:
@@ -295,6 +301,11 @@ class QuantMethod(ABC):
     @abstractmethod
     def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x [..., input_size]`` → ``[..., sum(output_sizes)]``."""
+
+    def embed(self, layer: Any, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of ``layer``'s weight, ``[*ids.shape, input_size]`` in the model's dtype:
+        the token embedding of a method with ``quantizes_embeddings`` (only those implement it)."""
+        raise NotImplementedError(f"the {self.name} quantization method keeps no embeddings")
 
     def split_axis(self, name: str, dim: str) -> tuple[int, int] | None:
         """Tensor parallelism: along which axis of checkpoint tensor ``name`` its ``dim``

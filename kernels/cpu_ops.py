@@ -5,7 +5,8 @@ Every operator the library defines has a typed wrapper here, in the role of vLLM
 ``_custom_ops.py``: callers import this module and never touch ``torch.ops.tandem_cpu``. Each
 wrapper writes into tensors the caller allocated (``out``, ``tokens``) or in place, returns
 None, and states the shapes and dtypes it accepts; the C++ side checks them and raises
-``RuntimeError`` otherwise. All tensors are CPU tensors. Call ``load()`` first: a wrapper
+``RuntimeError`` otherwise. The GGUF ones (``gguf_linear``, ``gguf_dequantize_rows``) return
+a new tensor and raise ``ValueError`` for a type or shape they cannot take. All tensors are CPU tensors. Call ``load()`` first: a wrapper
 called when it returned False fails.
 
 ``load()`` builds the extension once per machine (g++ and ninja; torch caches it under
@@ -25,16 +26,19 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tandem.kernels.gguf_types import check_qweight
+
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger("tandem")
 
 SOURCES = [Path(__file__).parent / "cpu" / name
-           for name in ("paged_attention.cpp", "linear.cpp", "elementwise.cpp", "sampling.cpp")]
+           for name in ("paged_attention.cpp", "linear.cpp", "elementwise.cpp", "sampling.cpp",
+                        "gguf_matmul.cpp")]
 HEADERS = [Path(__file__).parent / "cpu" / "work_queue.h"]
 OPS = ("paged_decode", "panel_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary_neox",
-       "draw_rows", "argmax_rows")
+       "draw_rows", "argmax_rows", "gguf_linear", "gguf_dequantize_rows")
 """Every operator of the library, each wrapped below."""
 _ISA_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
@@ -149,3 +153,25 @@ def argmax_rows(tokens: torch.Tensor, logits: torch.Tensor) -> None:
     largest logit, as torch's ``max(dim=-1)``, or -1 where the row holds a NaN. ``logits``
     [N, V] float32 with contiguous rows, 1 <= V < 2^31; ``tokens`` [N] int64, contiguous."""
     _ops().argmax_rows(tokens, logits)
+
+
+def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, ggml_type: int, in_features: int) -> torch.Tensor:
+    """``x @ W.T`` with ``W`` [N, in_features] read from its GGUF blocks (gguf_matmul.cpp).
+
+    ``x`` [M, in_features] float32 or bfloat16; ``qweight`` uint8 [N, row_bytes], row ``n`` the
+    file's blocks of ``W[n, :]`` (``tandem.kernels.gguf_types``); ``ggml_type`` a
+    ``GGMLQuantizationType`` value with a kernel (``gguf_types.BLOCKS``). Returns a new [M, N]
+    tensor in x's dtype, products and sums in float32. ValueError for another type or a
+    qweight whose rows do not fit in_features."""
+    check_qweight(qweight, ggml_type, in_features)
+    return _ops().gguf_linear(x, qweight, ggml_type, in_features)
+
+
+def gguf_dequantize_rows(qweight: torch.Tensor, ggml_type: int, in_features: int, rows: torch.Tensor,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``rows`` of ``W`` dequantized from their GGUF blocks: a new [len(rows), in_features]
+    tensor of ``dtype`` (gguf_matmul.cpp) — an embedding lookup on a quantized table.
+    ``qweight``, ``ggml_type``, ``in_features`` as in ``gguf_linear``; ``rows`` int64 [R], each in
+    [0, N) (IndexError otherwise). Values are computed in float32, then rounded to ``dtype``."""
+    check_qweight(qweight, ggml_type, in_features)
+    return _ops().gguf_dequantize_rows(qweight, ggml_type, in_features, rows, dtype)

@@ -106,6 +106,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--num-speculative-tokens", type=int, default=0,
                    help="tandem's n-gram speculative decoding: drafts per step (0 = off)")
+    p.add_argument("--quantization", default="auto", metavar="NAME",
+                   help="tandem's model.quantization (gguf: a .gguf file's blocks kept packed)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="dtype of both tandem and HF (bfloat16 pays off on CPUs with AVX512-BF16/AMX)")
     p.add_argument("--no-roofline", dest="roofline", action="store_false",
@@ -171,7 +173,7 @@ def run(args: argparse.Namespace, peer: Peer | None = None) -> int:
     hf = None
     if any(m.startswith("hf") for m in args.modes):
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
-    llm = LLM(model=path, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+    llm = LLM(model=path, dtype=args.dtype, quantization=args.quantization, max_num_seqs=args.max_num_seqs,
               num_speculative_tokens=args.num_speculative_tokens,
               max_num_batched_tokens=args.max_num_batched_tokens) if "tandem" in args.modes else None
     wl = _workload(args, llm.engine.arch.vocab_size if llm else hf.config.vocab_size, eos)

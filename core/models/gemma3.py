@@ -54,7 +54,7 @@ class Gemma3Model(PipelineStage):
     def __init__(self, config: ModelArchConfig, quant_method: QuantMethod,
                  attn_backend_cls: type[AttentionBackend], options: AttentionOptions) -> None:
         super().__init__()
-        self.build_stage(config, lambda i: Gemma3DecoderLayer(config, i, quant_method, attn_backend_cls, options))
+        self.build_stage(config, quant_method, lambda i: Gemma3DecoderLayer(config, i, quant_method, attn_backend_cls, options))
         # HF keeps sqrt(hidden) as a float32 buffer and casts it to the weights' dtype.
         scale = torch.tensor(config.hidden_size**0.5, dtype=torch.float32).to(torch.get_default_dtype())
         self.register_buffer("embed_scale", scale, persistent=False)

@@ -3,7 +3,9 @@
 Parameters are created empty (``torch.empty``) in the current default dtype and device — the
 loader sets both — and filled by ``load_weights``; nothing here initialises weights randomly.
 Linear layers get their parameters from a ``tandem.interfaces.QuantMethod`` so that quantized
-formats plug in without touching the models; the embedding and the LM head stay unquantized.
+formats plug in without touching the models; the embedding and the LM head stay unquantized,
+unless the method quantizes them too (``quantizes_embeddings``: ``make_embedding``,
+``make_lm_head`` build them as linear layers of the method then).
 
 Under tensor parallelism (``tandem.distributed``, read when a layer is built) each rank
 builds its share and cuts each checkpoint tensor as it loads (Megatron's layout):
@@ -235,6 +237,74 @@ class LMHead(nn.Module):
             return logits
         logits = self.parallel.gather_last_dim(logits)
         return None if logits is None else logits[..., : self.vocab_size]
+
+
+class QuantizedVocab(LinearLayer):
+    """The vocabulary table ``[vocab_size, hidden_size]`` kept by a quant method that quantizes
+    it (``QuantMethod.quantizes_embeddings``): a linear layer of ``hidden_size`` inputs and
+    ``vocab_size`` outputs, loaded like any other. ``embed`` is the token embedding (the method's
+    row lookup), ``logits`` the LM head (its matmul, float32 logits). Vocabulary-parallel at
+    tp > 1 as ``Embedding``, without padding: the vocabulary must divide by tp (a ValueError
+    naming the tensor at load otherwise)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, quant_method: QuantMethod) -> None:
+        parallel = current()
+        super().__init__(hidden_size, [vocab_size], False, quant_method, column_splits(parallel, 1), parallel)
+        self.vocab_size = vocab_size
+        self.rows = self.output_sizes[0]
+        self.vocab_start = parallel.tp_rank * self.rows
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.parallel.tp_size == 1:
+            return self.quant_method.embed(self, input_ids)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.rows)
+        h = self.quant_method.embed(self, local.masked_fill(outside, 0))
+        return self.parallel.all_reduce(h.masked_fill(outside.unsqueeze(-1), 0))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = self.quant_method.apply(self, hidden).float()
+        return logits if self.parallel.tp_size == 1 else self.parallel.gather_last_dim(logits)
+
+
+class QuantizedEmbedding(QuantizedVocab):
+    forward = QuantizedVocab.embed
+
+
+class QuantizedLMHead(QuantizedVocab):
+    tied = False
+    forward = QuantizedVocab.logits
+
+
+class TiedQuantizedLMHead(nn.Module):
+    """The LM head tied to a ``QuantizedEmbedding``: that table's ``logits``."""
+
+    tied = True
+
+    def __init__(self, embedding: QuantizedEmbedding) -> None:
+        super().__init__()
+        self.embedding = embedding
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.embedding.logits(hidden)
+
+
+def make_embedding(vocab_size: int, hidden_size: int, quant_method: QuantMethod) -> nn.Module:
+    """The token embedding: a ``QuantizedEmbedding`` where ``quant_method`` quantizes
+    embeddings, else a plain ``Embedding``."""
+    if quant_method.quantizes_embeddings:
+        return QuantizedEmbedding(vocab_size, hidden_size, quant_method)
+    return Embedding(vocab_size, hidden_size)
+
+
+def make_lm_head(vocab_size: int, hidden_size: int, quant_method: QuantMethod,
+                 tied_to: nn.Module | None) -> nn.Module:
+    """The LM head (tied to the embedding ``tied_to`` when given), quantized as ``make_embedding``."""
+    if not quant_method.quantizes_embeddings:
+        return LMHead(vocab_size, hidden_size, tied_to)
+    if tied_to is not None:
+        return TiedQuantizedLMHead(tied_to)
+    return QuantizedLMHead(vocab_size, hidden_size, quant_method)
 
 
 ACTIVATIONS = {

@@ -38,6 +38,8 @@ from tandem.models.layers import (
     LinearLayer,
     LMHead,
     RMSNorm,
+    make_embedding,
+    make_lm_head,
 )
 from tandem.models.rotary import RotaryEmbedding
 
@@ -93,12 +95,13 @@ class PipelineStage(nn.Module):
     intermediate_count = 2
     """Tensors a stage hands the next, each ``[T, hidden_size]`` (hidden state and residual)."""
 
-    def build_stage(self, config: ModelArchConfig, make_layer) -> None:
+    def build_stage(self, config: ModelArchConfig, quant_method: QuantMethod, make_layer) -> None:
         parallel = current()
         self.stage = parallel.stage_layers(config.num_hidden_layers)
         self.is_first_stage, self.is_last_stage = parallel.is_first_stage, parallel.is_last_stage
         needs_embedding = self.is_first_stage or (self.is_last_stage and config.tie_word_embeddings)
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size) if needs_embedding else None
+        self.embed_tokens = (make_embedding(config.vocab_size, config.hidden_size, quant_method)
+                             if needs_embedding else None)
         self.layers = nn.ModuleList(make_layer(i) if i in self.stage else MissingLayer()
                                     for i in range(config.num_hidden_layers))
 
@@ -119,7 +122,7 @@ class LlamaModel(PipelineStage):
     def __init__(self, config: ModelArchConfig, quant_method: QuantMethod,
                  attn_backend_cls: type[AttentionBackend], options: AttentionOptions) -> None:
         super().__init__()
-        self.build_stage(config, lambda i: LlamaDecoderLayer(config, i, quant_method, attn_backend_cls, options))
+        self.build_stage(config, quant_method, lambda i: LlamaDecoderLayer(config, i, quant_method, attn_backend_cls, options))
         self.rotary_emb = RotaryEmbedding(config.rotary_dim or config.head_dim, config.rope_theta,
                                           config.rope_scaling)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else None
@@ -156,7 +159,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = self.build_model(config, quant_method, attn_backend_cls)
         tied_to = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to) if self.model.is_last_stage else None
+        self.lm_head = (make_lm_head(config.vocab_size, config.hidden_size, quant_method, tied_to)
+                        if self.model.is_last_stage else None)
 
     def build_model(self, config: ModelArchConfig, quant_method: QuantMethod,
                     attn_backend_cls: type[AttentionBackend]) -> nn.Module:
@@ -190,7 +194,7 @@ class LlamaForCausalLM(nn.Module):
         with torch.no_grad():
             for name, tensor in weights:
                 if (name.endswith(IGNORED_SUFFIXES) or name.startswith(elsewhere)
-                        or (name == "lm_head.weight" and self.lm_head.tied)):
+                        or (name.startswith("lm_head.") and self.lm_head.tied)):
                     continue
                 module_name, _, suffix = name.rpartition(".")
                 parent, _, leaf = module_name.rpartition(".")

@@ -72,7 +72,7 @@ def load_model(
     cls = resolve_model_class(registry, arch)
     with _default_dtype(dtype), torch.device(device):
         model = cls(arch, quant_method, attn_backend_cls)
-    model.load_weights(iter_checkpoint(path))
+    model.load_weights(iter_checkpoint(path, packed=quant_method.reads_gguf_blocks))
     return model.eval(), arch
 
 
@@ -92,16 +92,17 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     raise FileNotFoundError(f"no {SAFETENSORS_FILE}, {SAFETENSORS_INDEX} or {TORCH_FILE} in {root}")
 
 
-def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint(path: str | Path, packed: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Every (name, tensor) of the checkpoint, on the CPU, with a progress bar over tensors
     (shown on a terminal only). A GGUF file's tensors come dequantized to float32 under their
-    HF names (``tandem.models.gguf_weights``)."""
+    HF names (``tandem.models.gguf_weights``), or with ``packed`` its quantized blocks as stored."""
     if is_gguf(path):
         from tandem.models.gguf_weights import iter_gguf_weights
 
         file = read_gguf(path)
-        with tqdm(desc="dequantizing weights", unit="tensor", disable=None, total=len(file.tensors)) as bar:
-            for item in iter_gguf_weights(file):
+        desc = "reading weights" if packed else "dequantizing weights"
+        with tqdm(desc=desc, unit="tensor", disable=None, total=len(file.tensors)) as bar:
+            for item in iter_gguf_weights(file, packed):
                 yield item
                 bar.update(1)
         return
@@ -116,15 +117,17 @@ def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
-def estimate_weight_bytes(path: str | Path, dtype: torch.dtype) -> int | None:
+def estimate_weight_bytes(path: str | Path, dtype: torch.dtype, packed: bool = False) -> int | None:
     """Bytes the checkpoint's tensors take once loaded with floating-point weights in ``dtype``
     (integer and FP8 tensors keep their size), read from the safetensors headers alone; None for
     pytorch_model.bin checkpoints. Tied or fused copies are counted as stored; every tensor of a
-    GGUF file is counted in ``dtype`` (it is dequantized)."""
+    GGUF file is counted in ``dtype`` (it is dequantized), or with ``packed`` its quantized
+    tensors as stored."""
     if is_gguf(path):
-        from tandem.models.gguf_weights import gguf_weight_count
+        from tandem.models.gguf_weights import gguf_packed_bytes, gguf_weight_count
 
-        return gguf_weight_count(read_gguf(path)) * dtype.itemsize
+        file = read_gguf(path)
+        return gguf_packed_bytes(file, dtype) if packed else gguf_weight_count(file) * dtype.itemsize
     files = checkpoint_files(path)
     if files[0].suffix != ".safetensors":
         return None

@@ -18,11 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.config import TandemConfig, parse_bytes
+from tandem.config import ConfigError, TandemConfig, parse_bytes
 from tandem.device import check_weights_fit, resolve_device, resolve_dtype
 from tandem.distributed import current
 from tandem.interfaces import KVConnector, KVPoolDescriptor
 from tandem.models.config import ModelArchConfig, kv_bytes_per_block, kv_cache_shape
+from tandem.models.gguf_file import is_gguf
 from tandem.plugin_manager import get_registry
 from tandem.sched.output import ModelRunnerOutput, SchedulerOutput
 
@@ -61,7 +62,11 @@ def quant_method_for(config: TandemConfig, checkpoint: ModelArchConfig):
     if ckpt_method and chosen != ckpt_method:
         raise ValueError(f"model.quantization = {chosen!r} contradicts the checkpoint's "
                          f"quantization_config (quant_method = {ckpt_method!r})")
-    return get_registry().get("quant_method", chosen).from_config(qcfg)
+    cls = get_registry().get("quant_method", chosen)
+    if cls.reads_gguf_blocks and not is_gguf(config.model.path):
+        raise ConfigError(f"model.quantization = {chosen!r} keeps a GGUF file's blocks: it needs model.path "
+                          f"to be a .gguf file, got {config.model.path!r} (use auto or none for it)")
+    return cls.from_config(qcfg)
 
 
 @dataclass(slots=True, frozen=True)
@@ -98,7 +103,7 @@ class Worker:
         registry = get_registry()
         self.attn_backend_cls = registry.get("attention_backend", backend)
         self.quant_method = quant_method = quant_method_for(config, checkpoint)
-        weight_bytes = estimate_weight_bytes(path, self.dtype)
+        weight_bytes = estimate_weight_bytes(path, self.dtype, packed=quant_method.reads_gguf_blocks)
         if weight_bytes is not None:
             weight_bytes //= self.parallel.world_size  # about each rank's share
         check_weights_fit(weight_bytes, self.device, self.dtype)

@@ -1,0 +1,106 @@
+"""tandem.kernels.cpu_ops.gguf_linear / gguf_dequantize_rows (kernels/cpu/gguf_matmul.cpp)
+against gguf's numpy dequantizer followed by a float64 matmul."""
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.constants import GGML_QUANT_SIZES
+
+from tandem.kernels import cpu_ops
+from tandem.kernels.gguf_types import BLOCKS
+from tests.kernels.gguf_blocks import dequantized, packed
+
+TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels() -> None:
+    assert cpu_ops.load(), "the CPU kernels build on this machine"
+
+
+def in_features(ggml_type: T, blocks: int = 2) -> int:
+    return GGML_QUANT_SIZES[ggml_type][0] * blocks
+
+
+def assert_matches(y: torch.Tensor, ref: torch.Tensor, rtol: float) -> None:
+    torch.testing.assert_close(y.double(), ref, rtol=rtol, atol=rtol * ref.abs().max().item())
+
+
+def test_block_table_is_ggufs():
+    assert {T(t).name for t in BLOCKS} == {t.name for t in TYPES}
+    for ggml_type, block in BLOCKS.items():
+        assert (block.elems, block.bytes) == GGML_QUANT_SIZES[T(ggml_type)]
+        assert block.name == T(ggml_type).name
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 33])
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_float32_matches_dequantized_matmul(ggml_type, m, gen):
+    k, n = in_features(ggml_type), 37  # N: not a multiple of the 4- or 16-row groups
+    qweight = packed(ggml_type, n, k)
+    x = torch.randn(m, k, generator=gen)
+    y = cpu_ops.gguf_linear(x, qweight, int(ggml_type), k)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    assert_matches(y, x.double() @ dequantized(qweight, ggml_type).T, rtol=1e-5)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_bfloat16_matches_dequantized_matmul(ggml_type, gen):
+    k, n = in_features(ggml_type), 21
+    qweight = packed(ggml_type, n, k)
+    x = torch.randn(5, k, generator=gen).bfloat16()
+    y = cpu_ops.gguf_linear(x, qweight, int(ggml_type), k)
+    assert y.dtype == torch.bfloat16
+    assert_matches(y, x.double() @ dequantized(qweight, ggml_type).T, rtol=1e-2)
+
+
+@pytest.mark.parametrize("m", [1, 16])
+def test_many_rows_over_threads(m, gen):
+    k, n = 576, 1001  # many groups shared out over the threads, a ragged last one
+    qweight = packed(T.Q4_1, n, k)
+    x = torch.randn(m, k, generator=gen)
+    assert_matches(cpu_ops.gguf_linear(x, qweight, int(T.Q4_1), k),
+                   x.double() @ dequantized(qweight, T.Q4_1).T, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_dequantize_rows_is_the_embedding_lookup(ggml_type, dtype):
+    k, n = in_features(ggml_type), 9
+    qweight = packed(ggml_type, n, k)
+    rows = torch.tensor([5, 0, 8, 5])
+    out = cpu_ops.gguf_dequantize_rows(qweight, int(ggml_type), k, rows, dtype)
+    assert out.dtype == dtype and out.shape == (4, k)
+    expected = dequantized(qweight, ggml_type)[rows]
+    tol = 1e-6 if dtype == torch.float32 else 2**-8  # float32 values may round to either bfloat16 neighbour
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+
+
+def test_dequantize_rows_refuses_a_row_out_of_range():
+    qweight = packed(T.Q8_0, 4, 32)
+    with pytest.raises(IndexError, match="row 4 out of range"):
+        cpu_ops.gguf_dequantize_rows(qweight, int(T.Q8_0), 32, torch.tensor([0, 4]), torch.float32)
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q2_K, T.F16])
+def test_refuses_a_type_without_kernel(ggml_type):
+    qweight = torch.zeros(4, 64, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=rf"ggml type {int(ggml_type)} \({ggml_type.name}\); supported: Q4_0, Q4_1"):
+        cpu_ops.gguf_linear(torch.zeros(1, 256), qweight, int(ggml_type), 256)
+    with pytest.raises(ValueError, match=ggml_type.name):
+        cpu_ops.gguf_dequantize_rows(qweight, int(ggml_type), 256, torch.tensor([0]), torch.float32)
+
+
+def test_refuses_rows_of_the_wrong_length():
+    qweight = packed(T.Q4_K, 3, 512)
+    with pytest.raises(ValueError, match="qweight rows hold 287 bytes, expected 288 for in_features=512 of Q4_K"):
+        cpu_ops.gguf_linear(torch.zeros(1, 512), qweight[:, :-1].contiguous(), int(T.Q4_K), 512)
+    with pytest.raises(ValueError, match="in_features=500 must be a positive multiple of Q4_K's block of 256"):
+        cpu_ops.gguf_linear(torch.zeros(1, 500), qweight, int(T.Q4_K), 500)
+
+
+def test_refuses_x_of_another_width():
+    qweight = packed(T.Q8_0, 3, 64)
+    with pytest.raises(ValueError, match=r"x must be a float32 or bfloat16 CPU tensor \[M, in_features=64\]"):
+        cpu_ops.gguf_linear(torch.zeros(2, 32), qweight, int(T.Q8_0), 64)
