@@ -142,8 +142,11 @@ def test_leaving_the_stream_aborts_and_frees_blocks_within_a_step(model_dir):
 
 def test_queue_full_by_requests_then_drains(model_dir):
     async def run():
-        engine = await _started(_factory(model_dir), QueueLimits(max_requests=2, max_tokens=10_000))
-        params = SamplingParams(temperature=0, max_tokens=4)
+        # each step waits 1 s, so no request leaves the queue (its first output) before all are
+        # checked, however slowly the tokenizer thread answers on a loaded machine
+        engine = await _started(_factory(model_dir, step_delay_s=1.0),
+                                QueueLimits(max_requests=2, max_tokens=10_000))
+        params = SamplingParams(temperature=0, max_tokens=2)
         try:
             results = await asyncio.gather(*(_final(engine, p, params) for p in PROMPTS[:3]),
                                            return_exceptions=True)
@@ -163,7 +166,7 @@ def test_queue_full_by_prompt_tokens(model_dir, offline):
     long = tokenizer.encode("import os\nimport sys\nimport json")
 
     async def run():
-        engine = await _started(_factory(model_dir, step_delay_s=0.02),
+        engine = await _started(_factory(model_dir, step_delay_s=1.0),  # first stays queued while short is checked
                                 QueueLimits(max_requests=100, max_tokens=len(long)))
         params = SamplingParams(temperature=0, max_tokens=2)
         try:

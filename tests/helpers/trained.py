@@ -34,7 +34,8 @@ def hf_tokenizer():
 
 
 @functools.cache
-def _hf_model():
+def hf_model():
+    """transformers' float32 model of the file, loaded once per process."""
     path = smollm2_path()
     return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                 dtype=torch.float32).eval()
@@ -55,6 +56,6 @@ def hf_greedy(prompt: list[int], max_new_tokens: int = NEW_TOKENS) -> list[int]:
 def _hf_greedy(prompt: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
     eos = hf_tokenizer().eos_token_id
     with torch.inference_mode():
-        out = _hf_model().generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+        out = hf_model().generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
                                    eos_token_id=eos, pad_token_id=eos)
     return tuple(out[0, len(prompt):].tolist())

@@ -1,26 +1,19 @@
 """lm-evaluation-harness through tandem's server: lm-eval's ``local-completions`` model against a
 real uvicorn serving SmolLM2-135M-Instruct (the registry's GGUF file, float32), and lm-eval's own
-transformers backend (``hf`` loading the same file, float32) as the oracle. The task is built
-here (lm_eval_tasks/: sixteen hand-written questions, no download), run twice: as multiple
-choice, scored from the prompt logprobs /v1/completions echoes, and as greedy generation. Each
-item must get the same answer from both. transformers' float32 load of the GGUF is saved once per
-machine (cache_dir()/lm_eval) as a plain folder both backends read: the oracle's weights and the
-tokenizer local-completions needs, without converting the file twice per run."""
+transformers backend (``hf``, given transformers' float32 load of the same file, the process's one
+oracle from tests.helpers.trained) as the oracle. The task is built here (lm_eval_tasks/: sixteen
+hand-written questions, no download), run twice: as multiple choice, scored from the prompt
+logprobs /v1/completions echoes, and as greedy generation. Each item must get the same answer from
+both."""
 from __future__ import annotations
 
-import json
 import math
-import shutil
 from pathlib import Path
 
 import httpx
 import pytest
-import torch
-from safetensors.torch import save_model
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tandem.models.presets import cache_dir
-from tests.helpers.gguf_files import registry_gguf
+from tests.helpers.trained import hf_model, hf_tokenizer, smollm2_path
 from tests.server.server_helpers import running_server, server_config
 
 TASK_DIR = Path(__file__).parent / "lm_eval_tasks"
@@ -31,7 +24,7 @@ BATCH = 16
 LOGPROB_ATOL = 1e-3
 
 
-def _evaluate(model: str, model_args: dict) -> dict[str, list[dict]]:
+def _evaluate(model, model_args: dict | None = None) -> dict[str, list[dict]]:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -41,29 +34,14 @@ def _evaluate(model: str, model_args: dict) -> dict[str, list[dict]]:
     return {task: sorted(samples, key=lambda s: s["doc_id"]) for task, samples in out["samples"].items()}
 
 
-def _hf_folder(gguf: Path) -> Path:
-    """transformers' float32 model and tokenizer of ``gguf``, saved once (keyed by its size)."""
-    folder = cache_dir() / "lm_eval" / f"{gguf.stem}-{gguf.stat().st_size}-float32"
-    if not (folder / "config.json").exists():
-        partial = folder.with_name(folder.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(partial)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        # save_pretrained refuses a model loaded from GGUF: its dequantized weights and its
-        # config without the gguf quantization entry make a plain float32 checkpoint
-        config = model.config.to_dict()
-        config.pop("quantization_config", None)
-        (partial / "config.json").write_text(json.dumps(config))
-        save_model(model, str(partial / "model.safetensors"))
-        partial.rename(folder)
-    return folder
-
-
 @pytest.fixture(scope="module")
-def samples() -> tuple[dict, dict]:
+def samples(tmp_path_factory) -> tuple[dict, dict]:
     """lm-eval's logged samples of both tasks: (through tandem, through lm-eval's hf backend)."""
-    path = registry_gguf("smollm2-135m-instruct")
-    hf_folder = _hf_folder(path)
+    from lm_eval.models.huggingface import HFLM
+
+    path = smollm2_path()
+    tokenizer_dir = tmp_path_factory.mktemp("tokenizer")
+    hf_tokenizer().save_pretrained(tokenizer_dir)  # what local-completions counts tokens with
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(REPO_ROOT)
         mp.setenv("HF_DATASETS_OFFLINE", "1")
@@ -71,10 +49,9 @@ def samples() -> tuple[dict, dict]:
         with running_server(server_config(path, **{"model.dtype": "float32"})) as server:
             served = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
             tandem = _evaluate("local-completions", {
-                "model": served, "base_url": f"{server.url}/v1/completions", "tokenizer": str(hf_folder),
+                "model": served, "base_url": f"{server.url}/v1/completions", "tokenizer": str(tokenizer_dir),
                 "tokenizer_backend": "huggingface", "batch_size": BATCH})
-        hf = _evaluate("hf", {"pretrained": str(hf_folder), "dtype": "float32", "device": "cpu",
-                              "batch_size": BATCH})
+        hf = _evaluate(HFLM(pretrained=hf_model(), tokenizer=hf_tokenizer(), batch_size=BATCH))
     return tandem, hf
 
 
