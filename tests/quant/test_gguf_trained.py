@@ -11,31 +11,31 @@ import pytest
 
 from tandem import LLM, SamplingParams
 from tandem.models.cpu_linear import PackedLinear
-from tests.helpers.gguf_files import registry_gguf
+from tests.helpers.gguf_files import dense_trained_llm, registry_gguf
 
 PROMPTS = ["The capital of France is", "Water boils at"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, logprobs=0)
 
 
-def _run(path, quantization: str) -> tuple[list, int]:
+def _run(llm: LLM) -> tuple[list, int]:
     """Greedy outputs of PROMPTS and the model's resident weight bytes (parameters, buffers and
-    the CPU kernels' packed copies), the model freed after."""
-    llm = LLM(model=str(path), num_kv_blocks=32, dtype="float32", quantization=quantization)
+    the CPU kernels' packed copies)."""
     outs = llm.generate(PROMPTS, GREEDY)
     model = llm.engine.executor.worker.model
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
     tensors |= {id(m.packed.weight): m.packed.weight for m in model.modules()
                 if isinstance(getattr(m, "packed", None), PackedLinear)}
     held = sum(t.numel() * t.element_size() for t in tensors.values())
-    del llm
-    print(f"{path.name} quantization={quantization}: {held} weight bytes")
+    print(f"{llm.engine.config.model.path} quantization={llm.engine.config.model.quantization}: {held} weight bytes")
     return outs, held
 
 
 @pytest.fixture(scope="module", params=["smollm2-135m-instruct", "gemma3-270m"])
 def runs(request):
-    path = registry_gguf(request.param)
-    return request.param, _run(path, "none"), _run(path, "gguf")
+    packed = LLM(model=str(registry_gguf(request.param)), num_kv_blocks=32, dtype="float32", quantization="gguf")
+    runs = request.param, _run(dense_trained_llm(request.param)), _run(packed)
+    del packed
+    return runs
 
 
 def test_greedy_tokens_and_logprobs_equal_the_dequantized_model(runs):
