@@ -84,7 +84,9 @@ def run_hf_continuous(model, wl: Workload) -> ModeResult:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="HF folder (default: the bench-100m preset, built on first use)")
+    p.add_argument("--model", help="HF folder, .gguf file, preset (bench-100m, the default; demo) or "
+                                   "registry model (smollm2-135m-instruct, gemma3-270m); the HF modes "
+                                   "and --baseline get a .gguf dequantized to float32 (built once)")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
@@ -143,6 +145,7 @@ def run(args: argparse.Namespace, peer: Peer | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     from tandem import LLM
+    from tandem.bench.checkpoint import hf_folder, model_path
     from tandem.config import ConfigError
     from tandem.models.config import ModelArchConfig
     from tandem.models.loader import load_generation_config
@@ -151,11 +154,7 @@ def run(args: argparse.Namespace, peer: Peer | None = None) -> int:
         peer = None
     if peer is not None:
         peer.check_arguments(args)
-    path = args.model
-    if path is None:
-        from tandem.models.presets import default_model_path
-
-        path = str(default_model_path("bench-100m"))
+    path = model_path(args.model)
     eos = set(load_generation_config(path)["eos_token_ids"])
     if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
         from tandem.bench.offline_parallel import run_comparison
@@ -172,7 +171,7 @@ def run(args: argparse.Namespace, peer: Peer | None = None) -> int:
         torch.set_num_threads(args.threads)
     hf = None
     if any(m.startswith("hf") for m in args.modes):
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+        hf = AutoModelForCausalLM.from_pretrained(hf_folder(path), dtype=getattr(torch, args.dtype)).eval()
     llm = LLM(model=path, dtype=args.dtype, quantization=args.quantization, max_num_seqs=args.max_num_seqs,
               num_speculative_tokens=args.num_speculative_tokens,
               max_num_batched_tokens=args.max_num_batched_tokens) if "tandem" in args.modes else None
@@ -192,7 +191,7 @@ def run(args: argparse.Namespace, peer: Peer | None = None) -> int:
             results[mode] = run_tandem(llm, wl)
         _print_mode(results[mode], wl)
     if peer is not None:
-        results[peer.name] = peer.run(args, path, wl)
+        results[peer.name] = peer.run(args, hf_folder(path), wl)
         _print_mode(results[peer.name], wl)
     _print_summary(results, wl, peer.name if peer is not None else None)
     if args.roofline and "tandem" in results:

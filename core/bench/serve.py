@@ -65,9 +65,10 @@ class RequestResult:
 
 def _vocabulary(model_path: str) -> tuple[int, set[int]]:
     """The model's vocabulary size and end-of-sequence ids (kept out of random prompts)."""
+    from tandem.models.config import ModelArchConfig
     from tandem.models.loader import load_generation_config
 
-    vocab = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
+    vocab = ModelArchConfig.from_pretrained_dir(model_path).vocab_size
     return vocab, load_generation_config(model_path)["eos_token_ids"]
 
 
@@ -301,8 +302,10 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", help="a running server (default: start one for --model)")
-    p.add_argument("--model", help="model folder: the server's (when starting one) and the "
-                                   "workload's vocabulary (default with --url: /v1/models' root)")
+    p.add_argument("--model", help="model folder, .gguf file, preset or registry model name (as `tandem "
+                                   "bench offline --model`): the server's (when starting one) and the "
+                                   "workload's vocabulary (default with --url: /v1/models' root); "
+                                   "vLLM gets a .gguf dequantized to float32 (built once)")
     p.add_argument("--served-model-name", help="the model name to send (default: /v1/models' first)")
     p.add_argument("--server-args", default="", help="extra `tandem serve` flags for its own server")
     p.add_argument("--num-prompts", type=int, default=None,
@@ -347,6 +350,10 @@ def run(args: argparse.Namespace, peer: Peer | None = None) -> int:
     if args.url is None and args.model is None:
         print("tandem bench serve: give --url of a running server or --model to start one", file=sys.stderr)
         return 2
+    if args.model is not None:
+        from tandem.bench.checkpoint import model_path
+
+        args.model = model_path(args.model)
     if peer is not None and args.baseline is not None:
         return peer.run_side_by_side(args)
     client = peer.client(args) if peer is not None else None

@@ -32,6 +32,7 @@ from tandem.sched.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("tandem")
 HEALTH_PING_S = 5.0
+FATAL_EXIT_GRACE_S = 1.0  # how long a failed collective waits to learn whether a local rank died
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -105,7 +106,7 @@ class MultiprocExecutor(Executor):
             case StepFailed(error):
                 raise error
             case Fatal(message):
-                self._die(message)
+                self._fatal(message, "a step")
         raise AssertionError(f"a step was answered with {reply!r}")
 
     def connect_kv(self, connector_name: str, compat_hash: str) -> KVConnector:
@@ -145,7 +146,7 @@ class MultiprocExecutor(Executor):
             case StepFailed(error):
                 raise error
             case Fatal(message):
-                self._die(message)
+                self._fatal(message, f"a KV connector call ({method})")
         raise AssertionError(f"a KV connector call was answered with {reply!r}")
 
     def close(self) -> None:
@@ -186,6 +187,20 @@ class MultiprocExecutor(Executor):
                       f"{timeout:g} s (a hung rank or a collective that never completes)")
         self._die(f"rank 0 closed its pipe during {what}")
         raise AssertionError("unreachable")
+
+    def _fatal(self, message: str, what: str) -> None:
+        """Rank 0 reported a failed collective. When a local rank died, that is the cause (the
+        collective fails on the survivors the moment the peer's socket closes, often before its
+        exit is seen): wait briefly for the exits and name the dead ranks first."""
+        multiprocessing.connection.wait([p.sentinel for p in self.procs], FATAL_EXIT_GRACE_S)
+        for proc in self.procs:
+            if not proc.is_alive():
+                proc.join(1.0)
+        dead = [p for p in self.procs if p.exitcode is not None]
+        if dead:
+            names = ", ".join(f"{p.name} (pid {p.pid}, exit code {p.exitcode})" for p in dead)
+            message = f"a worker process died during {what}: {names} ({message})"
+        self._die(message)
 
     def _die(self, message: str) -> None:
         from tandem.errors import EngineDeadError

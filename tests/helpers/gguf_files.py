@@ -182,4 +182,5 @@ def dense_trained_llm(name: str):
     tests/quant/test_gguf_trained.py checks the packed path against it."""
     from tandem import LLM
 
-    return LLM(model=str(registry_gguf(name)), num_kv_blocks=32, dtype="float32", quantization="none")
+    # 48 blocks: 768 tokens, room for a prompt past Gemma 3's 512-token sliding window
+    return LLM(model=str(registry_gguf(name)), num_kv_blocks=48, dtype="float32", quantization="none")

@@ -92,3 +92,23 @@ def test_gemma3_continues_like_transformers(gemma3):
                          lambda: _hf_greedy(_hf(path), prompt, set(eos)))
     assert out.outputs[0].token_ids == want
     assert "France" in out.outputs[0].text  # a base model: it continues, on topic
+
+
+CAPITALS = [("France", "Paris"), ("Germany", "Berlin"), ("Spain", "Madrid"), ("Japan", "Tokyo"),
+            ("Egypt", "Cairo"), ("Canada", "Ottawa"), ("Kenya", "Nairobi"), ("Peru", "Lima"),
+            ("Norway", "Oslo"), ("Chile", "Santiago"), ("Greece", "Athens"), ("Cuba", "Havana")]
+
+
+def test_gemma3_past_its_sliding_window_continues_like_transformers(gemma3):
+    """A prompt longer than the local layers' window: their attention must drop what lies
+    behind it while the global layers keep it, as transformers' Gemma 3 does."""
+    path, llm = gemma3
+    window = llm.engine.arch.sliding_window
+    facts = [f"Fact {i}: the capital of {country} is {city}." for i, (country, city) in
+             enumerate(CAPITALS * 5)]
+    out = llm.generate([" ".join(facts) + " Fact 60: the capital of Italy is"], GREEDY)[0]
+    prompt, eos = list(out.prompt_token_ids), sorted(llm.engine.eos_token_ids)
+    assert window is not None and window < len(prompt) < 48 * 16 - NEW_TOKENS
+    want = oracle_answer(path, {"greedy": prompt, "new_tokens": NEW_TOKENS, "eos": eos},
+                         lambda: _hf_greedy(_hf(path), prompt, set(eos)))
+    assert out.outputs[0].token_ids == want

@@ -21,6 +21,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from tandem.bench.checkpoint import hf_folder
 from tandem.bench.peers import vllm_cli
 from tandem.config import ConfigError
 
@@ -84,7 +85,7 @@ def bench(args: argparse.Namespace, url: str, model_name: str, tokenizer: str) -
         raise ConfigError("--plot and --result-json need tandem's client (per-request results)")
     with tempfile.TemporaryDirectory(prefix="tandem-vllm-bench-") as tmp:
         result = Path(tmp) / "result.json"
-        cmd = command(args, url, model_name, tokenizer, result)
+        cmd = command(args, url, model_name, hf_folder(tokenizer), result)
         print(f"vllm bench serve: {' '.join(cmd[2:])}", flush=True)
         if subprocess.run(cmd).returncode != 0 or not result.is_file():
             print("tandem bench serve: vllm bench serve failed (its output is above)")

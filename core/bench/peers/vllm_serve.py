@@ -15,6 +15,7 @@ import shlex
 import time
 
 from tandem.bench import serve
+from tandem.bench.checkpoint import hf_folder
 from tandem.bench.peers import vllm_cli, vllm_client, vllm_offline, vllm_offline_driver
 from tandem.config import ConfigError
 
@@ -43,7 +44,7 @@ def run_side_by_side(args: argparse.Namespace) -> int:
     if ours is None:
         return 1
     port = serve.free_port()
-    cmd = [args.vllm_python, vllm_cli.__file__, "serve", args.model, "--host", "127.0.0.1",
+    cmd = [args.vllm_python, vllm_cli.__file__, "serve", hf_folder(args.model), "--host", "127.0.0.1",
            "--port", str(port), "--dtype", dtype, "--seed", str(args.seed), *BATCH_LIMITS]
     print(f"=== vllm: {shlex.join(cmd)}", flush=True)
     t0 = time.perf_counter()
