@@ -23,6 +23,8 @@ from tandem.models.presets import PRESETS, cache_dir, default_model_path
 from tandem.models.registry_weights import WEIGHTS, weights_path
 
 DEFAULT_PRESET = "bench-100m"
+_LAYOUT = "v2"
+"""Part of the folder's name: a change to what the folder holds builds it anew."""
 _DONE = "tandem-dense.done"
 """Written last into a built folder: a folder without it is an interrupted build."""
 
@@ -45,7 +47,7 @@ def hf_folder(path: str) -> str:
     if not is_gguf(path):
         return path
     source = Path(path)
-    final = cache_dir() / "dense" / f"{source.stem}-{_sha256(source)[:16]}"
+    final = cache_dir() / "dense" / f"{source.stem}-{_sha256(source)[:16]}-{_LAYOUT}"
     if (final / _DONE).is_file():
         return str(final)
     scratch = final.with_name(f".{final.name}.building-{os.getpid()}")
@@ -65,7 +67,7 @@ def hf_folder(path: str) -> str:
 
 def _dequantize(source: Path, into: Path) -> None:
     import torch
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"{source.name}: dequantizing to a float32 safetensors folder for the baseline (once "
@@ -73,9 +75,9 @@ def _dequantize(source: Path, into: Path) -> None:
     kwargs = {"gguf_file": source.name}
     model = AutoModelForCausalLM.from_pretrained(str(source.parent), dtype=torch.float32, **kwargs)
     # save_pretrained refuses a model transformers loaded from GGUF: its weights, config and
-    # generation config are written one by one (save_model drops the copy of a tied tensor)
+    # generation config are written one by one
     into.mkdir(parents=True)
-    save_model(model, str(into / "model.safetensors"), metadata={"format": "pt"})
+    save_file(_weights(model), str(into / "model.safetensors"), metadata={"format": "pt"})
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -84,6 +86,25 @@ def _dequantize(source: Path, into: Path) -> None:
     model.generation_config.save_pretrained(into)
     AutoTokenizer.from_pretrained(str(source.parent), **kwargs).save_pretrained(into)
     (into / _DONE).write_text(source.name + "\n")
+
+
+def _weights(model) -> dict:
+    """The state dict as HF checkpoints hold it: a tied output embedding is left out (readers tie
+    it to the input embedding, which is kept under its own name; vLLM, for one, loads no
+    embedding from ``lm_head.weight``), and other tensors sharing storage are copied apart."""
+    state = model.state_dict()
+    if getattr(model.config, "tie_word_embeddings", False):
+        output = model.get_output_embeddings()
+        for name, module in model.named_modules():
+            if module is output:
+                state.pop(f"{name}.weight", None)
+    seen: set[int] = set()
+    weights = {}
+    for name, tensor in state.items():
+        pointer = tensor.untyped_storage().data_ptr()
+        weights[name] = tensor.clone().contiguous() if pointer in seen else tensor.contiguous()
+        seen.add(pointer)
+    return weights
 
 
 def _sha256(path: Path) -> str:

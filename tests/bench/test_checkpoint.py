@@ -43,6 +43,29 @@ def test_a_gguf_file_becomes_a_folder_transformers_reads_with_tandems_greedy_tok
     assert out.outputs[0].token_ids == want
 
 
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])  # untied and tied embeddings
+def test_the_folder_holds_every_tensor_by_its_checkpoint_name(kind, tmp_path):
+    """Readers that do not tie on their own (vLLM's) need the input embedding under its own name:
+    every parameter of the class built from the saved config is in the file, except a tied output
+    embedding, with transformers' values for the GGUF file."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    path = write_tiny_gguf(tmp_path / f"{kind}.gguf", kind, lambda name, i: Q.Q8_0)
+    folder = Path(hf_folder(str(path)))
+    tensors = load_file(folder / "model.safetensors")
+    config = AutoConfig.from_pretrained(folder)
+    shape_only = AutoModelForCausalLM.from_config(config)
+    expected = {name for name, _ in shape_only.named_parameters(remove_duplicate=False)}
+    if config.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    assert set(tensors) == expected
+    original = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    for name, value in original.state_dict().items():
+        if name in tensors:
+            assert torch.equal(tensors[name], value), name
+
+
 def test_the_folder_is_built_once_and_a_folder_is_its_own(tiny_gguf):
     first = Path(hf_folder(str(tiny_gguf)))
     stamp = {p.name: p.stat().st_mtime_ns for p in first.iterdir()}
