@@ -69,3 +69,24 @@ def test_bench_starts_its_own_server_on_a_dataset(model_dir, tmp_path):
     prompt_tokens = len(tokenizer("def main():")["input_ids"]) + 20 + len(tokenizer("import os")["input_ids"])
     assert summary["total_input_tokens"] == prompt_tokens
     assert summary["goodput"] == 0.0, "no request meets a 1 µs TTFT"
+
+
+@pytest.mark.timeout(240)
+def test_bench_starts_its_own_server_on_a_gguf_file(tmp_path):
+    """``--model`` takes a .gguf file: its vocabulary for the random prompts comes from the file's
+    metadata and the server it starts loads the file."""
+    from gguf import GGMLQuantizationType as Q
+
+    from tests.helpers.gguf_files import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "llama.gguf", "llama", lambda name, i: Q.Q8_0)
+    result = tmp_path / "result.json"
+    status = run(_args(
+        "--model", str(path), "--num-prompts", "4", "--prompt-len", "6", "10", "--output-len", "3", "5",
+        "--max-concurrency", "2", "--server-args", "--num-kv-blocks 64 --max-num-seqs 4",
+        "--result-json", str(result)))
+    assert status == 0
+    summary = json.loads(result.read_text())
+    assert summary["completed"] == 4 and summary["failed"] == 0
+    assert 4 * 3 <= summary["total_output_tokens"] <= 4 * 5
+    assert 4 * 6 <= summary["total_input_tokens"] <= 4 * 10
