@@ -113,3 +113,33 @@ def test_aborted_request_is_not_pinned():
     run_step(s)
     s.abort_requests(["p"])
     assert s.take_new_pins() == [] and s.kv.stats().num_used_blocks == 0
+
+
+def test_a_read_never_writes_into_blocks_a_running_request_shares():
+    """The prefix a running request holds is shared, not read again: the load covers only the
+    blocks past it, in blocks of the loading request's own (block size 4, hand-worked)."""
+    s = make_scheduler(num_blocks=16, max_num_seqs=4)
+    s.add_request(make_request("a", PREFIX + [99], max_tokens=8))
+    run_step(s)  # a computes 9 tokens: PREFIX's two blocks are full, cached and held by a
+    held = s.kv.get_block_ids("a")
+    s.add_request(make_request("r", PREFIX + [1, 2, 3, 4, 5], remote_kv=RemoteKV.LOAD))
+    run_step(s)
+    (load,) = s.take_new_loads()
+    table = s.kv.get_block_ids("r")
+    # 13 prompt tokens: positions 0..11 need KV (3 blocks); 0..7 are a's blocks, block 2 is read
+    assert table[:2] == held[:2] and (load.first_block, load.block_ids) == (2, table[2:])
+    assert not set(load.block_ids) & set(held)
+    assert [s.kv.block_pool.blocks[b].ref_count for b in table] == [2, 2, 1]
+
+
+def test_a_prompt_the_decode_instance_holds_whole_needs_an_empty_read():
+    """Positions 0..P-2 all in the local prefix cache: the load has no block to read."""
+    s = make_scheduler(num_blocks=16)
+    warm(s)
+    s.add_request(make_request("r", PREFIX + [1], remote_kv=RemoteKV.LOAD))
+    run_step(s)
+    (load,) = s.take_new_loads()
+    assert (load.num_cached_tokens, load.first_block, load.block_ids) == (8, 2, [])
+    s.finish_remote_load("r", ok=True)
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {"r": 1}

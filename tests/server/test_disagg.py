@@ -151,3 +151,41 @@ def test_chat_hand_over_equals_colocated(server, prefill, decode):
     assert answer.status_code == 200, answer.text
     assert answer.json()["choices"][0]["message"] == oracle.json()["choices"][0]["message"]
     assert answer.json()["usage"] == oracle.json()["usage"]
+
+
+@pytest.mark.timeout(120)
+def test_a_second_turn_reads_only_the_blocks_the_decode_instance_lacks(server, prefill, decode):
+    """Multi-turn reuse: turn 2 repeats turn 1's 10 blocks and adds one block of new tokens.
+    The decode instance matches turn 2 against its own prefix cache, which holds turn 1's
+    blocks since its hand-over, so of the 11 blocks positions 0..174 need it reads 1 (1/11 of a
+    cold hand-over's bytes); the prefill instance computes only the new tokens. The text equals
+    a colocated run that has never seen turn 1."""
+    turn1, new = _prompts(40, [10 * BLOCK, BLOCK])
+    turn2 = turn1 + new
+    block_bytes = httpx.get(f"{prefill.url}/kv/handshake", timeout=10).json()["block_bytes"]
+    read = scrape(decode.url)["tandem:kv_transfer_bytes_total"]
+    assert decode_answer(decode.url, turn1, hand_over(prefill.url, turn1)).status_code == 200
+    after_turn1 = scrape(decode.url)["tandem:kv_transfer_bytes_total"]
+    assert after_turn1 - read == 10 * block_bytes  # positions 0..158: 10 blocks, none cached
+
+    reduced = body(turn2, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    prefilled = httpx.post(f"{prefill.url}/v1/completions", json=reduced, timeout=60).json()
+    assert prefilled["usage"]["prompt_tokens_details"]["cached_tokens"] == 10 * BLOCK
+    answer = decode_answer(decode.url, turn2, prefilled["kv_transfer_params"])
+    assert answer.status_code == 200, answer.text
+    assert scrape(decode.url)["tandem:kv_transfer_bytes_total"] - after_turn1 == block_bytes
+    assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 10 * BLOCK
+
+    cold = httpx.post(f"{server.url}/v1/completions", json=body(turn2), timeout=60).json()
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert token_ids(answer.json()) == token_ids(cold)
+
+    # one token more than turn 1: positions 0..159 are all held here, nothing is read
+    turn3 = turn1 + new[:1]
+    answer = decode_answer(decode.url, turn3, hand_over(prefill.url, turn3))
+    assert answer.status_code == 200, answer.text
+    assert scrape(decode.url)["tandem:kv_transfer_bytes_total"] - after_turn1 == block_bytes
+    cold = httpx.post(f"{server.url}/v1/completions", json=body(turn3), timeout=60).json()
+    assert token_ids(answer.json()) == token_ids(cold)
+    assert wait_for(lambda: scrape(prefill.url)["tandem:kv_blocks_pending_release"] == 0, 5)
+    assert scrape(decode.url)["tandem:kv_blocks_used"] == 0
