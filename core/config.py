@@ -174,8 +174,11 @@ class EngineConfig(_Section):
     packed once (16-bit weights stay 16-bit), residual add + RMSNorm, SiLU-and-mul and rotary
     each in one pass; onednn: linear layers on oneDNN's packed weights (16-bit weights on a CPU
     without instructions for them are kept in float32, twice their memory), torch for the
-    rest; torch: torch everywhere (``F.linear``; the reference); auto: tandem when its kernels
-    build, else onednn, else torch. Decode attention is the attention backend's (cpu)."""
+    rest; torch: torch everywhere (``F.linear``; the reference); auto: each linear layer shape
+    and batch-size bucket on the kernel measured fastest on this machine (timed once at the
+    first start, cached under the cache dir's kernels/ keyed by CPU, ISA, torch and threads),
+    tandem's element-wise kernels when they build. Decode attention is the attention
+    backend's (cpu)."""
     num_speculative_tokens: int = Field(0, ge=0, le=16)
     """Speculative decoding with n-gram (prompt lookup) drafts: up to this many drafts per
     decoding request (n = 1) and step, checked in one forward pass; 0 = off. Greedy output is

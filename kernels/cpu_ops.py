@@ -47,10 +47,8 @@ _ISA_FLAGS = {
 
 
 @functools.cache
-def load() -> bool:
-    """Build (once per process; the build itself is cached on disk) and register the operators.
-    True when every one of ``OPS`` is registered, False (after one warning) when they cannot be
-    built here."""
+def _build() -> tuple[str, str, list[str]]:
+    """(library name, ISA, compiler flags) of this machine's build."""
     import torch
 
     capability = torch.backends.cpu.get_cpu_capability()
@@ -58,7 +56,22 @@ def load() -> bool:
     flags = ["-O3", "-ffast-math", "-fopenmp", *_ISA_FLAGS.get(isa, [])]
     built_with = " ".join([*flags, torch.__version__, torch.__file__])
     digest = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES + HEADERS) + built_with.encode())
-    name = f"tandem_cpu_kernels_{isa.lower()}_{digest.hexdigest()[:12]}"
+    return f"tandem_cpu_kernels_{isa.lower()}_{digest.hexdigest()[:12]}", isa, flags
+
+
+def build_name() -> str:
+    """The library's name: the ISA it targets and a hash of its sources, flags and torch."""
+    return _build()[0]
+
+
+@functools.cache
+def load() -> bool:
+    """Build (once per process; the build itself is cached on disk) and register the operators.
+    True when every one of ``OPS`` is registered, False (after one warning) when they cannot be
+    built here."""
+    import torch
+
+    name, isa, flags = _build()
     t0 = time.perf_counter()
     try:
         from torch.utils.cpp_extension import load as build

@@ -3,9 +3,9 @@
 Why: ``F.linear`` on a plain row-major weight uses the FMA units poorly at decode batch sizes,
 and a CPU without bfloat16 instructions emulates bfloat16 GEMMs. ``pack_cpu_linears(model, mode)``
 runs once after the weights are loaded and gives every unquantized ``LinearLayer`` and the LM
-head a ``PackedLinear`` (``layer.packed``), which ``UnquantizedLinearMethod.apply`` and
-``LMHead.forward`` call instead; the dense weight is freed (the embedding keeps its table when
-the head is tied to it).
+head a packed weight (``layer.packed``: a ``PackedLinear``, or a ``BucketedLinear`` of two),
+which ``UnquantizedLinearMethod.apply`` and ``LMHead.forward`` call instead; the dense weight is
+freed (the embedding keeps its table when the head is tied to it).
 
 Kernels (``mode``):
 
@@ -14,8 +14,8 @@ Kernels (``mode``):
 - ``onednn``: oneDNN's reordered weights (``torch.ops.mkldnn``), in the model's dtype where the
   CPU has instructions for it, else in float32 (twice the memory of a 16-bit model);
 - ``torch``: ``F.linear`` on the plain weights — the reference the tests compare against;
-- ``auto``: ``tandem`` when its kernels build here, else ``onednn`` when torch has oneDNN, else
-  ``torch``.
+- ``auto``: each layer shape and batch-size bucket on the kernel measured fastest on this
+  machine (``tandem.models.cpu_tuning``: how, and the cache that makes it a one-time cost).
 
 Every kernel returns the input's dtype; the sums are float32 in all of them.
 """
@@ -23,11 +23,16 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
+from collections import defaultdict
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tandem.kernels import cpu_ops
+from tandem.models import cpu_tuning
+from tandem.models.cpu_tuning import M_BUCKETS, Shape, ShapeChoice, bucket_index
 
 logger = logging.getLogger("tandem")
 
@@ -47,10 +52,13 @@ class PackedLinear:
 
     @classmethod
     def pack(cls, kind: str, weight: torch.Tensor) -> PackedLinear:
-        """Pack ``weight`` [out, in] for ``kind`` ("tandem" or "onednn")."""
+        """Pack ``weight`` [out, in] for ``kind`` ("tandem", "onednn", or "torch": the weight
+        itself, multiplied by ``F.linear``)."""
         weight = weight.detach()
         n, k = weight.shape
-        if kind == "tandem":
+        if kind == "torch":
+            packed = weight
+        elif kind == "tandem":
             if not cpu_ops.load():
                 raise ValueError("tandem's CPU kernels could not be built (see the warning above)")
             panels = -(-n // PANEL)
@@ -64,7 +72,10 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if self.kind == "tandem":
+        if self.kind == "torch":
+            out = F.linear(x2 if x2.dtype == self.weight.dtype else x2.to(self.weight.dtype), self.weight,
+                           None if bias is None else bias.to(self.weight.dtype))
+        elif self.kind == "tandem":
             if x2.dtype != torch.float32 or x2.stride(-1) != 1:
                 x2 = x2.to(torch.float32).contiguous()
             out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
@@ -79,6 +90,26 @@ class PackedLinear:
         if out.dtype != x.dtype:
             out = out.to(x.dtype)
         return out.view(*lead, self.out_features)
+
+
+
+class BucketedLinear:
+    """A layer that multiplies each batch with the kernel chosen for its bucket of rows
+    (``cpu_tuning.bucket_index``): ``by_bucket[i]`` is one of the layer's packings."""
+
+    __slots__ = ("by_bucket", "out_features", "in_features")
+
+    def __init__(self, by_bucket: list[PackedLinear]) -> None:
+        self.by_bucket = by_bucket
+        self.out_features, self.in_features = by_bucket[0].out_features, by_bucket[0].in_features
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        return self.by_bucket[bucket_index(rows)](x, bias)
+
+    @property
+    def kinds(self) -> list[str]:
+        return [p.kind for p in self.by_bucket]
 
 
 @functools.cache
@@ -113,35 +144,145 @@ def resolve_kind(mode: str, device: torch.device) -> str:
     return "torch"
 
 
+def available_kinds() -> list[str]:
+    """The CPU kernels that run here, in the order of the fixed rule (the first is what
+    ``auto`` meant before kernels were measured)."""
+    return [k for k, ok in (("tandem", cpu_ops.load()), ("onednn", torch.backends.mkldnn.is_available()),
+                            ("torch", True)) if ok]
+
+
 def pack_cpu_linears(model: nn.Module, mode: str, device: torch.device) -> str:
-    """Give every unquantized linear layer of ``model`` and its LM head a ``PackedLinear`` of the
-    kernel ``mode`` resolves to (see the module doc), freeing the dense weights they replace.
-    Returns that kernel's name ("torch": nothing packed)."""
+    """Give every unquantized linear layer of ``model`` and its LM head the packed weight(s) of
+    the kernel(s) ``mode`` resolves to (see the module doc), freeing the dense weights they
+    replace. Returns that kernel's name, or "tuned" for ``auto`` ("torch": nothing packed)."""
     from tandem.models.layers import LinearLayer, LMHead
 
+    if mode not in MODES:
+        raise ValueError(f"engine.cpu_kernels = {mode!r}; allowed: {', '.join(MODES)}")
+    layers = []
+    for name, module in model.named_modules():
+        if getattr(module, "packed", None) is not None:
+            continue
+        if isinstance(module, LinearLayer) and module.quant_method.name == "unquantized" \
+                or isinstance(module, LMHead):
+            layers.append((name, module))
+    if mode == "auto" and device.type == "cpu" and len(available_kinds()) > 1:
+        if layers:
+            _pack_tuned(layers)
+        return "tuned"
     kind = resolve_kind(mode, device)
     if kind == "torch":
         return kind
-    count, dtypes = 0, set()
+    dtypes = set()
     with torch.no_grad():
-        for module in model.modules():
-            if getattr(module, "packed", None) is not None:
-                continue
-            if isinstance(module, LinearLayer) and module.quant_method.name == "unquantized":
-                dtypes.add(module.weight.dtype)
-                module.packed = PackedLinear.pack(kind, module.weight)
-                module.weight = None
-            elif isinstance(module, LMHead):
-                dtypes.add(module.weight.dtype)
-                module.packed = PackedLinear.pack(kind, module.weight)
-                if not module.tied:
-                    module.weight = None
-            else:
-                continue
-            count += 1
-    if count:
+        for _, module in layers:
+            dtypes.add(module.weight.dtype)
+            _install(module, PackedLinear.pack(kind, module.weight))
+    if layers:
         names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
         upcast = kind == "onednn" and any(onednn_dtype(d) != d for d in dtypes)
-        logger.info("linear layers: %d packed for the %s CPU kernel (%s weights%s)", count, kind, names,
+        logger.info("linear layers: %d packed for the %s CPU kernel (%s weights%s)", len(layers), kind, names,
                     ", multiplied in float32: this CPU has no instructions for them" if upcast else "")
     return kind
+
+
+def _install(module: nn.Module, packed: PackedLinear | BucketedLinear) -> None:
+    """``module`` multiplies by ``packed`` from now on; its dense weight goes unless it is a
+    tied head's (the embedding's table)."""
+    module.packed = packed
+    if not getattr(module, "tied", False):
+        module.weight = None
+
+
+def _packed_bytes(kind: str, shape: Shape) -> int:
+    if kind == "tandem":
+        return -(-shape.n // PANEL) * PANEL * shape.k * shape.dtype.itemsize
+    dtype = onednn_dtype(shape.dtype) if kind == "onednn" else shape.dtype
+    return shape.n * shape.k * dtype.itemsize
+
+
+def _pack_tuned(layers: list[tuple[str, nn.Module]]) -> None:
+    """``auto``: measure (or read from the cache) each shape's kernels, fit second packings in
+    the memory budget, pack, and log the choice per layer kind."""
+    by_shape: dict[Shape, list[tuple[str, nn.Module]]] = defaultdict(list)
+    for name, module in layers:
+        by_shape[Shape(module.weight.dtype, *module.weight.shape)].append((name, module))
+    t0 = time.perf_counter()
+    choices, measured = _choices(by_shape)
+    seconds = time.perf_counter() - t0
+    source = {None: "the CPU was busy: not measured", 0: "all from the cache"}.get(
+        measured, f"measured {measured} shape(s) in {seconds:.1f} s")
+    extra = {}
+    for shape, mods in by_shape.items():
+        for kind in choices[shape].kinds[1:]:
+            extra[(shape, kind)] = sum(0 if kind == "torch" and getattr(m, "tied", False)
+                                       else _packed_bytes(kind, shape) for _, m in mods)
+    primary_bytes = sum(_packed_bytes(choices[s].primary, s) * len(m) for s, m in by_shape.items())
+    choices = cpu_tuning.within_budget(choices, extra, int(primary_bytes * cpu_tuning.EXTRA_BYTES_SHARE))
+    with torch.no_grad():
+        for shape, mods in by_shape.items():
+            choice = choices[shape]
+            for _, module in mods:
+                packings = {k: PackedLinear.pack(k, module.weight) for k in choice.kinds}
+                packed = packings[choice.primary] if len(packings) == 1 else \
+                    BucketedLinear([packings[k] for k in choice.buckets])
+                _install(module, packed)
+    logger.info("linear layers: %d on the kernels measured fastest here (%s; %s)", len(layers), source,
+                cpu_tuning.cache_path(cpu_tuning.machine_key()))
+    for line in describe(by_shape, choices):
+        logger.info("  %s", line)
+
+
+def _choices(by_shape: dict[Shape, list[tuple[str, nn.Module]]]) -> tuple[dict[Shape, ShapeChoice], int | None]:
+    """Each shape's choice from the cache, measuring (under the cache's lock) those it lacks —
+    or, on a machine other processes keep busy, the fixed rule's kernel for them, uncached;
+    returns the choices and how many shapes were measured (None: the CPU was busy)."""
+    key = cpu_tuning.machine_key()
+    path = cpu_tuning.cache_path(key)
+    kinds = available_kinds()
+    with cpu_tuning.locked(path):
+        cached = cpu_tuning.read_cache(path)
+        missing = [s for s in by_shape if s.key not in cached or not set(cached[s.key].seconds) >= set(kinds)]
+        if not missing:
+            return {s: cached[s.key] for s in by_shape}, 0
+        busy = cpu_tuning.machine_is_busy()
+        if busy is None:
+            meter = cpu_tuning.CpuMeter()
+            measured = {s: _measure(s, by_shape[s][0][1].weight, kinds) for s in missing}
+            busy = meter.others_share()
+            if busy <= cpu_tuning.BUSY_SHARE:
+                cached.update((s.key, c) for s, c in measured.items())
+                cpu_tuning.write_cache(path, key, cached)
+                return {s: cached[s.key] for s in by_shape}, len(missing)
+    logger.warning("linear layers: other processes used %.0f%% of the CPUs while tandem meant to time "
+                   "its kernels; the %s kernel for the %d shape(s) not measured yet, measured again at "
+                   "the next start", busy * 100, kinds[0], len(missing))
+    fixed = ShapeChoice(kinds[0], (kinds[0],) * len(M_BUCKETS), {kinds[0]: [1.0] * len(M_BUCKETS)})
+    return {s: fixed if s in missing else cached[s.key] for s in by_shape}, None
+
+
+def _measure(shape: Shape, weight: torch.Tensor, kinds: list[str]) -> ShapeChoice:
+    candidates = {k: PackedLinear.pack(k, weight) for k in kinds}
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(m, shape.k, generator=gen).to(shape.dtype) for m in M_BUCKETS]
+    with torch.inference_mode():
+        return cpu_tuning.choose(cpu_tuning.measure(candidates, inputs), kinds[0])
+
+
+def describe(by_shape: dict[Shape, list[tuple[str, nn.Module]]], choices: dict[Shape, ShapeChoice]) -> list[str]:
+    """One line per layer kind (the last part of its module name) and shape: its kernel per
+    bucket of rows, e.g. "qkv_proj 576→960 bfloat16 ×30: tandem (M ≥ 2), torch (M = 1)"."""
+    lines = []
+    for shape, mods in by_shape.items():
+        kinds = defaultdict(int)
+        for name, _ in mods:
+            kinds[name.rsplit(".", 1)[-1]] += 1
+        buckets = choices[shape].buckets
+        spans = []
+        for kind in dict.fromkeys(buckets):
+            ms = [M_BUCKETS[i] for i, b in enumerate(buckets) if b == kind]
+            spans.append(kind if len(ms) == len(M_BUCKETS) else f"{kind} (M ≈ {', '.join(map(str, ms))})")
+        for layer_kind, count in kinds.items():
+            lines.append(f"{layer_kind} {shape.k}→{shape.n} {str(shape.dtype).removeprefix('torch.')} "
+                         f"×{count}: {', '.join(spans)}")
+    return lines

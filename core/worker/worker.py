@@ -22,6 +22,7 @@ from tandem.config import ConfigError, TandemConfig, parse_bytes
 from tandem.device import check_weights_fit, resolve_device, resolve_dtype
 from tandem.distributed import current
 from tandem.interfaces import KVConnector, KVPoolDescriptor
+from tandem.kernels import cpu_ops
 from tandem.models.config import ModelArchConfig, kv_bytes_per_block, kv_cache_shape
 from tandem.models.gguf_file import is_gguf
 from tandem.plugin_manager import get_registry
@@ -112,7 +113,8 @@ class Worker:
                                            attn_backend_cls=self.attn_backend_cls, quant_method=quant_method)
         logger.info("loaded %s (%s) on %s in %s in %.1f s", path, self.arch.architectures[0], self.device,
                     str(self.dtype).removeprefix("torch."), time.perf_counter() - t0)
-        cpu_kernels = pack_cpu_linears(self.model, eng.cpu_kernels, self.device) == "tandem"
+        cpu_kernels = pack_cpu_linears(self.model, eng.cpu_kernels, self.device) in ("tandem", "tuned") \
+            and cpu_ops.load()
         if cpu_kernels:
             enable_cpu_fusion(self.model)
         if self.device.type == "cuda":

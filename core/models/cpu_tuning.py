@@ -1,0 +1,280 @@
+"""CPU linear kernels chosen by measurement on the running machine (``engine.cpu_kernels = "auto"``).
+
+Which kernel multiplies fastest depends on the CPU (AVX2 only, AVX512, AVX512-BF16, AMX), the
+dtype, the layer's shape, the number of rows and the threads — a rule written on one machine is
+wrong on the next. So at load, for each distinct ``(dtype, N, K)`` of the model's unquantized
+linear layers and LM head, every available kernel (tandem's panels, oneDNN, ``F.linear``) is
+timed at each of ``M_BUCKETS`` rows, and each layer multiplies a batch with the kernel measured
+fastest for its bucket. The choice is cached on disk (``cache_dir()/kernels``), keyed by the
+CPU model, its ISA flags, the torch version, the thread count and tandem's kernel build, so a
+second start measures nothing; processes that start together measure once (a file lock).
+
+Decisions, per shape (``choose``):
+
+- The *primary* kernel is the one with the lowest geometric mean of its time over the buckets
+  relative to the fastest there. The previous fixed rule's kernel (tandem when it builds, else
+  oneDNN, else torch: ``fallback``) stays primary unless another is at least ``SWITCH_GAIN``
+  faster on that mean — timing noise on a shared machine does not flip a choice.
+- A bucket may use a second kernel when it is at least ``SECOND_GAIN`` faster there than the
+  primary. That kernel's packing is extra memory, so second packings are granted in order of
+  time saved per byte while their bytes stay within ``EXTRA_BYTES_SHARE`` of the model's
+  packed weights; a tied LM head's ``F.linear`` reuses the embedding and costs nothing.
+
+Timing (``measure``): candidates run interleaved, round after round, and each keeps its fastest
+run (the least disturbed by other processes) until every candidate has ``MIN_ROUNDS`` runs and
+the bucket's time budget is spent. Timings taken while other processes keep the CPU busy are
+wrong in a way no minimum repairs (a parallel kernel waits at every barrier for its descheduled
+thread, a single-threaded one does not), and a cached mistake would last: so measuring starts
+only when other processes use under ``BUSY_SHARE`` of the machine (``CpuMeter``), its results
+are cached only if that still held while it ran, and otherwise this start uses the fixed rule
+and the next one measures again.
+"""
+from __future__ import annotations
+
+import bisect
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("tandem")
+
+M_BUCKETS = (1, 4, 16, 64, 256)
+"""Rows a kernel is timed at; a batch of M rows uses the bucket nearest to M on a log scale."""
+SWITCH_GAIN = 1.1
+SECOND_GAIN = 1.25
+EXTRA_BYTES_SHARE = 0.25
+MIN_ROUNDS = 2
+BUCKET_BUDGET_S = 0.03
+BUSY_SHARE = 0.15
+"""Other processes' share of all CPUs above which timings are not trusted."""
+BUSY_PROBE_S = 0.05
+CACHE_VERSION = 1
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16",
+             "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
+"""The /proc/cpuinfo flags that decide which instructions a kernel can use."""
+
+
+@dataclass(slots=True, frozen=True)
+class Shape:
+    """A linear layer's weight: ``out_features`` × ``in_features`` of ``dtype``."""
+
+    dtype: torch.dtype
+    n: int
+    k: int
+
+    @property
+    def key(self) -> str:
+        return f"{str(self.dtype).removeprefix('torch.')}:{self.n}x{self.k}"
+
+
+@dataclass(slots=True)
+class ShapeChoice:
+    """The kernels of one shape: ``buckets[i]`` multiplies batches of bucket ``M_BUCKETS[i]``;
+    ``seconds[kind][i]`` is what was measured (absent when it came from the cache)."""
+
+    primary: str
+    buckets: tuple[str, ...]
+    seconds: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def kinds(self) -> list[str]:
+        """The kernels whose packings the shape keeps, primary first."""
+        return [self.primary, *sorted(set(self.buckets) - {self.primary})]
+
+    def to_json(self) -> dict:
+        return {"primary": self.primary, "buckets": list(self.buckets),
+                "us": {k: [round(s * 1e6, 2) for s in v] for k, v in self.seconds.items()}}
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> ShapeChoice:
+        """Raises ValueError (or KeyError/TypeError) for a malformed entry."""
+        buckets = tuple(str(b) for b in data["buckets"])
+        seconds = {str(k): [float(t) / 1e6 for t in v] for k, v in data["us"].items()}
+        if len(buckets) != len(M_BUCKETS) or any(len(v) != len(M_BUCKETS) for v in seconds.values()) \
+                or not {data["primary"], *buckets} <= set(seconds):
+            raise ValueError("malformed kernel choice")
+        return cls(str(data["primary"]), buckets, seconds)
+
+
+def bucket_index(rows: int) -> int:
+    """The index in ``M_BUCKETS`` of the bucket a batch of ``rows`` rows uses."""
+    return min(bisect.bisect_left(_BOUNDS, rows), len(M_BUCKETS) - 1)
+
+
+_BOUNDS = [math.sqrt(a * b) for a, b in zip(M_BUCKETS, M_BUCKETS[1:])]
+
+
+# ---------------------------------------------------------------------------- measuring
+
+
+def measure(candidates: Mapping[str, Callable[[torch.Tensor], object]], inputs: Sequence[torch.Tensor],
+            budget_s: float = BUCKET_BUDGET_S, min_rounds: int = MIN_ROUNDS,
+            clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+    """The fastest of each candidate's interleaved runs on each of ``inputs`` (one per bucket),
+    in seconds: ``{name: [seconds per input]}``. Each input gets ``min_rounds`` rounds at least
+    and more while ``budget_s`` lasts; one untimed run first (caches, lazy set-up)."""
+    best = {name: [math.inf] * len(inputs) for name in candidates}
+    for i, x in enumerate(inputs):
+        for fn in candidates.values():
+            fn(x)
+        rounds, deadline = 0, clock() + budget_s
+        while rounds < min_rounds or clock() < deadline:
+            for name, fn in candidates.items():
+                t0 = clock()
+                fn(x)
+                best[name][i] = min(best[name][i], clock() - t0)
+            rounds += 1
+    return best
+
+
+def choose(seconds: Mapping[str, Sequence[float]], fallback: str) -> ShapeChoice:
+    """The primary kernel of a shape and the faster one per bucket (before the memory budget,
+    which ``plan`` applies across shapes); see the module doc."""
+    fastest = [min(s[i] for s in seconds.values()) for i in range(len(M_BUCKETS))]
+
+    def score(kind: str) -> float:
+        ratios = [seconds[kind][i] / fastest[i] for i in range(len(M_BUCKETS))]
+        return math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+
+    primary = fallback if fallback in seconds else min(seconds, key=score)
+    best = min(seconds, key=score)
+    if score(best) * SWITCH_GAIN <= score(primary):
+        primary = best
+    buckets = []
+    for i in range(len(M_BUCKETS)):
+        quick = min(seconds, key=lambda k: seconds[k][i])
+        gain = seconds[primary][i] / seconds[quick][i]
+        buckets.append(quick if gain >= SECOND_GAIN else primary)
+    return ShapeChoice(primary, tuple(buckets), {k: list(v) for k, v in seconds.items()})
+
+
+def within_budget(choices: Mapping[Shape, ShapeChoice], extra_bytes: Mapping[tuple[Shape, str], int],
+                  budget: int) -> dict[Shape, ShapeChoice]:
+    """The choices with second packings dropped (their buckets back on the primary) wherever
+    they do not fit ``budget`` bytes: granted in order of measured time saved per byte, each
+    costing ``extra_bytes[(shape, kind)]`` (over all the layers of that shape)."""
+    offers = []
+    for shape, choice in choices.items():
+        for kind in set(choice.buckets) - {choice.primary}:
+            saved = sum(choice.seconds[choice.primary][i] - choice.seconds[kind][i]
+                        for i, b in enumerate(choice.buckets) if b == kind)
+            cost = extra_bytes[(shape, kind)]
+            offers.append((saved / max(cost, 1), cost, shape, kind))
+    granted: set[tuple[Shape, str]] = set()
+    for _, cost, shape, kind in sorted(offers, key=lambda o: -o[0]):
+        if cost <= budget:
+            budget -= cost
+            granted.add((shape, kind))
+    return {shape: ShapeChoice(c.primary, tuple(b if b == c.primary or (shape, b) in granted else c.primary
+                                                 for b in c.buckets), c.seconds)
+            for shape, c in choices.items()}
+
+
+class CpuMeter:
+    """Other processes' share of the machine's CPU time since the meter started (or was
+    ``restart``-ed): busy time of all CPUs in /proc/stat minus this process's own, over the
+    elapsed time of all CPUs. 0.0 where /proc is not readable (nothing is known to be busy)."""
+
+    def __init__(self) -> None:
+        self.restart()
+
+    def restart(self) -> None:
+        self._start = _cpu_times()
+
+    def others_share(self) -> float:
+        now = _cpu_times()
+        if now is None or self._start is None:
+            return 0.0
+        busy, total, own = (a - b for a, b in zip(now, self._start))
+        return max(busy - own, 0) / total if total > 0 else 0.0
+
+
+def _cpu_times() -> tuple[int, int, int] | None:
+    """(busy, total) clock ticks of all CPUs and this process's ticks, or None without /proc."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, ValueError, IndexError):
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = fields
+    busy = user + nice + system + irq + softirq + steal
+    return busy, busy + idle + iowait, int(own[11]) + int(own[12])
+
+
+def machine_is_busy(probe_s: float = BUSY_PROBE_S) -> float | None:
+    """Other processes' share of the CPUs over ``probe_s`` when above ``BUSY_SHARE``, else None."""
+    meter = CpuMeter()
+    time.sleep(probe_s)
+    share = meter.others_share()
+    return share if share > BUSY_SHARE else None
+
+
+# ---------------------------------------------------------------------------- the cache
+
+
+def machine_key() -> dict[str, object]:
+    """What a measurement depends on besides the shape: CPU model, ISA flags, torch version,
+    threads, and the build of tandem's kernels."""
+    from tandem.kernels import cpu_ops
+
+    model, flags = platform.processor() or platform.machine(), set()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name.strip() == "model name":
+                model = value.strip()
+            elif name.strip() in ("flags", "Features"):
+                flags = set(value.split())
+                break
+    return {"version": CACHE_VERSION, "cpu": model, "isa": sorted(flags & set(ISA_FLAGS)),
+            "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "kernels": cpu_ops.build_name() if cpu_ops.load() else None}
+
+
+def cache_path(key: Mapping[str, object]) -> Path:
+    from tandem.models.presets import cache_dir
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / "kernels" / f"linear-{digest}.json"
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``path``'s lock file: one process measures, the others wait
+    and then read what it wrote."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def read_cache(path: Path) -> dict[str, ShapeChoice]:
+    """The cached choices by ``Shape.key``; an unreadable or malformed file counts as empty."""
+    try:
+        shapes = json.loads(path.read_text())["shapes"]
+        return {key: ShapeChoice.from_json(value) for key, value in shapes.items()}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def write_cache(path: Path, key: Mapping[str, object], choices: Mapping[str, ShapeChoice]) -> None:
+    """Replace the file (a private scratch file renamed into place)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = path.with_name(f".{path.name}.{os.getpid()}")
+    scratch.write_text(json.dumps({"key": key, "shapes": {k: c.to_json() for k, c in choices.items()}},
+                                  indent=1, sort_keys=True))
+    scratch.replace(path)

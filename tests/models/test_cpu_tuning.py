@@ -1,0 +1,184 @@
+"""Linear kernels chosen by measurement (``engine.cpu_kernels = "auto"``): the timing loop against
+known sleeps, the decision rules on hand-worked times, the memory budget, the on-disk cache (a
+second start measures nothing; another thread count measures again), the busy-machine guard
+against a process that spins, and a tuned model's logits against the dense model on every
+bucket of rows."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tandem.models import cpu_tuning
+from tandem.models.cpu_linear import BucketedLinear, PackedLinear, pack_cpu_linears
+from tandem.models.cpu_tuning import M_BUCKETS, Shape, ShapeChoice, bucket_index, choose, measure, within_budget
+from tandem.models.layers import LinearLayer, LMHead
+from tests.helpers.tiny_models import load_tiny_model, tiny_model_dir
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """A private cache, and a machine taken as idle (the suite runs beside other tests)."""
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_tuning, "machine_is_busy", lambda: None)
+    monkeypatch.setattr(cpu_tuning.CpuMeter, "others_share", lambda self: 0.0)
+    return tmp_path
+
+
+def packed_layers(model):
+    return [m for m in model.modules() if isinstance(m, (LinearLayer, LMHead))]
+
+
+def kinds_of(model) -> list[list[str]]:
+    return [p.kinds if isinstance(p, BucketedLinear) else [p.kind] * len(M_BUCKETS)
+            for p in (m.packed for m in packed_layers(model))]
+
+
+def test_measure_keeps_each_candidates_fastest_run():
+    x = torch.zeros(1)
+    got = measure({"fast": lambda x: None, "slow": lambda x: time.sleep(0.002)}, [x, x], budget_s=0.01)
+    assert all(0.002 <= s < 0.05 for s in got["slow"]), got
+    assert all(s < 0.001 for s in got["fast"]), got
+
+
+def test_bucket_of_a_batch_is_the_nearest_on_a_log_scale():
+    assert [bucket_index(m) for m in (1, 2, 3, 8, 9, 31, 33, 127, 129, 4096)] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+
+
+def times(**per_kind):
+    return {k: [t * 1e-6 for t in v] for k, v in per_kind.items()}
+
+
+def test_the_fixed_rules_kernel_stays_unless_clearly_slower():
+    # onednn is 5% faster everywhere: noise, tandem stays; 30% faster everywhere: it takes over
+    close = choose(times(tandem=[100] * 5, onednn=[95] * 5), "tandem")
+    assert (close.primary, close.buckets) == ("tandem", ("tandem",) * 5)
+    clear = choose(times(tandem=[100] * 5, onednn=[70] * 5), "tandem")
+    assert (clear.primary, clear.buckets) == ("onednn", ("onednn",) * 5)
+
+
+def test_a_bucket_takes_a_second_kernel_only_when_much_faster_there():
+    # torch: 2x faster at M=1, 1.2x at M=4 (under SECOND_GAIN), 10x slower from M=16 on
+    got = choose(times(tandem=[40, 50, 100, 300, 1000], torch=[20, 42, 1000, 3000, 10000]), "tandem")
+    assert got.primary == "tandem" and got.buckets == ("torch", "tandem", "tandem", "tandem", "tandem")
+    assert got.kinds == ["tandem", "torch"]
+
+
+def test_second_packings_fit_the_memory_budget_best_saving_per_byte_first():
+    a, b = Shape(torch.float32, 8, 8), Shape(torch.float32, 16, 8)
+    ca = ShapeChoice("tandem", ("torch",) + ("tandem",) * 4, times(tandem=[50] * 5, torch=[10] * 5))  # saves 40 us
+    cb = ShapeChoice("tandem", ("torch",) + ("tandem",) * 4, times(tandem=[50] * 5, torch=[20] * 5))  # saves 30 us
+    extra = {(a, "torch"): 100, (b, "torch"): 100}
+    one = within_budget({a: ca, b: cb}, extra, budget=150)
+    assert one[a].buckets[0] == "torch" and one[b].buckets == ("tandem",) * 5
+    both = within_budget({a: ca, b: cb}, extra, budget=200)
+    assert both[a].buckets[0] == both[b].buckets[0] == "torch"
+    assert within_budget({a: ca}, extra, budget=99)[a].kinds == ["tandem"]
+
+
+def test_a_second_start_measures_nothing_and_another_thread_count_measures_again(cache_dir, monkeypatch):
+    first, _ = load_tiny_model(tiny_model_dir("llama"))
+    assert pack_cpu_linears(first, "auto", CPU) == "tuned"
+    (path,) = (cache_dir / "kernels").glob("linear-*.json")
+    saved = json.loads(path.read_text())
+    assert saved["key"]["threads"] == torch.get_num_threads() and saved["key"]["torch"] == torch.__version__
+    assert len(saved["shapes"]) == 5  # qkv, o, gate_up, down, lm_head: all distinct
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured although the cache holds every shape")
+
+    monkeypatch.setattr(cpu_tuning, "measure", no_measuring)
+    second, _ = load_tiny_model(tiny_model_dir("llama"))
+    pack_cpu_linears(second, "auto", CPU)
+    assert kinds_of(second) == kinds_of(first)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        with pytest.raises(AssertionError, match="measured although"):
+            pack_cpu_linears(load_tiny_model(tiny_model_dir("llama"))[0], "auto", CPU)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_an_unreadable_cache_is_measured_again(cache_dir):
+    model, _ = load_tiny_model(tiny_model_dir("llama"))
+    path = cpu_tuning.cache_path(cpu_tuning.machine_key())
+    path.parent.mkdir(parents=True)
+    path.write_text('{"shapes": {"float32:128x64": {"primary": "tandem"}}}')
+    pack_cpu_linears(model, "auto", CPU)
+    assert len(json.loads(path.read_text())["shapes"]) == 5
+
+
+@pytest.mark.parametrize("model_kind", ["llama", "llama_tied"])
+def test_a_model_on_mixed_kernels_keeps_its_logits_on_every_bucket(cache_dir, monkeypatch, model_kind, caplog):
+    """A cache that puts each bucket on another kernel (and no memory limit): every batch size
+    goes through the kernel its bucket names, with the dense model's values."""
+    path = tiny_model_dir(model_kind)
+    ref, _ = load_tiny_model(path)
+    model, _ = load_tiny_model(path)
+    mixed = ("torch", "tandem", "onednn", "tandem", "onednn")
+    shapes = {f"float32:{m.weight.shape[0]}x{m.weight.shape[1]}" for m in packed_layers(ref)}
+    cpu_tuning.write_cache(cpu_tuning.cache_path(cpu_tuning.machine_key()), {}, {
+        key: ShapeChoice("tandem", mixed, times(tandem=[10] * 5, onednn=[5] * 5, torch=[5] * 5)) for key in shapes})
+    monkeypatch.setattr(cpu_tuning, "EXTRA_BYTES_SHARE", 10.0)
+    with caplog.at_level(logging.INFO, logger="tandem"):
+        pack_cpu_linears(model, "auto", CPU)
+    assert "all from the cache" in caplog.text
+    assert "o_proj 64→64 float32 ×2: torch (M ≈ 1), tandem (M ≈ 4, 64), onednn (M ≈ 16, 256)" in caplog.text
+    assert all(k == list(mixed) for k in kinds_of(model))
+    head = model.lm_head
+    assert (head.weight is model.model.embed_tokens.weight) if head.tied else head.weight is None
+    with torch.inference_mode():
+        for rows in (1, 3, 20, 70, 300):
+            hidden = torch.randn(rows, model.config.hidden_size)
+            torch.testing.assert_close(model.compute_logits(hidden), ref.compute_logits(hidden), atol=1e-4, rtol=1e-4)
+            for ours, theirs in zip(packed_layers(model), packed_layers(ref)):
+                if isinstance(ours, LinearLayer):
+                    x = torch.randn(rows, theirs.input_size)
+                    torch.testing.assert_close(ours(x), theirs(x), atol=1e-4, rtol=1e-4)
+
+
+def test_the_torch_kind_multiplies_by_the_plain_weight():
+    gen = torch.Generator().manual_seed(0)
+    w, x, bias = torch.randn(30, 20, generator=gen), torch.randn(5, 20, generator=gen), torch.randn(30, generator=gen)
+    packed = PackedLinear.pack("torch", w)
+    assert packed.weight.data_ptr() == w.data_ptr()
+    torch.testing.assert_close(packed(x, bias), x @ w.t() + bias)
+
+
+def test_the_meter_sees_a_process_that_spins():
+    meter = cpu_tuning.CpuMeter()
+    spinner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 0.6\nwhile time.time() < end: pass"])
+    try:
+        time.sleep(0.5)
+        share = meter.others_share()
+    finally:
+        spinner.wait(5)
+    # the spinner keeps one CPU busy (half of it at least, beside other tests): 1 / cpu_count
+    assert 0.5 / os.cpu_count() < share <= 1.0, share
+
+
+def test_on_a_busy_machine_the_fixed_rule_is_used_and_nothing_is_cached(cache_dir, monkeypatch, caplog):
+    monkeypatch.setattr(cpu_tuning, "machine_is_busy", lambda: 0.6)
+    model, _ = load_tiny_model(tiny_model_dir("llama"))
+    with caplog.at_level(logging.INFO, logger="tandem"):
+        assert pack_cpu_linears(model, "auto", CPU) == "tuned"
+    assert all(k == ["tandem"] * len(M_BUCKETS) for k in kinds_of(model))
+    assert "other processes used 60% of the CPUs" in caplog.text and "the CPU was busy" in caplog.text
+    assert not list((cache_dir / "kernels").glob("linear-*.json"))
+
+
+def test_timings_disturbed_while_measuring_are_not_cached(cache_dir, monkeypatch):
+    monkeypatch.setattr(cpu_tuning.CpuMeter, "others_share", lambda self: 0.5)
+    model, _ = load_tiny_model(tiny_model_dir("llama"))
+    pack_cpu_linears(model, "auto", CPU)
+    assert all(k == ["tandem"] * len(M_BUCKETS) for k in kinds_of(model))
+    assert not list((cache_dir / "kernels").glob("linear-*.json"))
