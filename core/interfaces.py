@@ -471,7 +471,7 @@ class KVReadCounters:
 
 
 class KVConnector(ABC):
-    """Moves whole KV blocks between instances. It knows block ids and bytes, nothing of requests'
+    """Moves KV blocks between instances. It knows block ids and bytes, nothing of requests'
     tokens, the scheduler or the runner. Failures are states the engine polls, never exceptions
     that unwind the step loop. Built with no arguments; every method is called from the engine
     thread, except ``handshake_info``, which any thread may call once the pool is registered.
@@ -488,6 +488,9 @@ class KVConnector(ABC):
 
     ``transfer_id`` is the id the owner pinned the blocks under; the reader echoes it so the owner
     learns which blocks it may free. An owner that never hears back frees them at its own expiry.
+    Instances split differently (tensor or pipeline parallel sizes) exchange KV by shard: each
+    reading rank reads its layers and KV heads from the owner ranks that hold them
+    (``KVPoolDescriptor.shards``, ``tandem.transport.shard_plan``).
     """
 
     name: ClassVar[str] = ""
@@ -505,9 +508,10 @@ class KVConnector(ABC):
     def add_peer(self, handshake: dict[str, Any]) -> str:
         """Make the instance that produced ``handshake`` readable; returns the peer name that
         ``start_read`` takes. Idempotent: adding a known peer again is cheap and returns the same
-        name. Raises ``ValueError`` with a message naming both sides when the peer's
-        ``compat_hash`` or block size differs from this instance's: its blocks would be garbage
-        here, so no transfer may start."""
+        name. ``handshake`` may list an instance's ranks (``"ranks"``). Raises ``ValueError`` with
+        a message naming both sides when the peer's ``compat_hash`` differs from this
+        instance's, or its ranks' shards cannot give this rank's layers and KV heads: its blocks
+        would be garbage here, so no transfer may start."""
 
     @abstractmethod
     def start_read(
