@@ -38,6 +38,14 @@ def _owners_blocks(processes, block_ids) -> torch.Tensor:
     return torch.cat([torch.from_numpy(p.ask("blocks", block_ids)) for p in processes], dim=4)
 
 
+def _warm_peer(connector, handshake) -> str:
+    """The owner added and one read done (its connections made)."""
+    peer = connector.add_peer(handshake)
+    connector.start_read("warm", peer, [1], [1], deadline_s=10.0)
+    assert wait_outcomes(connector, ["warm"], 10.0) == {"warm": "done"}
+    return peer
+
+
 def test_a_tp1_rank_reads_each_head_from_the_owner_rank_that_holds_it(owner_ranks, reader):
     processes, handshake = owner_ranks
     connector, pool = reader
@@ -57,9 +65,7 @@ def test_a_tp1_rank_reads_each_head_from_the_owner_rank_that_holds_it(owner_rank
 def test_a_frozen_owner_rank_makes_the_transfer_late_then_closed(owner_ranks, reader):
     processes, handshake = owner_ranks
     connector, pool = reader
-    peer = connector.add_peer(handshake)
-    connector.start_read("warm", peer, [1], [1], deadline_s=10.0)
-    assert wait_outcomes(connector, ["warm"], 10.0) == {"warm": "done"}
+    peer = _warm_peer(connector, handshake)
     processes[1].freeze()
     connector.start_read("frozen", peer, [2, 3], [4, 5], deadline_s=1.0)
     assert wait_outcomes(connector, ["frozen"], 10.0) == {"frozen": "error:deadline"}
@@ -72,9 +78,7 @@ def test_a_frozen_owner_rank_makes_the_transfer_late_then_closed(owner_ranks, re
 def test_a_killed_owner_rank_ends_the_transfer_with_error_peer(owner_ranks, reader):
     processes, handshake = owner_ranks
     connector, _ = reader
-    peer = connector.add_peer(handshake)
-    connector.start_read("warm", peer, [1], [1], deadline_s=10.0)
-    assert wait_outcomes(connector, ["warm"], 10.0) == {"warm": "done"}
+    peer = _warm_peer(connector, handshake)
     processes[1].stop()
     connector.start_read("killed", peer, [2, 3], [4, 5], deadline_s=10.0)
     assert wait_outcomes(connector, ["killed"], 10.0) == {"killed": "error:peer"}
