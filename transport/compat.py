@@ -26,8 +26,8 @@ from tandem.transport.shard_plan import MAX_RANKS, RankPlan, RemoteRead, ShardPl
 
 HANDSHAKE_VERSION = 1
 MAX_PEER_BLOCKS = 1 << 22
-"""The most blocks a peer may advertise: a connector prepares one descriptor per peer block, so
-the count bounds what ``add_peer`` allocates before it has read a byte."""
+"""The most blocks a peer may advertise: the count bounds the pool a peer claims (and what a
+connector may prepare for it) before a byte has been read."""
 MAX_PEER_POOL_BYTES = 1 << 44
 """The largest pool a peer may advertise (16 TiB, beyond any one device's memory)."""
 
