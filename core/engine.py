@@ -160,7 +160,8 @@ class LLMEngine:
         """What two instances must share to exchange KV blocks (docs/architecture.md §2): the model
         name, dtype, KV shapes and block size, and fingerprints of the weights and the tokenizer
         (``tandem.models.fingerprint``), so that two checkpoints of one architecture, or two
-        tokenizers, never exchange KV."""
+        tokenizers, never exchange KV. The parallel sizes are not in it: instances split
+        differently read each other's KV by shard (``tandem.transport.shard_plan``)."""
         from tandem.models.fingerprint import tokenizer_fingerprint, weights_fingerprint
         from tandem.models.loader import checkpoint_files
 
@@ -174,9 +175,7 @@ class LLMEngine:
         return compat_hash(model=model, dtype=str(self.dtype).removeprefix("torch."),
                            num_layers=a.num_hidden_layers, num_kv_heads=a.num_key_value_heads,
                            head_dim=a.head_dim, block_size=self.config.engine.block_size,
-                           weights=weights, tokenizer=tokenizer,
-                           tensor_parallel_size=self.config.parallel.tensor_parallel_size,
-                           pipeline_parallel_size=self.config.parallel.pipeline_parallel_size)
+                           weights=weights, tokenizer=tokenizer)
 
     def _build_structured_outputs(self) -> StructuredOutputManager:
         """The grammars of constrained requests (the backend reads the whole vocabulary once,

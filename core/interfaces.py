@@ -355,6 +355,54 @@ def compat_hash(**fields: Any) -> str:
 
 
 @dataclass(slots=True, frozen=True)
+class KVShard:
+    """The part of the model's KV one rank's pool holds: layers ``[layer_start, layer_stop)`` (its
+    pipeline stage's) and KV heads ``[head_start, head_stop)`` (its tensor-parallel share, or a
+    replicated head) of the model's. One block of that pool is, in elements of ``itemsize``
+    bytes::
+
+        [layer_stop - layer_start][2: K, V][block_size tokens][head_stop - head_start][head_dim]
+    """
+
+    layer_start: int
+    layer_stop: int
+    head_start: int
+    head_stop: int
+    block_size: int
+    head_dim: int
+    itemsize: int
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_stop - self.layer_start
+
+    @property
+    def num_heads(self) -> int:
+        return self.head_stop - self.head_start
+
+    @property
+    def block_bytes(self) -> int:
+        return self.num_layers * 2 * self.block_size * self.num_heads * self.head_dim * self.itemsize
+
+    def to_json(self) -> list[int]:
+        return [self.layer_start, self.layer_stop, self.head_start, self.head_stop, self.block_size,
+                self.head_dim, self.itemsize]
+
+    @classmethod
+    def from_json(cls, value: Any) -> KVShard:
+        """Raises ValueError unless ``value`` is what ``to_json`` makes, with sane ranges."""
+        if not (isinstance(value, list) and len(value) == 7 and all(type(v) is int for v in value)):
+            raise ValueError(f"a KV shard is a list of 7 integers, not {value!r}"[:200])
+        shard = cls(*value)
+        if not (0 <= shard.layer_start < shard.layer_stop <= 1 << 16
+                and 0 <= shard.head_start < shard.head_stop <= 1 << 16
+                and 0 < shard.block_size <= 1 << 16 and 0 < shard.head_dim <= 1 << 16
+                and shard.itemsize in (1, 2, 4, 8)):
+            raise ValueError(f"KV shard {value!r} has an empty or insane range")
+        return shard
+
+
+@dataclass(slots=True, frozen=True)
 class KVPoolDescriptor:
     """The KV pool as a connector registers it: one contiguous buffer, block-major, each block
     ``block_bytes`` long at ``base_address + block_id * block_bytes``::
@@ -362,6 +410,10 @@ class KVPoolDescriptor:
         base_address
         |<- block 0 ->|<- block 1 ->| ... |<- block num_blocks-1 ->|
         each block = [num_layers, 2 (K, V), block_size, num_kv_heads, head_dim] elements
+
+    ``shards`` holds every rank's ``KVShard`` of the instance, in rank order, and ``rank`` is this
+    pool's rank: a connector reads from a peer split another way by them. Empty: the layout is
+    not known and only whole blocks of a peer split alike can be read.
     """
 
     base_address: int
@@ -369,24 +421,57 @@ class KVPoolDescriptor:
     block_bytes: int
     device: str
     compat_hash: str
+    shards: tuple[KVShard, ...] = ()
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.shards and not (0 <= self.rank < len(self.shards)
+                                and self.shards[self.rank].block_bytes == self.block_bytes):
+            raise ValueError(f"rank {self.rank}'s KV shard does not describe blocks of "
+                             f"{self.block_bytes} bytes")
+
+    @property
+    def shard(self) -> KVShard | None:
+        return self.shards[self.rank] if self.shards else None
 
     @classmethod
-    def for_pool(cls, pool: torch.Tensor, compat_hash: str) -> KVPoolDescriptor:
-        """Describe a contiguous block-major pool tensor ``[num_blocks, ...]``."""
+    def for_pool(cls, pool: torch.Tensor, compat_hash: str, shards: Sequence[KVShard] | None = None,
+                 rank: int = 0) -> KVPoolDescriptor:
+        """Describe a contiguous block-major pool tensor ``[num_blocks, ...]``. Without
+        ``shards``, a pool ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` is
+        one rank holding the whole model's KV; a pool of another shape has no known layout."""
         if not pool.is_contiguous():
             raise ValueError("the KV pool must be one contiguous tensor")
         num_blocks = pool.shape[0]
+        if shards is None:
+            shards = ()
+            if pool.dim() == 6 and pool.shape[2] == 2:
+                _, layers, _, block_size, heads, head_dim = pool.shape
+                shards = (KVShard(0, layers, 0, heads, block_size, head_dim, pool.element_size()),)
         return cls(
             base_address=pool.data_ptr(),
             num_blocks=num_blocks,
             block_bytes=pool.numel() * pool.element_size() // num_blocks,
             device=str(pool.device),
             compat_hash=compat_hash,
+            shards=tuple(shards),
+            rank=rank,
         )
 
 
+@dataclass(slots=True, frozen=True)
+class KVReadCounters:
+    """What one rank's connector has read since it started: ``reads`` (transfers started with at
+    least one block), ``descriptors`` (the (address, length) pairs those reads named) and
+    ``bytes_read`` (their total length: exactly the KV its shard needs of the blocks read)."""
+
+    reads: int = 0
+    descriptors: int = 0
+    bytes_read: int = 0
+
+
 class KVConnector(ABC):
-    """Moves whole KV blocks between instances. It knows block ids and bytes, nothing of requests'
+    """Moves KV blocks between instances. It knows block ids and bytes, nothing of requests'
     tokens, the scheduler or the runner. Failures are states the engine polls, never exceptions
     that unwind the step loop. Built with no arguments; every method is called from the engine
     thread, except ``handshake_info``, which any thread may call once the pool is registered.
@@ -403,6 +488,9 @@ class KVConnector(ABC):
 
     ``transfer_id`` is the id the owner pinned the blocks under; the reader echoes it so the owner
     learns which blocks it may free. An owner that never hears back frees them at its own expiry.
+    Instances split differently (tensor or pipeline parallel sizes) exchange KV by shard: each
+    reading rank reads its layers and KV heads from the owner ranks that hold them
+    (``KVPoolDescriptor.shards``, ``tandem.transport.shard_plan``).
     """
 
     name: ClassVar[str] = ""
@@ -420,9 +508,10 @@ class KVConnector(ABC):
     def add_peer(self, handshake: dict[str, Any]) -> str:
         """Make the instance that produced ``handshake`` readable; returns the peer name that
         ``start_read`` takes. Idempotent: adding a known peer again is cheap and returns the same
-        name. Raises ``ValueError`` with a message naming both sides when the peer's
-        ``compat_hash`` or block size differs from this instance's: its blocks would be garbage
-        here, so no transfer may start."""
+        name. ``handshake`` may list an instance's ranks (``"ranks"``). Raises ``ValueError`` with
+        a message naming both sides when the peer's ``compat_hash`` differs from this
+        instance's, or its ranks' shards cannot give this rank's layers and KV heads: its blocks
+        would be garbage here, so no transfer may start."""
 
     @abstractmethod
     def start_read(
@@ -457,6 +546,11 @@ class KVConnector(ABC):
     def notify_release(self, peer: str, transfer_id: str) -> None:
         """Reader side: tell ``peer`` that ``transfer_id``'s blocks will not be read (the request
         was aborted, or the prefix cache already held them). Never raises."""
+
+    def read_counters(self) -> list[KVReadCounters]:
+        """Reader side: the ``KVReadCounters`` of each rank of this instance, in rank order (one
+        for a single-process connector). Optional (the default counts nothing); never raises."""
+        return [KVReadCounters()]
 
     def remove_peer(self, peer: str) -> None:
         """Forget ``peer`` (it died, or is no longer used): its transfers end as "error:peer"

@@ -221,8 +221,8 @@ class KVTransferCoordinator:
             raise ValueError(
                 f"KV compat hash mismatch: the prefill instance {remote.engine_id!r} has "
                 f"{remote.compat_hash!r}, this decode instance {self.compat_hash!r}; both must serve "
-                "the same model and tokenizer with the same dtype, layer count, KV heads, head size, "
-                "block size, tensor_parallel_size and pipeline_parallel_size")
+                "the same model and tokenizer with the same dtype, layer count, KV heads, head size "
+                "and block size (their tensor and pipeline parallel sizes may differ)")
         reason = None
         expected = prompt_digest(prompt_token_ids, cache_salt, self.secret)
         if remote.num_tokens != len(prompt_token_ids) or not hmac.compare_digest(

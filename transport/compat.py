@@ -4,22 +4,30 @@ peer's handshake matches this instance's layout, a read names valid blocks.
 A handshake is a JSON-serialisable dict; the fields every connector writes::
 
     {"version": 1, "connector": "nixl", "agent_name": "...", "num_blocks": 4096,
-     "block_bytes": 262144, "compat_hash": "3f2a...", ...connector-specific fields}
+     "block_bytes": 262144, "compat_hash": "3f2a...", "shard": [0, 8, 0, 4, 16, 64, 4],
+     ...connector-specific fields}
 
 ``compat_hash`` comes from ``tandem.interfaces.compat_hash`` over the model, dtype, layer count,
 KV heads, head size and block size; two instances may exchange blocks only when it is equal.
+``shard`` (``KVShard.to_json``) says which layers and KV heads the pool holds; an instance of
+several ranks serves them all under ``ranks``, so that a peer split another way (other tensor or
+pipeline parallel sizes) reads each of its ranks' layers and heads where they are
+(``read_plan``, ``tandem.transport.shard_plan``).
 """
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from tandem.interfaces import KVPoolDescriptor
+import numpy as np
+
+from tandem.interfaces import KVPoolDescriptor, KVShard
+from tandem.transport.shard_plan import MAX_RANKS, RankPlan, RemoteRead, ShardPlanError, plan_rank
 
 HANDSHAKE_VERSION = 1
 MAX_PEER_BLOCKS = 1 << 22
-"""The most blocks a peer may advertise: a connector prepares one descriptor per peer block, so
-the count bounds what ``add_peer`` allocates before it has read a byte."""
+"""The most blocks a peer may advertise: the count bounds the pool a peer claims (and what a
+connector may prepare for it) before a byte has been read."""
 MAX_PEER_POOL_BYTES = 1 << 44
 """The largest pool a peer may advertise (16 TiB, beyond any one device's memory)."""
 
@@ -50,6 +58,7 @@ def check_pool(pool: Any, descriptor: KVPoolDescriptor) -> None:
 
 def base_handshake(connector: str, agent_name: str, descriptor: KVPoolDescriptor) -> dict[str, Any]:
     """The handshake fields every connector shares."""
+    shard = descriptor.shard
     return {
         "version": HANDSHAKE_VERSION,
         "connector": connector,
@@ -58,13 +67,15 @@ def base_handshake(connector: str, agent_name: str, descriptor: KVPoolDescriptor
         "block_bytes": descriptor.block_bytes,
         "device": descriptor.device,
         "compat_hash": descriptor.compat_hash,
+        "shard": shard.to_json() if shard is not None else None,
     }
 
 
 def check_handshake(local: dict[str, Any], remote: dict[str, Any]) -> None:
-    """Raise ``KVHandshakeError`` unless ``remote``'s blocks can be read into ``local``'s pool:
-    the same version, connector, parallel sizes and layout, and a pool of sane size (checked
-    before anything is allocated for it)."""
+    """Raise ``KVHandshakeError`` unless ``remote`` (one rank's handshake) comes from a peer whose
+    blocks this instance may read: the same version, connector and compat hash, a pool of sane
+    size (checked before anything is allocated for it) whose blocks its shard describes. Which
+    bytes are read is ``read_plan``'s to say."""
     peer = remote.get("agent_name")
     if not isinstance(peer, str) or not 0 < len(peer) <= 256:
         raise KVHandshakeError("a KV peer handshake's agent_name must be a string of 1 to 256 characters")
@@ -74,25 +85,64 @@ def check_handshake(local: dict[str, Any], remote: dict[str, Any]) -> None:
                 f"KV peer {peer!r} speaks {key} {remote.get(key)!r}, this instance "
                 f"{local[key]!r}: both instances must run the same tandem with the same kv_connector"
             )
-    sizes = [(h.get("tensor_parallel_size", 1), h.get("pipeline_parallel_size", 1)) for h in (remote, local)]
-    if sizes[0] != sizes[1]:
+    if remote.get("compat_hash") != local["compat_hash"]:
         raise KVHandshakeError(
-            f"KV peer {peer!r} runs tensor_parallel_size × pipeline_parallel_size = "
-            f"{sizes[0][0]} × {sizes[0][1]}, this instance {sizes[1][0]} × {sizes[1][1]}: prefill and "
-            f"decode instances must be split alike")
-    if remote.get("compat_hash") != local["compat_hash"] or remote.get("block_bytes") != local["block_bytes"]:
+            f"KV layout mismatch with peer {peer!r}: compat_hash {remote.get('compat_hash')!r} there, "
+            f"{local['compat_hash']!r} here; prefill and decode instances must serve the same model "
+            f"with the same dtype, layer count, KV heads, head size and block size")
+    block_bytes = remote.get("block_bytes")
+    shard = _shard(peer, remote)
+    if type(block_bytes) is not int or block_bytes != (shard.block_bytes if shard else local["block_bytes"]):
         raise KVHandshakeError(
-            f"KV layout mismatch with peer {peer!r}: compat_hash {remote.get('compat_hash')!r} and "
-            f"{remote.get('block_bytes')} bytes per block there, {local['compat_hash']!r} and "
-            f"{local['block_bytes']} here; prefill and decode instances must serve the same model "
-            f"with the same dtype, layer count, KV heads, head size, block size and parallel sizes"
-        )
+            f"KV layout mismatch with peer {peer!r}: {block_bytes} bytes per block there, "
+            f"{local['block_bytes']} here, and no KV shard that explains them")
     num_blocks = remote.get("num_blocks")
     if (type(num_blocks) is not int or not 1 <= num_blocks <= MAX_PEER_BLOCKS
-            or num_blocks * local["block_bytes"] > MAX_PEER_POOL_BYTES):
+            or num_blocks * block_bytes > MAX_PEER_POOL_BYTES):
         raise KVHandshakeError(
-            f"KV peer {peer!r} advertises a pool of {num_blocks!r} blocks of {local['block_bytes']} "
+            f"KV peer {peer!r} advertises a pool of {num_blocks!r} blocks of {block_bytes} "
             f"bytes; a pool holds 1 to {MAX_PEER_BLOCKS} blocks and at most {MAX_PEER_POOL_BYTES} bytes")
+
+
+def peer_ranks(local: dict[str, Any], remote: dict[str, Any]) -> list[dict[str, Any]]:
+    """The handshakes of every rank of the instance that produced ``remote`` (its "ranks", a
+    tensor- or pipeline-parallel instance's; else ``remote`` alone), each checked by
+    ``check_handshake``."""
+    ranks = remote.get("ranks", [remote])
+    if not (isinstance(ranks, list) and 1 <= len(ranks) <= MAX_RANKS
+            and all(isinstance(r, dict) for r in ranks)):
+        raise KVHandshakeError(f"a KV peer handshake's ranks must be a list of 1 to {MAX_RANKS} handshakes")
+    for rank in ranks:
+        check_handshake(local, rank)
+    return ranks
+
+
+def read_plan(descriptor: KVPoolDescriptor, ranks: list[dict[str, Any]]) -> RankPlan:
+    """What this rank (``descriptor``'s) reads of the peer whose checked rank handshakes are
+    ``ranks`` (``tandem.transport.shard_plan``). Pools of no known layout read whole blocks of a
+    one-rank peer alike. Raises ``KVHandshakeError`` with the reason a split cannot work."""
+    remote = [KVShard.from_json(r["shard"]) if r.get("shard") is not None else None for r in ranks]
+    if descriptor.shards and None not in remote:
+        try:
+            return plan_rank(list(descriptor.shards), descriptor.rank, remote)
+        except ShardPlanError as exc:
+            raise KVHandshakeError(f"KV peer {ranks[0]['agent_name']!r}: {exc}") from None
+    if len(ranks) != 1 or len(descriptor.shards) > 1 or ranks[0]["block_bytes"] != descriptor.block_bytes:
+        raise KVHandshakeError(
+            f"KV peer {ranks[0]['agent_name']!r} has {len(ranks)} ranks of {ranks[0]['block_bytes']} bytes "
+            f"per block, this instance {max(len(descriptor.shards), 1)} of {descriptor.block_bytes}, and "
+            "one of them does not say which layers and KV heads its pool holds")
+    return RankPlan((RemoteRead(0, np.zeros((1, 2), dtype=np.int64), descriptor.block_bytes),), {0: 1})
+
+
+def _shard(peer: str, handshake: dict[str, Any]) -> KVShard | None:
+    value = handshake.get("shard")
+    if value is None:
+        return None
+    try:
+        return KVShard.from_json(value)
+    except ValueError as exc:
+        raise KVHandshakeError(f"KV peer {peer!r}: {exc}") from None
 
 
 def check_read(

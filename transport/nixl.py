@@ -1,20 +1,24 @@
-"""The "nixl" KV connector: one-sided READs of whole KV blocks through a NIXL agent (UCX backend).
+"""The "nixl" KV connector: one-sided READs of KV blocks through a NIXL agent (UCX backend).
 
 Set-up, once per instance and once per peer::
 
     register_pool     a NIXL agent (UCX backend, ``tandem.transport.nixl_agent``) registers the
-                      whole pool as one region: host memory → "DRAM", CUDA → "VRAM"; the local
-                      descriptor list is prepared once, one descriptor per block:
-                      (base + i * block_bytes, block_bytes, device) for i in 0..num_blocks-1
-    handshake_info    agent metadata (base64), base address, layout, compat_hash (cached)
-    add_peer          load the peer's agent metadata; its descriptor list prepared the same way
+                      whole pool as one region: host memory → "DRAM", CUDA → "VRAM"
+    handshake_info    agent metadata (base64), base address, layout and shard, compat_hash
+    add_peer          the peer's ranks (``tandem.transport.compat.peer_ranks``: one, or a
+                      tensor/pipeline-parallel instance's every rank), this rank's read plan
+                      (``tandem.transport.shard_plan``), and the metadata of each remote agent
+                      the plan reads from or notifies
 
-Per request, ``start_read`` makes one prepared READ of exactly the given blocks (descriptor
-``remote[i]`` into ``local[i]``) with the transfer id as its notification, and posts it; ``poll``
-checks each transfer's state. The owner receives the notification once the reader's data has
-arrived and learns the id through ``get_notifications``. Between two processes of one host UCX
-reads through shared memory (cma) inside ``start_read`` itself, at about a single-threaded
-memcpy's speed; over TCP the read runs in the background.
+Per request, ``start_read`` makes one READ per remote rank of the plan, of exactly the bytes it
+names in the given blocks: one descriptor per block when the two ranks hold the same layers and
+heads (instances split alike), else one per (layer, K/V, token) run of the heads this rank owns
+— always exactly this rank's KV, never a staging copy. Each read carries the notification
+``tandem.transport.notify`` encodes; a remote rank the plan names but reads nothing from gets it
+by ``genNotif`` instead. ``poll`` reports a transfer once each of its reads ended. The owner
+learns a transfer id through ``get_notifications`` once every reader of each rank told it.
+Between two processes of one host UCX reads through shared memory (cma) inside ``start_read``
+itself, at about a single-threaded memcpy's speed; over TCP the read runs in the background.
 
 Failures, as seen on loopback TCP and shared memory: a killed peer raises
 ``nixlRemoteDisconnectError`` within milliseconds ("error:peer"); a frozen peer leaves a transfer in
@@ -24,50 +28,59 @@ resumes still delivers the whole read into the local blocks, whether the request
 (cancelled) first or the peer's metadata invalidated. So a transfer past its deadline is not
 released: its request stays watched, and once it reports done (the late data arrived) or the peer
 is gone (a killed peer's pending read writes nothing), ``poll`` reports the transfer "closed" and
-its local blocks become the caller's.
+its local blocks become the caller's. For the same reason a transfer one of whose reads failed
+is reported only once its other reads ended too.
 """
 from __future__ import annotations
 
 import base64
+import hashlib
+import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from tandem.interfaces import KVConnector, KVPoolDescriptor
-from tandem.transport.compat import KVHandshakeError, base_handshake, check_handshake, check_pool, check_read
+from tandem.interfaces import KVConnector, KVPoolDescriptor, KVReadCounters
+from tandem.transport.compat import KVHandshakeError, base_handshake, check_pool, check_read, peer_ranks, read_plan
 from tandem.transport.nixl_agent import NixlAgent, back_with_huge_pages
+from tandem.transport.notify import NotificationTally, encode
+from tandem.transport.shard_plan import RankPlan, transfer_descs
 
 logger = logging.getLogger("tandem.transport")
 
 _PEER_FIELDS = ("agent_metadata", "base_address", "mem_type", "device_id")
 
 
-def _block_descs(base_address: int, num_blocks: int, block_bytes: int, device_id: int) -> np.ndarray:
-    """One descriptor (address, length, device) per block of a block-major pool."""
-    descs = np.empty((num_blocks, 3), dtype=np.uint64)
-    descs[:, 0] = base_address + np.arange(num_blocks, dtype=np.uint64) * np.uint64(block_bytes)
-    descs[:, 1] = block_bytes
-    descs[:, 2] = device_id
-    return descs
+@dataclass(slots=True, frozen=True)
+class _RemoteRank:
+    agent: str
+    base_address: int
+    block_bytes: int
+    mem_type: str
+    device_id: int
 
 
 @dataclass(slots=True)
 class _Peer:
     name: str
-    metadata: str
+    key: str
+    """A digest of every rank's handshake: a restarted rank (new agent metadata) changes it."""
     num_blocks: int
-    dlist: int
+    ranks: list[_RemoteRank]
+    plan: RankPlan
+    agents: list[str]
+    """The remote agents loaded for this peer (the plan's readers and notified ranks)."""
 
 
 @dataclass(slots=True)
 class _Transfer:
     peer: str
-    request: int
+    requests: list[int]
     deadline: float
+    failed: str | None = None
+    """The failure of a read that could not be posted (its siblings were)."""
 
 
 class NixlConnector(KVConnector):
@@ -82,14 +95,17 @@ class NixlConnector(KVConnector):
         self._agent: NixlAgent | None = None
         self._pool: Any = None
         self._registration: Any = None
-        self._local_dlist = 0
-        self._num_blocks = 0
+        self._descriptor: KVPoolDescriptor | None = None
+        self._mem_type = "DRAM"
+        self._device_id = 0
         self._handshake: dict[str, Any] = {}
         self._peers: dict[str, _Peer] = {}
         self._transfers: dict[str, _Transfer] = {}
         self._late: dict[str, _Transfer] = {}  # past their deadline, still watched
         self._finished: dict[str, str] = {}
         self._unreleased: list[int] = []
+        self._tally = NotificationTally()
+        self._counters = KVReadCounters()
 
     # ------------------------------------------------------------------ set-up
 
@@ -104,11 +120,8 @@ class NixlConnector(KVConnector):
             back_with_huge_pages(descriptor.base_address, descriptor.num_blocks * descriptor.block_bytes)
         self._registration = agent.register(
             descriptor.base_address, descriptor.num_blocks * descriptor.block_bytes, device_id, mem_type)
-        descs = _block_descs(descriptor.base_address, descriptor.num_blocks,
-                             descriptor.block_bytes, device_id)
-        self._local_dlist = agent.prep_dlist(None, descs, mem_type)
-        self._agent, self._pool = agent, pool
-        self._num_blocks = descriptor.num_blocks
+        self._agent, self._pool, self._descriptor = agent, pool, descriptor
+        self._mem_type, self._device_id = mem_type, device_id
         self._handshake = base_handshake(self.name, self.agent_name, descriptor) | {
             "agent_metadata": base64.b64encode(agent.metadata()).decode("ascii"),
             "base_address": descriptor.base_address,
@@ -122,26 +135,32 @@ class NixlConnector(KVConnector):
 
     def add_peer(self, handshake: dict[str, Any]) -> str:
         self._require_pool()
-        check_handshake(self._handshake, handshake)
-        missing = [key for key in _PEER_FIELDS if key not in handshake]
-        if missing:
-            raise KVHandshakeError(f"KV peer handshake lacks {missing}")
-        name = handshake["agent_name"]
+        ranks = peer_ranks(self._handshake, handshake)
+        for rank in ranks:
+            missing = [key for key in _PEER_FIELDS if key not in rank]
+            if missing:
+                raise KVHandshakeError(f"KV peer handshake lacks {missing}")
+        name = ranks[0]["agent_name"]
+        key = hashlib.sha256(json.dumps(ranks, sort_keys=True, default=str).encode()).hexdigest()
         known = self._peers.get(name)
-        if known is not None and known.metadata == handshake["agent_metadata"]:
+        if known is not None and known.key == key:
             return name
+        plan = read_plan(self._descriptor, ranks)
         if known is not None:  # the same name restarted: its old endpoints are dead
             self._drop_peer(known)
+        remote = [_RemoteRank(r["agent_name"], r["base_address"], r["block_bytes"], r["mem_type"],
+                              r["device_id"]) for r in ranks]
+        agents: list[str] = []
         try:
-            loaded = self._agent.load_peer(base64.b64decode(handshake["agent_metadata"]))
-            if loaded != name:
-                raise ValueError(f"its metadata names agent {loaded!r}")
-            descs = _block_descs(handshake["base_address"], handshake["num_blocks"],
-                                 handshake["block_bytes"], handshake["device_id"])
-            dlist = self._agent.prep_dlist(name, descs, handshake["mem_type"])
+            for index in sorted({read.remote_rank for read in plan.reads} | plan.notify.keys()):
+                loaded = self._agent.load_peer(base64.b64decode(ranks[index]["agent_metadata"]))
+                agents.append(loaded)
+                if loaded != remote[index].agent:
+                    raise ValueError(f"its metadata names agent {loaded!r}")
         except Exception as exc:
+            self._forget_agents(agents)
             raise KVHandshakeError(f"cannot load KV peer {name!r}: {type(exc).__name__}: {exc}") from exc
-        self._peers[name] = _Peer(name, handshake["agent_metadata"], handshake["num_blocks"], dlist)
+        self._peers[name] = _Peer(name, key, min(r["num_blocks"] for r in ranks), remote, plan, agents)
         return name
 
     # ------------------------------------------------------------------ reader side
@@ -157,7 +176,7 @@ class NixlConnector(KVConnector):
         self._require_pool()
         known = self._peers.get(peer)
         check_read(transfer_id, remote_block_ids, local_block_ids,
-                   known.num_blocks if known else None, self._num_blocks,
+                   known.num_blocks if known else None, self._descriptor.num_blocks,
                    self._transfers.keys() | self._late.keys() | self._finished.keys())
         if known is None:
             self._finished[transfer_id] = "error:peer"
@@ -166,19 +185,26 @@ class NixlConnector(KVConnector):
             self.notify_release(peer, transfer_id)
             self._finished[transfer_id] = "done"
             return
+        transfer = _Transfer(peer, [], time.monotonic() + deadline_s)
         try:
-            request = self._agent.make_read(self._local_dlist, list(local_block_ids), known.dlist,
-                                            list(remote_block_ids), transfer_id.encode())
+            for read in known.plan.reads:
+                transfer.requests.append(
+                    self._post_read(known, read, transfer_id, remote_block_ids, local_block_ids))
         except Exception as exc:
-            self._finished[transfer_id] = self._error_of(exc, transfer_id)
+            transfer.failed = self._error_of(exc, transfer_id)
+            if not transfer.requests:
+                self._finished[transfer_id] = transfer.failed
+                return
+            # the reads already posted may still land: reported once they ended, as any failure
+        self._notify_unread(known, transfer_id)
+        self._transfers[transfer_id] = transfer
+        if transfer.failed is not None:
             return
-        try:
-            self._agent.post(request)
-        except Exception as exc:
-            self._release(request)
-            self._finished[transfer_id] = self._error_of(exc, transfer_id)
-            return
-        self._transfers[transfer_id] = _Transfer(peer, request, time.monotonic() + deadline_s)
+        plan = known.plan
+        self._counters = KVReadCounters(
+            self._counters.reads + 1,
+            self._counters.descriptors + plan.descriptors_per_block * len(local_block_ids),
+            self._counters.bytes_read + plan.bytes_per_block * len(local_block_ids))
 
     def poll(self) -> dict[str, str]:
         changed, self._finished = self._finished, {}
@@ -192,15 +218,18 @@ class NixlConnector(KVConnector):
                     changed[transfer_id] = "error:deadline"
                 continue
             del self._transfers[transfer_id]
-            self._release(transfer.request)
+            self._release_all(transfer)
             changed[transfer_id] = {"DONE": "done", "ERR": "error:peer"}.get(state, state)
         for transfer_id, transfer in list(self._late.items()):
             if self._state(transfer_id, transfer) != "PROC":
                 del self._late[transfer_id]
-                self._release(transfer.request)
+                self._release_all(transfer)
                 changed[transfer_id] = "closed"
         self._retry_releases()
         return changed
+
+    def read_counters(self) -> list[KVReadCounters]:
+        return [self._counters]
 
     def remove_peer(self, peer: str) -> None:
         known = self._peers.get(peer)
@@ -208,10 +237,11 @@ class NixlConnector(KVConnector):
             self._drop_peer(known)
 
     def notify_release(self, peer: str, transfer_id: str) -> None:
-        try:
-            self._agent.notify(peer, transfer_id.encode())
-        except Exception as exc:
-            logger.warning("cannot notify KV peer %r of %r: %s", peer, transfer_id, exc)
+        known = self._peers.get(peer)
+        if known is None:
+            return
+        for index, count in known.plan.notify.items():
+            self._notify(known.ranks[index].agent, transfer_id, count)
 
     # ------------------------------------------------------------------ owner side
 
@@ -223,7 +253,7 @@ class NixlConnector(KVConnector):
         except Exception as exc:
             logger.warning("cannot read KV notifications: %s", exc)
             return []
-        return [message.decode() for message in messages]
+        return self._tally.add(messages)
 
     # ------------------------------------------------------------------ teardown
 
@@ -231,13 +261,12 @@ class NixlConnector(KVConnector):
         if self._agent is None:
             return
         for transfer in (*self._transfers.values(), *self._late.values()):
-            self._release(transfer.request)
+            self._release_all(transfer)
         self._transfers.clear()
         self._late.clear()
         for peer in list(self._peers.values()):
             self._drop_peer(peer)
         self._retry_releases()
-        self._agent.release_dlist(self._local_dlist)
         self._agent.deregister(self._registration)
         self._agent = self._registration = self._pool = None
 
@@ -247,17 +276,60 @@ class NixlConnector(KVConnector):
         if self._agent is None:
             raise RuntimeError(f"connector {self.agent_name!r}: call register_pool first")
 
-    def _state(self, transfer_id: str, transfer: _Transfer) -> str:
+    def _post_read(self, peer: _Peer, read: Any, transfer_id: str, remote_block_ids: list[int],
+                   local_block_ids: list[int]) -> int:
+        remote = peer.ranks[read.remote_rank]
+        local = self._descriptor
+        local_descs = transfer_descs(local.base_address, local.block_bytes, local_block_ids,
+                                     read.segments[:, 0], read.run_bytes, self._device_id)
+        remote_descs = transfer_descs(remote.base_address, remote.block_bytes, remote_block_ids,
+                                      read.segments[:, 1], read.run_bytes, remote.device_id)
+        request = self._agent.create_read(local_descs, self._mem_type, remote.agent, remote_descs,
+                                          remote.mem_type,
+                                          encode(transfer_id, peer.plan.notify[read.remote_rank]))
         try:
-            return self._agent.state(transfer.request)
+            self._agent.post(request)
+        except Exception:
+            self._release(request)
+            raise
+        return request
+
+    def _notify_unread(self, peer: _Peer, transfer_id: str) -> None:
+        """The remote ranks this rank must notify but reads nothing from."""
+        read = {r.remote_rank for r in peer.plan.reads}
+        for index, count in peer.plan.notify.items():
+            if index not in read:
+                self._notify(peer.ranks[index].agent, transfer_id, count)
+
+    def _notify(self, agent: str, transfer_id: str, count: int) -> None:
+        try:
+            self._agent.notify(agent, encode(transfer_id, count))
         except Exception as exc:
-            return self._error_of(exc, transfer_id)
+            logger.warning("cannot notify KV peer %r of %r: %s", agent, transfer_id, exc)
+
+    def _state(self, transfer_id: str, transfer: _Transfer) -> str:
+        """"PROC" while any read of the transfer runs; then "DONE" or the first failure."""
+        states = []
+        for request in transfer.requests:
+            try:
+                states.append(self._agent.state(request))
+            except Exception as exc:
+                states.append(self._error_of(exc, transfer_id))
+        if "PROC" in states:
+            return "PROC"
+        if transfer.failed is not None:
+            return transfer.failed
+        return next((state for state in states if state != "DONE"), "DONE")
 
     def _error_of(self, exc: Exception, transfer_id: str) -> str:
         if isinstance(exc, self._agent.peer_errors):
             return "error:peer"
         logger.warning("KV transfer %r failed: %s: %s", transfer_id, type(exc).__name__, exc)
         return "error:transfer"
+
+    def _release_all(self, transfer: _Transfer) -> None:
+        for request in transfer.requests:
+            self._release(request)
 
     def _release(self, request: int) -> None:
         try:
@@ -276,11 +348,14 @@ class NixlConnector(KVConnector):
             for transfer_id, transfer in list(transfers.items()):
                 if transfer.peer == peer.name:
                     del transfers[transfer_id]
-                    self._release(transfer.request)
+                    self._release_all(transfer)
                     self._finished[transfer_id] = outcome
         del self._peers[peer.name]
-        self._agent.release_dlist(peer.dlist)
-        try:
-            self._agent.drop_peer(peer.name)
-        except Exception as exc:
-            logger.warning("cannot remove KV peer %r: %s", peer.name, exc)
+        self._forget_agents(peer.agents)
+
+    def _forget_agents(self, agents: list[str]) -> None:
+        for agent in agents:
+            try:
+                self._agent.drop_peer(agent)
+            except Exception as exc:
+                logger.warning("cannot remove KV peer %r: %s", agent, exc)

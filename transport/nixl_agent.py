@@ -106,24 +106,14 @@ class NixlAgent:
     def drop_peer(self, name: str) -> None:
         self._agent.invalidateRemoteMD(name)
 
-    def prep_dlist(self, agent_name: str | None, descs: np.ndarray, mem_type: str) -> int:
-        """Prepare descriptors ``descs[i] = (address, length, device)`` of the remote agent
-        ``agent_name``, or of this agent's own memory when it is None; returns a handle for
-        ``make_read``."""
-        dlist = self._nb.nixlXferDList(self._segment(mem_type), descs)
-        owner = self._nb.NIXL_INIT_AGENT if agent_name is None else agent_name
-        return self._agent.prepXferDlist(owner, dlist)
-
-    def release_dlist(self, handle: int) -> None:
-        self._agent.releasedDlistH(handle)
-
-    def make_read(self, local: int, local_indices: list[int], remote: int,
-                  remote_indices: list[int], notification: bytes) -> int:
-        """A READ of ``remote[remote_indices[i]]`` into ``local[local_indices[i]]``; the remote
-        agent receives ``notification`` once the data has arrived. Returns the request handle,
-        which ``release`` must free whatever becomes of it."""
-        return self._agent.makeXferReq(self._nb.NIXL_READ, local, local_indices, remote,
-                                       remote_indices, notification)
+    def create_read(self, local_descs: np.ndarray, local_mem_type: str, remote_agent: str,
+                    remote_descs: np.ndarray, remote_mem_type: str, notification: bytes) -> int:
+        """A READ of the remote agent's ``remote_descs[i] = (address, length, device)`` into this
+        agent's ``local_descs[i]``; the remote agent receives ``notification`` once the data has
+        arrived. Returns the request handle, which ``release`` must free whatever becomes of it."""
+        local = self._nb.nixlXferDList(self._segment(local_mem_type), local_descs)
+        remote = self._nb.nixlXferDList(self._segment(remote_mem_type), remote_descs)
+        return self._agent.createXferReq(self._nb.NIXL_READ, local, remote, remote_agent, notification)
 
     def post(self, request: int) -> None:
         """Start the request; raises one of ``peer_errors`` when the peer is gone. Between two

@@ -15,6 +15,11 @@ and one reader process (both spawned here, talking JSON lines over their stdin/s
                                a veth bridge, tandem.bench.netns; needs root): TCP across the
                                bridge, whose counters show the bytes that reached the reader's host
 
+``--reader-tp N`` makes the reader tensor rank 0 of a tp=N decode instance reading from a tp=1
+owner: its pool holds 1/N of the KV heads and it reads exactly those, one descriptor per
+(layer, K/V, token) run instead of one per block (``tandem.transport.shard_plan``); the copy
+baseline then copies the same strided heads.
+
 ``--hosts auto`` (the default) measures the last route where namespaces can be made and says why
 not elsewhere; ``--hosts netns`` requires it; ``--hosts none`` skips it.
 
@@ -56,14 +61,36 @@ class Layout:
     block_size: int
     num_kv_heads: int
     head_dim: int
+    reader_tp: int = 1
+    """The reader is tensor rank 0 of this many: it holds and reads num_kv_heads / reader_tp heads."""
 
     @property
     def shape(self) -> tuple[int, ...]:
         return (self.num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
+    def reader_heads(self) -> int:
+        return self.num_kv_heads // self.reader_tp
+
+    @property
+    def reader_shape(self) -> tuple[int, ...]:
+        return (*self.shape[:4], self.reader_heads, self.head_dim)
+
+    @property
     def block_bytes(self) -> int:
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * 4
+
+    @property
+    def read_bytes(self) -> int:
+        """Bytes of one block the reader reads: its heads."""
+        return self.block_bytes // self.reader_tp
+
+    def reader_shards(self) -> list:
+        from tandem.interfaces import KVShard
+
+        h = self.reader_heads
+        return [KVShard(0, self.num_layers, r * h, (r + 1) * h, self.block_size, self.head_dim, 4)
+                for r in range(self.reader_tp)]
 
 
 Request = tuple[list[int], list[int]]
@@ -95,6 +122,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--reader-tp", type=int, default=1, help="the reader is tensor rank 0 of this "
+                   "many, reading its share of the KV heads from a tp=1 owner (default: 1, whole "
+                   "blocks)")
     p.add_argument("--repeats", type=int, default=20, help="measured rounds of each (default: 20)")
     p.add_argument("--warmup", type=int, default=3, help="unmeasured rounds first (default: 3)")
     p.add_argument("--copy-threads", type=int, default=1, help="torch threads of the copy (default: "
@@ -107,7 +137,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    layout = Layout(args.pool_blocks, args.num_layers, args.block_size, args.num_kv_heads, args.head_dim)
+    layout = Layout(args.pool_blocks, args.num_layers, args.block_size, args.num_kv_heads, args.head_dim,
+                    args.reader_tp)
+    if args.reader_tp < 1 or args.num_kv_heads % args.reader_tp:
+        raise SystemExit(f"--reader-tp {args.reader_tp} must divide --num-kv-heads {args.num_kv_heads}")
     num_blocks = -(-args.prompt_tokens // args.block_size)
     if num_blocks > layout.num_blocks:
         raise SystemExit(f"--prompt-tokens {args.prompt_tokens} needs {num_blocks} blocks; "
@@ -116,10 +149,16 @@ def run(args: argparse.Namespace) -> int:
     requests = [(rng.sample(range(layout.num_blocks), num_blocks),
                  rng.sample(range(layout.num_blocks), num_blocks))
                 for _ in range(args.warmup + args.repeats)]
-    nbytes = num_blocks * layout.block_bytes
+    nbytes = num_blocks * layout.read_bytes
     print(f"KV hand-over: {num_blocks} scattered blocks ({args.prompt_tokens} tokens) of "
-          f"{layout.block_bytes // 1024} KiB = {nbytes / 2**20:.1f} MiB; median of {args.repeats} "
-          f"rounds after {args.warmup} warm-up, the copy and each route alternating", flush=True)
+          f"{layout.block_bytes // 1024} KiB = {num_blocks * layout.block_bytes / 2**20:.1f} MiB; median of "
+          f"{args.repeats} rounds after {args.warmup} warm-up, the copy and each route alternating", flush=True)
+    if layout.reader_tp > 1:
+        runs = num_blocks * layout.num_layers * 2 * layout.block_size
+        print(f"  reader: tensor rank 0 of {layout.reader_tp}, {layout.reader_heads} of "
+              f"{layout.num_kv_heads} KV heads: {runs} descriptors of "
+              f"{layout.reader_heads * layout.head_dim * 4} bytes = {nbytes / 2**20:.1f} MiB per read",
+              flush=True)
     with contextlib.ExitStack() as stack:
         try:
             hosts = _test_hosts(args.hosts, stack)
@@ -195,13 +234,14 @@ class TorchCopy:
 
         torch.set_num_threads(threads)
         self.src = torch.randn(layout.shape)
-        self.dst = torch.zeros(layout.shape)
+        self.dst = torch.zeros(layout.reader_shape)
+        self.heads = layout.reader_heads
 
     def time(self, request: Request) -> float:
         remote_ids, local_ids = request
         started = time.perf_counter()
         for remote_id, local_id in zip(remote_ids, local_ids):
-            self.dst[local_id].copy_(self.src[remote_id])
+            self.dst[local_id].copy_(self.src[remote_id, :, :, :, :self.heads])
         return time.perf_counter() - started
 
 
@@ -295,14 +335,15 @@ def _compat(layout: Layout) -> str:
 
 
 @contextlib.contextmanager
-def _registered(name: str, layout: Layout, pool) -> Iterator:
-    """Connector ``name`` with ``pool`` (of ``layout``) registered, closed at the end."""
+def _registered(name: str, layout: Layout, pool, shards=None) -> Iterator:
+    """Connector ``name`` with ``pool`` (of ``layout``; rank 0 of ``shards`` when given)
+    registered, closed at the end."""
     from tandem.interfaces import KVPoolDescriptor
     from tandem.plugin_manager import get_registry
 
     connector = get_registry().get("kv_connector", name)()
     try:
-        connector.register_pool(pool, KVPoolDescriptor.for_pool(pool, _compat(layout)))
+        connector.register_pool(pool, KVPoolDescriptor.for_pool(pool, _compat(layout), shards))
         yield connector
     finally:
         connector.close()
@@ -323,8 +364,9 @@ def _read_pool(name: str, layout: Layout, seed: int) -> None:
     ``{"seconds": S}`` (from ``start_read`` to "done", bytes checked) or ``{"error": ...}``."""
     import torch
 
-    expected, pool = seeded_pool(layout, seed), torch.zeros(layout.shape)
-    with _registered(name, layout, pool) as connector:
+    expected = seeded_pool(layout, seed)[:, :, :, :, :layout.reader_heads]
+    pool = torch.zeros(layout.reader_shape)
+    with _registered(name, layout, pool, layout.reader_shards()) as connector:
         try:
             peer = connector.add_peer(json.loads(sys.stdin.readline()))
         except Exception as exc:  # noqa: BLE001 — reported to the bench, which stops
@@ -333,12 +375,15 @@ def _read_pool(name: str, layout: Layout, seed: int) -> None:
         print(json.dumps({"ready": True}), flush=True)
         for line in sys.stdin:
             ask = json.loads(line)
-            print(json.dumps(_one_read(connector, peer, pool, expected, ask)), flush=True)
+            print(json.dumps(_one_read(connector, peer, pool, expected, ask, layout.read_bytes)), flush=True)
 
 
-def _one_read(connector, peer: str, pool, expected, ask: dict) -> dict:
+def _one_read(connector, peer: str, pool, expected, ask: dict, read_bytes: int) -> dict:
+    """One read, checked: the owner's bytes of the reader's heads, and no more bytes read (the
+    connector's counters) than those."""
     import torch
 
+    counted = connector.read_counters()[0].bytes_read
     started = time.perf_counter()
     connector.start_read(ask["id"], peer, ask["remote"], ask["local"], deadline_s=_READ_TIMEOUT_S)
     outcome: dict[str, str] = {}
@@ -349,6 +394,9 @@ def _one_read(connector, peer: str, pool, expected, ask: dict) -> dict:
         return {"error": f"{ask['id']}: {outcome}"}
     if not torch.equal(pool[ask["local"]], expected[ask["remote"]]):
         return {"error": f"{ask['id']} returned other bytes than the owner's blocks"}
+    counted = connector.read_counters()[0].bytes_read - counted
+    if counted != len(ask["local"]) * read_bytes:
+        return {"error": f"{ask['id']} read {counted} bytes, not {len(ask['local'])} × {read_bytes}"}
     return {"seconds": seconds}
 
 

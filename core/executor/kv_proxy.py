@@ -1,29 +1,29 @@
 """Disaggregation under tensor and pipeline parallelism: one ``KVConnector`` in the engine
 process that stands for every rank's.
 
-Each rank's worker registers its slice of the KV pool (its stage's layers, its KV heads) with a
-connector of its own; block ids are the same on every rank, so a hand-over moves block ``b`` of
-rank ``r`` on the prefill instance into block ``b'`` of rank ``r`` on the decode instance, for
-every rank. ``RankedConnector`` forwards each call to every rank (through the executor's
-channel: ``call_ranks``) and merges the answers::
+Each rank's worker registers its slice of the KV pool (its stage's layers, its KV heads: its
+``KVShard``, with every rank's in the descriptor) with a connector of its own; block ids are the
+same on every rank. ``RankedConnector`` forwards each call to every rank (through the
+executor's channel: ``call_ranks``) and merges the answers::
 
     handshake_info   rank 0's fields, plus "ranks" (every rank's handshake) and the parallel
-                     sizes; a peer of other sizes is refused at add_peer, naming both
-    start_read       rank r reads the peer's rank r
+                     sizes
+    add_peer         every rank gets the peer's whole handshake and reads the layers and heads
+                     of its shard from the peer's ranks that hold them
+                     (``tandem.transport.shard_plan``): the peer may be split another way
+    start_read       every rank reads its share of the blocks
     poll             a transfer is "done" once every rank's read is; "error:<reason>" once every
                      rank's read ended and one failed ("error:deadline" when any rank's ran past
                      its deadline, then "closed" once each of those is closed)
-    get_notifications  a transfer id once every rank's reader has told its owner rank
-
-The prefill and decode instances must have the same ``tensor_parallel_size`` and
-``pipeline_parallel_size``; the compatibility hash covers both too.
+    get_notifications  a transfer id once each rank's connector has heard from all its readers
+    read_counters    every rank's, in rank order
 """
 from __future__ import annotations
 
 from collections import Counter
 from typing import Any, Callable
 
-from tandem.interfaces import KVConnector
+from tandem.interfaces import KVConnector, KVReadCounters
 
 DONE, DEADLINE, CLOSED = "done", "error:deadline", "closed"
 MAX_PARTIAL_NOTIFICATIONS = 65536
@@ -59,14 +59,7 @@ class RankedConnector(KVConnector):
         return dict(self._handshake)
 
     def add_peer(self, handshake: dict[str, Any]) -> str:
-        mine = (self._handshake["tensor_parallel_size"], self._handshake["pipeline_parallel_size"])
-        theirs = (handshake.get("tensor_parallel_size", 1), handshake.get("pipeline_parallel_size", 1))
-        ranks = handshake.get("ranks")
-        if theirs != mine or not isinstance(ranks, list) or len(ranks) != self.world_size:
-            raise ValueError(f"KV peer {handshake.get('agent_name', '?')!r} runs tensor_parallel_size × "
-                             f"pipeline_parallel_size = {theirs[0]} × {theirs[1]}, this instance "
-                             f"{mine[0]} × {mine[1]}: prefill and decode instances must be split alike")
-        names = self._call("add_peer", [(rank_handshake,) for rank_handshake in ranks])
+        names = self._call("add_peer", [(handshake,)] * self.world_size)
         self._peers[names[0]] = names
         return names[0]
 
@@ -115,6 +108,9 @@ class RankedConnector(KVConnector):
         while len(self._notified) > MAX_PARTIAL_NOTIFICATIONS:  # readers that died half-way
             del self._notified[next(iter(self._notified))]
         return ready
+
+    def read_counters(self) -> list[KVReadCounters]:
+        return [c for counters in self._call("read_counters", [()] * self.world_size) for c in counters]
 
     def notify_release(self, peer: str, transfer_id: str) -> None:
         names = self._peers.get(peer)

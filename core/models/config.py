@@ -261,6 +261,25 @@ def kv_cache_shape(config: ModelArchConfig, num_blocks: int, block_size: int,
     return (num_blocks, layers, 2, block_size, heads, config.head_dim)
 
 
+def kv_shards(config: ModelArchConfig, block_size: int, dtype: Any, tp_size: int, pp_size: int) -> tuple:
+    """Every rank's ``tandem.interfaces.KVShard`` of a ``tp_size`` × ``pp_size`` instance, in rank
+    order (``rank = pp_rank * tp_size + tp_rank``): its stage's layers and the KV heads it holds
+    (``ParallelContext.kv_head_split``: split, or whole heads replicated)."""
+    from tandem.distributed import ParallelContext
+    from tandem.interfaces import KVShard
+
+    shards = []
+    for rank in range(tp_size * pp_size):
+        place = ParallelContext(tp_size=tp_size, tp_rank=rank % tp_size, pp_size=pp_size,
+                                pp_rank=rank // tp_size)
+        layers = place.stage_layers(config.num_hidden_layers)
+        parts, index = place.kv_head_split(config.num_key_value_heads)
+        per = config.num_key_value_heads // parts
+        shards.append(KVShard(layers.start, layers.stop, index * per, (index + 1) * per, block_size,
+                              config.head_dim, dtype.itemsize))
+    return tuple(shards)
+
+
 def kv_bytes_per_block(config: ModelArchConfig, block_size: int, dtype: Any, parallel: Any = None) -> int:
     """Bytes of one block of the pool (of one rank's, with ``parallel``) for element type
     ``dtype`` (a torch.dtype)."""

@@ -177,7 +177,8 @@ async def kv_transfer_args(engine, handshakes: HandshakeCache, body: SamplingFie
         raise bad_request(f"KV compat hash mismatch: the prefill instance has {params.compat_hash!r}, "
                           f"this decode instance {local!r}; both must serve the same checkpoint "
                           "(weights) and tokenizer with the same dtype, layer count, KV heads, head "
-                          "size, block size, tensor_parallel_size and pipeline_parallel_size", _PARAM)
+                          "size and block size (their tensor and pipeline parallel sizes may differ)",
+                          _PARAM)
     try:
         handshake = await handshakes.get(params.engine_id, params.handshake_url)
     except HandshakeError as exc:

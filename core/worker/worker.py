@@ -23,7 +23,7 @@ from tandem.device import check_weights_fit, resolve_device, resolve_dtype
 from tandem.distributed import current
 from tandem.interfaces import KVConnector, KVPoolDescriptor
 from tandem.kernels import cpu_ops
-from tandem.models.config import ModelArchConfig, kv_bytes_per_block, kv_cache_shape
+from tandem.models.config import ModelArchConfig, kv_bytes_per_block, kv_cache_shape, kv_shards
 from tandem.models.gguf_file import is_gguf
 from tandem.plugin_manager import get_registry
 from tandem.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -136,7 +136,10 @@ class Worker:
         """Register this rank's KV pool with a new connector of ``connector_name``."""
         assert self.connector is None, "the KV pool is registered once"
         connector = get_registry().get("kv_connector", connector_name)()
-        connector.register_pool(self.kv_cache, KVPoolDescriptor.for_pool(self.kv_cache, compat_hash))
+        par = self.parallel
+        shards = kv_shards(self.arch, self.config.engine.block_size, self.dtype, par.tp_size, par.pp_size)
+        connector.register_pool(self.kv_cache, KVPoolDescriptor.for_pool(self.kv_cache, compat_hash,
+                                                                         shards, par.rank))
         self.connector = connector
         return connector
 

@@ -1,38 +1,57 @@
-"""``RankedConnector`` over real loopback connectors, one per rank of each instance: rank r's
-blocks land in rank r's pool, a transfer is "done" only when every rank's read is, a read one
-rank's frozen owner holds past its deadline is "error:deadline" and then "closed" once it lands,
-and an owner hears of a transfer once every rank's reader has released it."""
+"""``RankedConnector`` over real loopback connectors, one per rank of each instance: every rank of
+the reader ends with exactly its layers and KV heads of the owner's blocks — whatever the two
+instances' splits (tp 2 ↔ 1, pp 2 → 1, a replicated KV head) — a transfer is "done" only when
+every rank's read is, a read one rank's frozen owner holds past its deadline is "error:deadline"
+and then "closed" once it lands, and an owner hears of a transfer once every reader of each of
+its ranks released it. The oracle is one tensor of the whole model's KV, sliced by hand."""
 from __future__ import annotations
 
+import time
+
+import pytest
 import torch
 
 from tandem.executor.kv_proxy import RankedConnector
 from tandem.interfaces import KVPoolDescriptor
+from tandem.models.config import ModelArchConfig, kv_shards
 from tandem.transport.loopback import LoopbackConnector
 
-RANKS, BLOCKS = 2, 6
+BLOCKS, LAYERS, BLOCK_SIZE, HEAD_DIM = 6, 4, 2, 3
 
 
-def _instance(fill: float):
+def _arch(kv_heads: int) -> ModelArchConfig:
+    return ModelArchConfig(architectures=("LlamaForCausalLM",), model_type="llama", hidden_size=8 * HEAD_DIM,
+                           intermediate_size=8, num_hidden_layers=LAYERS, num_attention_heads=8,
+                           num_key_value_heads=kv_heads, head_dim=HEAD_DIM, vocab_size=16, rms_norm_eps=1e-6,
+                           rope_theta=1e4, rope_scaling=None, max_position_embeddings=64)
+
+
+def _instance(whole: torch.Tensor | None, tp: int, pp: int, kv_heads: int = 4):
+    """Connectors of a tp × pp instance; each rank's pool is its slice of ``whole`` (zeros: None)."""
+    shards = kv_shards(_arch(kv_heads), BLOCK_SIZE, torch.float32, tp, pp)
     connectors, pools = [], []
-    for rank in range(RANKS):
-        pool = torch.full((BLOCKS, 2, 4), fill + rank) if fill else torch.zeros(BLOCKS, 2, 4)
-        pool[0] = 0
+    for rank, s in enumerate(shards):
+        shape = (BLOCKS, s.num_layers, 2, BLOCK_SIZE, s.num_heads, HEAD_DIM)
+        pool = torch.zeros(shape) if whole is None else \
+            whole[:, s.layer_start:s.layer_stop, :, :, s.head_start:s.head_stop].contiguous()
         c = LoopbackConnector()
-        c.register_pool(pool, KVPoolDescriptor.for_pool(pool, "hash"))
+        c.register_pool(pool, KVPoolDescriptor.for_pool(pool, "hash", shards, rank))
         connectors.append(c)
         pools.append(pool)
 
     def call(method, args):
         return [getattr(c, method)(*a) for c, a in zip(connectors, args)]
 
-    proxy = RankedConnector(call, [c.handshake_info() for c in connectors], RANKS, 1)
-    return proxy, connectors, pools
+    proxy = RankedConnector(call, [c.handshake_info() for c in connectors], tp, pp)
+    return proxy, connectors, pools, shards
+
+
+def _whole(seed: float, kv_heads: int = 4) -> torch.Tensor:
+    return torch.randn(BLOCKS, LAYERS, 2, BLOCK_SIZE, kv_heads, HEAD_DIM,
+                       generator=torch.Generator().manual_seed(int(seed)))
 
 
 def _poll_until(proxy, tid, seconds=2.0):
-    import time
-
     deadline, seen = time.monotonic() + seconds, {}
     while tid not in seen and time.monotonic() < deadline:
         seen.update(proxy.poll())
@@ -40,22 +59,41 @@ def _poll_until(proxy, tid, seconds=2.0):
     return seen.get(tid)
 
 
-def test_every_rank_reads_its_own_slice_and_the_owner_hears_once():
-    owner, _, owner_pools = _instance(10.0)
-    reader, _, reader_pools = _instance(0.0)
+@pytest.mark.parametrize("owner_split, reader_split, kv_heads", [
+    ((2, 1), (2, 1), 4), ((2, 1), (1, 1), 4), ((1, 1), (2, 1), 4), ((1, 2), (1, 1), 4),
+    ((2, 2), (1, 2), 4), ((2, 1), (1, 1), 1), ((1, 1), (2, 1), 1),
+])
+def test_every_reader_rank_gets_exactly_its_layers_and_heads(owner_split, reader_split, kv_heads):
+    whole = _whole(10, kv_heads)
+    owner, _, _, _ = _instance(whole, *owner_split, kv_heads)
+    reader, _, reader_pools, shards = _instance(None, *reader_split, kv_heads)
     peer = reader.add_peer(owner.handshake_info())
     reader.start_read("t1", peer, [1, 2], [4, 5], deadline_s=5)
     assert _poll_until(reader, "t1") == "done"
-    for rank in range(RANKS):
-        assert torch.equal(reader_pools[rank][4:6], owner_pools[rank][1:3])
-        assert reader_pools[rank][4, 0, 0] == 10.0 + rank
+    for pool, s in zip(reader_pools, shards):
+        expected = whole[[1, 2], s.layer_start:s.layer_stop, :, :, s.head_start:s.head_stop]
+        assert torch.equal(pool[4:6], expected)
+        assert not pool[:4].any()
+    for counters, s in zip(reader.read_counters(), shards):
+        assert counters.bytes_read == 2 * s.block_bytes  # exactly its own KV of the two blocks
     assert owner.get_notifications() == ["t1"]
     assert owner.get_notifications() == []
 
 
+def test_an_owner_read_by_two_ranks_hears_of_the_transfer_only_when_both_released():
+    owner, owner_ranks, _, _ = _instance(_whole(3), 1, 1)
+    reader, reader_ranks, _, _ = _instance(None, 2, 1)
+    peer = reader.add_peer(owner.handshake_info())
+    reader_ranks[0].notify_release(peer, "t3")
+    assert owner.get_notifications() == []  # one of its two readers is not done
+    reader_ranks[1].notify_release(peer, "t3")
+    assert owner.get_notifications() == ["t3"]
+
+
 def test_one_frozen_owner_rank_makes_the_transfer_late_then_closed():
-    owner, owner_ranks, owner_pools = _instance(20.0)
-    reader, _, reader_pools = _instance(0.0)
+    whole = _whole(20)
+    owner, owner_ranks, owner_pools, _ = _instance(whole, 2, 1)
+    reader, _, reader_pools, _ = _instance(None, 2, 1)
     peer = reader.add_peer(owner.handshake_info())
     owner_ranks[1].pause()
     reader.start_read("t2", peer, [3], [1], deadline_s=0.05)
@@ -66,12 +104,10 @@ def test_one_frozen_owner_rank_makes_the_transfer_late_then_closed():
     assert torch.equal(reader_pools[1][1], owner_pools[1][3])
 
 
-def test_a_peer_split_another_way_is_refused():
-    reader, _, _ = _instance(0.0)
+def test_a_peer_of_another_model_is_refused_naming_the_shard():
+    reader, _, _, _ = _instance(None, 2, 1)
+    fewer_layers = torch.zeros(BLOCKS, LAYERS - 1, 2, BLOCK_SIZE, 4, HEAD_DIM)
     single = LoopbackConnector()
-    pool = torch.zeros(BLOCKS, 2, 4)
-    single.register_pool(pool, KVPoolDescriptor.for_pool(pool, "hash"))
-    import pytest
-
-    with pytest.raises(ValueError, match="1 × 1, this instance 2 × 1"):
+    single.register_pool(fewer_layers, KVPoolDescriptor.for_pool(fewer_layers, "hash"))
+    with pytest.raises(ValueError, match=r"do not hold every layer and KV head of rank 0's shard"):
         reader.add_peer(single.handshake_info())

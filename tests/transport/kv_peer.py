@@ -5,6 +5,7 @@ Both run in ``multiprocessing`` spawn children and talk to the test through a pi
 
     owner → test   its handshake_info() dict, first
     test → owner   ("blocks", ids)         → the owner's own bytes of those blocks (numpy), the oracle
+                                            (a rank of a tp-way owner: its heads of them)
                    ("notifications",)      → every transfer id notified so far
                    ("stop",)               → closes the connector and exits
     reader → test  "reading", once its first read is done; then it keeps reading
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.interfaces import KVPoolDescriptor, compat_hash
+from tandem.interfaces import KVPoolDescriptor, KVShard, compat_hash
 from tandem.transport.nixl import NixlConnector
 
 COMPAT = compat_hash(model="tests/transport", dtype="float32", num_layers=2, num_kv_heads=2,
@@ -45,16 +46,27 @@ SMALL = Layout()
 LARGE = Layout(num_blocks=256, num_layers=8, num_kv_heads=4, head_dim=64)  # 256 KiB blocks
 
 
-def make_connector(pool: torch.Tensor, compat: str = COMPAT) -> NixlConnector:
+def head_shards(layout: Layout, tp: int) -> list[KVShard]:
+    """The shards of a tp-way split of ``layout``'s KV heads (tp divides them)."""
+    per = layout.num_kv_heads // tp
+    return [KVShard(0, layout.num_layers, r * per, (r + 1) * per, layout.block_size, layout.head_dim, 4)
+            for r in range(tp)]
+
+
+def make_connector(pool: torch.Tensor, compat: str = COMPAT, shards=None, rank: int = 0) -> NixlConnector:
     connector = NixlConnector()
-    connector.register_pool(pool, KVPoolDescriptor.for_pool(pool, compat))
+    connector.register_pool(pool, KVPoolDescriptor.for_pool(pool, compat, shards, rank))
     return connector
 
 
-def serve_pool(conn, layout: Layout, seed: int, env: dict[str, str]) -> None:
+def serve_pool(conn, layout: Layout, seed: int, env: dict[str, str], tp: int = 1, rank: int = 0) -> None:
+    """Rank ``rank`` of a tp-way owner: its heads of the seeded whole pool."""
     os.environ.update(env)
-    pool = torch.randn(layout.shape, generator=torch.Generator().manual_seed(seed))
-    connector = make_connector(pool)
+    shards = head_shards(layout, tp)
+    mine = shards[rank]
+    whole = torch.randn(layout.shape, generator=torch.Generator().manual_seed(seed))
+    pool = whole[:, :, :, :, mine.head_start:mine.head_stop].contiguous()
+    connector = make_connector(pool, shards=shards, rank=rank)
     conn.send(connector.handshake_info())
     notified: list[str] = []
     while True:
@@ -134,9 +146,9 @@ def _proc_state(pid: int) -> str:
         return stat.read().rsplit(")", 1)[1].split()[0]
 
 
-def start_owner(layout: Layout = SMALL, seed: int = 0, env: dict[str, str] | None = None
-                ) -> tuple[PeerProcess, dict]:
-    owner = PeerProcess(serve_pool, layout, seed, env or {})
+def start_owner(layout: Layout = SMALL, seed: int = 0, env: dict[str, str] | None = None, tp: int = 1,
+                rank: int = 0) -> tuple[PeerProcess, dict]:
+    owner = PeerProcess(serve_pool, layout, seed, env or {}, tp, rank)
     return owner, owner.receive()
 
 

@@ -58,6 +58,17 @@ def test_bench_reads_between_two_test_hosts_over_the_veth_bridge(capsys):
     assert float(crossed.group(2)) == pytest.approx(13 * 64 / 1024, abs=0.05)
 
 
+@pytest.mark.timeout(120)
+def test_bench_reads_a_tp2_decode_ranks_heads_exactly(capsys):
+    """Half of the 2 KV heads: one 256-byte run per (layer, K/V, token) of each block; the reader
+    checks the bytes against the owner's heads and its connector's counters against the runs."""
+    assert kv_transfer.run(bench_args("--prompt-tokens", "200", "--hosts", "none", "--reader-tp", "2",
+                                      "--num-kv-heads", "2")) == 0
+    out = capsys.readouterr().out
+    assert "tensor rank 0 of 2, 1 of 2 KV heads: 832 descriptors of 256 bytes = 0.2 MiB per read" in out
+    assert all(_bandwidth(out, row) > 0 for row in ROWS)
+
+
 def test_bench_that_requires_two_hosts_fails_where_they_cannot_be_made(capsys, monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert kv_transfer.run(bench_args("--prompt-tokens", "200", "--hosts", "netns")) == 1

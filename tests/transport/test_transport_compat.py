@@ -78,7 +78,7 @@ def test_other_protocols_are_refused(field, value):
 
 @pytest.mark.parametrize("num_blocks", [2**31, MAX_PEER_BLOCKS + 1, 0, -1, "4", 4.0, True, None])
 def test_a_peer_pool_of_no_sane_size_is_refused(num_blocks):
-    """A connector prepares one descriptor per peer block: the count is bounded first."""
+    """The count of blocks a peer claims is bounded before anything is made for it."""
     with pytest.raises(KVHandshakeError, match="advertises a pool of"):
         check_handshake(handshake("abc"), handshake("abc", num_blocks=num_blocks))
 
