@@ -25,7 +25,12 @@ BENCHMARKS = {
     "disagg": ("tandem.bench.disagg", "colocated vs disaggregated serving on the same cores: TTFT and "
                "TPOT of steady decoding streams under bursts of long prompts"),
 }
-PEERS = {"offline": "tandem.bench.peers.vllm_offline", "serve": "tandem.bench.peers.vllm_serve"}
+PEERS = {"offline": {"vllm": "tandem.bench.peers.vllm_offline", "llamacpp": "tandem.bench.peers.llamacpp_offline"},
+         "serve": {"vllm": "tandem.bench.peers.vllm_serve"}}
+"""Per benchmark kind, its peers by ``--baseline`` name; the first also serves runs without one
+(``bench serve --client vllm``)."""
+BASELINE_HELP = {"vllm": "vLLM's CPU build, needs --vllm-python",
+                 "llamacpp": "llama.cpp through llama-cpp-python on the same GGUF file, needs --llamacpp-python"}
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,11 +40,17 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         sub.set_defaults(bench_module=module_name)
         importlib.import_module(module_name).add_arguments(sub)
         if kind in PEERS:
-            importlib.import_module(PEERS[kind]).add_arguments(sub)
+            sub.add_argument("--baseline", choices=list(PEERS[kind]), default=None,
+                             help="also run this peer on the same model, prompts and lengths, and print "
+                                  "tandem's ratio to it (" + "; ".join(f"{n}: {BASELINE_HELP[n]}"
+                                                                       for n in PEERS[kind]) + ")")
+            for peer in PEERS[kind].values():
+                importlib.import_module(peer).add_arguments(sub)
 
 
 def run_bench(args: argparse.Namespace) -> int:
     module = importlib.import_module(args.bench_module)
     if args.bench_kind not in PEERS:
         return module.run(args)
-    return module.run(args, importlib.import_module(PEERS[args.bench_kind]))
+    peers = PEERS[args.bench_kind]
+    return module.run(args, importlib.import_module(peers[args.baseline or next(iter(peers))]))

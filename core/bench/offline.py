@@ -9,7 +9,9 @@ lengths, greedy, EOS ignored) and only the tokens each request asked for count:
   ``max_new_tokens``;
 - ``tandem``: ``tandem.LLM.generate`` over all requests;
 - with ``--baseline vllm``, ``vllm``: vLLM's ``LLM.generate`` over the same requests, in vLLM's own
-  venv (the peer tandem.bench.cli hands ``run``: tandem.bench.peers.vllm_offline).
+  venv (the peer tandem.bench.cli hands ``run``: tandem.bench.peers.vllm_offline);
+- with ``--baseline llamacpp``, ``llamacpp``: llama.cpp on the same GGUF file, the requests one
+  after another, then batch-1 prompt and decode rates of both (tandem.bench.peers.llamacpp_offline).
 
 It prints tokens/s per mode and tandem's ratio to each baseline, then (unless ``--no-roofline``)
 tandem's median pure decode step against this machine's floor for it, measured in the same run
@@ -136,7 +138,9 @@ class Peer(Protocol):
         """Give tandem's ``llm`` the untimed warm-up the peer gets."""
 
     def run(self, args: argparse.Namespace, model: str, wl: Workload) -> ModeResult:
-        """The peer's timed run over ``wl``, as a mode named ``name``."""
+        """The peer's timed run over ``wl`` on tandem's ``model`` path, as a mode named ``name``.
+        A peer may also have ``batch1_report(args, llm, model, wl)``: figures of its own at batch
+        1 beside tandem's, printed after the summary."""
 
 
 def run(args: argparse.Namespace, peer: Peer | None = None) -> int:
@@ -191,9 +195,11 @@ def run(args: argparse.Namespace, peer: Peer | None = None) -> int:
             results[mode] = run_tandem(llm, wl)
         _print_mode(results[mode], wl)
     if peer is not None:
-        results[peer.name] = peer.run(args, hf_folder(path), wl)
+        results[peer.name] = peer.run(args, path, wl)
         _print_mode(results[peer.name], wl)
     _print_summary(results, wl, peer.name if peer is not None else None)
+    if peer is not None and llm is not None and hasattr(peer, "batch1_report"):
+        peer.batch1_report(args, llm, path, wl)
     if args.roofline and "tandem" in results:
         from tandem.bench.roofline import report
 

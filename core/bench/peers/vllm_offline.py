@@ -25,13 +25,10 @@ from tandem.config import ConfigError
 
 name = "vllm"
 """The peer's mode name in the report (``tandem.bench.offline.Peer``)."""
-BASELINES = (name,)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--baseline", choices=BASELINES, default=None,
-                   help="also run this peer on the same model, prompts and lengths, and print "
-                        "tandem's ratio to it (vllm: needs --vllm-python)")
+    """``--vllm-python`` (``--baseline`` is tandem.bench.cli's, over every peer of a benchmark)."""
     p.add_argument("--vllm-python", metavar="PATH", default=None,
                    help="the python of a venv with vLLM's CPU build (scripts/make_vllm_venv.sh "
                         "makes .venv-vllm; then .venv-vllm/bin/python)")
@@ -71,7 +68,11 @@ def read_result(path: Path) -> tuple[ModeResult, dict]:
 
 
 def run(args: argparse.Namespace, model: str, wl: Workload) -> ModeResult:
-    """Runs the driver under ``--vllm-python`` on this workload; its output streams through."""
+    """Runs the driver under ``--vllm-python`` on this workload (``model``: tandem's path; a
+    .gguf file goes to vLLM as its dequantized folder); its output streams through."""
+    from tandem.bench.checkpoint import hf_folder
+
+    model = hf_folder(model)
     with tempfile.TemporaryDirectory(prefix="tandem-vllm-") as tmp:
         workload_path, result_path = Path(tmp) / "workload.json", Path(tmp) / "result.json"
         write_workload(workload_path, wl, model, args.dtype, args.max_num_seqs,
