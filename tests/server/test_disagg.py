@@ -164,6 +164,7 @@ def test_a_second_turn_reads_only_the_blocks_the_decode_instance_lacks(server, p
     turn2 = turn1 + new
     block_bytes = httpx.get(f"{prefill.url}/kv/handshake", timeout=10).json()["block_bytes"]
     read = scrape(decode.url)["tandem:kv_transfer_bytes_total"]
+    pinned = scrape(prefill.url)["tandem:kv_blocks_pending_release"]  # other tests' unread hand-overs
     assert decode_answer(decode.url, turn1, hand_over(prefill.url, turn1)).status_code == 200
     after_turn1 = scrape(decode.url)["tandem:kv_transfer_bytes_total"]
     assert after_turn1 - read == 10 * block_bytes  # positions 0..158: 10 blocks, none cached
@@ -187,5 +188,5 @@ def test_a_second_turn_reads_only_the_blocks_the_decode_instance_lacks(server, p
     assert scrape(decode.url)["tandem:kv_transfer_bytes_total"] - after_turn1 == block_bytes
     cold = httpx.post(f"{server.url}/v1/completions", json=body(turn3), timeout=60).json()
     assert token_ids(answer.json()) == token_ids(cold)
-    assert wait_for(lambda: scrape(prefill.url)["tandem:kv_blocks_pending_release"] == 0, 5)
+    assert wait_for(lambda: scrape(prefill.url)["tandem:kv_blocks_pending_release"] <= pinned, 5)
     assert scrape(decode.url)["tandem:kv_blocks_used"] == 0
