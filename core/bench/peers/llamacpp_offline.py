@@ -67,24 +67,32 @@ def check_arguments(args: argparse.Namespace) -> None:
                           "(scripts/make_llamacpp_venv.sh builds a venv with it)")
 
 
-def batch1_prompts(wl: Workload) -> tuple[list[int], list[int]]:
+def batch1_prompts(wl: Workload, pp_tokens: int = PP_TOKENS) -> tuple[list[int], list[int]]:
     """(the prompt-processing prompt, the decode prompt): the workload's own token ids, repeated
-    as needed to reach ``PP_TOKENS``."""
+    as needed to reach ``pp_tokens``."""
     ids = [t for p in wl.prompts for t in p]
-    ids = (ids * (PP_TOKENS // max(len(ids), 1) + 1))[:PP_TOKENS]
+    ids = (ids * (pp_tokens // max(len(ids), 1) + 1))[:pp_tokens]
     return ids, ids[-DECODE_PROMPT_TOKENS:]
 
 
-def _drive(args: argparse.Namespace, model: str, wl: Workload, batch1: bool) -> dict:
+def batch1_sizes(max_model_len: int) -> tuple[int, int]:
+    """(prompt-processing tokens, decode tokens): ``PP_TOKENS`` and ``DECODE_TOKENS`` within the
+    model's context."""
+    return min(PP_TOKENS, max_model_len - 1), min(DECODE_TOKENS, max_model_len - DECODE_PROMPT_TOKENS)
+
+
+def _drive(args: argparse.Namespace, model: str, wl: Workload, sizes: tuple[int, int] | None = None) -> dict:
+    """The driver over ``wl``'s requests, or with ``sizes`` (``batch1_sizes``) over batch 1."""
     import torch
 
-    pp_prompt, decode_prompt = batch1_prompts(wl)
+    pp_tokens, decode_tokens = sizes or (PP_TOKENS, 4)
+    pp_prompt, decode_prompt = batch1_prompts(wl, pp_tokens)
     longest = max((len(p) + m for p, m in zip(wl.prompts, wl.max_tokens)), default=0)
     workload = {"model": model, "threads": torch.get_num_threads(),
-                "n_ctx": max(longest, PP_TOKENS, DECODE_PROMPT_TOKENS + DECODE_TOKENS) + 16,
-                "prompts": [] if batch1 else wl.prompts, "max_tokens": [] if batch1 else wl.max_tokens,
-                "pp_prompt": pp_prompt if batch1 else [], "decode_prompt": decode_prompt,
-                "decode_tokens": DECODE_TOKENS, "repeats": REPEATS if batch1 else 0}
+                "n_ctx": max(longest, pp_tokens, DECODE_PROMPT_TOKENS + decode_tokens) + 16,
+                "prompts": [] if sizes else wl.prompts, "max_tokens": [] if sizes else wl.max_tokens,
+                "pp_prompt": pp_prompt if sizes else [], "decode_prompt": decode_prompt,
+                "decode_tokens": decode_tokens, "repeats": REPEATS if sizes else 0}
     with tempfile.TemporaryDirectory(prefix="tandem-llamacpp-") as tmp:
         workload_path, result_path = Path(tmp) / "workload.json", Path(tmp) / "result.json"
         workload_path.write_text(json.dumps(workload))
@@ -97,7 +105,7 @@ def _drive(args: argparse.Namespace, model: str, wl: Workload, batch1: bool) -> 
 
 def run(args: argparse.Namespace, model: str, wl: Workload) -> ModeResult:
     """llama.cpp over the workload's requests, one after another, on ``model`` (the .gguf file)."""
-    result = _drive(args, model, wl, batch1=False)
+    result = _drive(args, model, wl)
     print(f"  llamacpp: llama-cpp-python {result['version']}, loaded and warmed up in {result['load_s']:.1f} s "
           "(not timed); it serves one request at a time, so the requests ran one after another")
     return ModeResult(name, result["seconds"], result["outputs"])
@@ -110,11 +118,12 @@ def warm_up_tandem(llm, wl: Workload) -> None:
     llm.generate([batch1_prompts(wl)[1]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
 
 
-def tandem_batch1(llm, wl: Workload) -> tuple[float, float]:
+def tandem_batch1(llm, wl: Workload, sizes: tuple[int, int]) -> tuple[float, float]:
     """tandem's (prompt tok/s, decode tok/s) at batch 1, as the module doc says."""
     from tandem import SamplingParams
 
-    pp_prompt, decode_prompt = batch1_prompts(wl)
+    pp_tokens, decode_tokens = sizes
+    pp_prompt, decode_prompt = batch1_prompts(wl, pp_tokens)
     salt = iter(range(10 ** 6))
 
     def timed(prompt: list[int], n: int) -> float:
@@ -124,16 +133,18 @@ def tandem_batch1(llm, wl: Workload) -> tuple[float, float]:
         return time.perf_counter() - t0
 
     pp = statistics.median(len(pp_prompt) / timed(pp_prompt, 1) for _ in range(REPEATS))
-    decode = statistics.median((DECODE_TOKENS - 1) / (timed(decode_prompt, DECODE_TOKENS) - timed(decode_prompt, 1))
+    decode = statistics.median((decode_tokens - 1) / (timed(decode_prompt, decode_tokens) - timed(decode_prompt, 1))
                                for _ in range(REPEATS))
     return pp, decode
 
 
 def batch1_report(args: argparse.Namespace, llm, model: str, wl: Workload) -> None:
     """Batch-1 prompt processing and decoding of tandem and llama.cpp, side by side."""
-    ours = tandem_batch1(llm, wl)
-    theirs = _drive(args, model, wl, batch1=True)
-    print(f"\nbatch 1 (median of {REPEATS})     tandem   llama.cpp   tandem / llama.cpp")
+    sizes = batch1_sizes(llm.engine.max_model_len)
+    ours = tandem_batch1(llm, wl, sizes)
+    theirs = _drive(args, model, wl, sizes)
+    print(f"\nbatch 1 (median of {REPEATS}; a {sizes[0]}-token prompt, {sizes[1]} decode tokens)")
+    print("                          tandem   llama.cpp   tandem / llama.cpp")
     for label, mine, peer in (("prompt processing tok/s", ours[0], theirs["pp_tok_s"]),
                               ("decode tok/s", ours[1], theirs["decode_tok_s"])):
         print(f"{label:<24} {mine:8.1f}   {peer:9.1f}   {mine / peer:8.2f}x")
