@@ -183,8 +183,11 @@ def available_kinds() -> list[str]:
 
 
 def kinds_for(shape: Shape) -> list[str]:
-    """The kernels of ``available_kinds()`` that take a layer of ``shape``."""
-    return [k for k in available_kinds() if k != "dpbf16" or dpbf16_fits(shape.dtype, shape.k)]
+    """The kernels of ``available_kinds()`` that take a layer of ``shape``, the fixed rule's first:
+    ``dpbf16`` where it takes the layer (the CPU's own bfloat16 instructions rather than
+    bfloat16 widened to float32), else the order of ``available_kinds()``."""
+    kinds = [k for k in available_kinds() if k != "dpbf16"]
+    return ["dpbf16", *kinds] if dpbf16_available() and dpbf16_fits(shape.dtype, shape.k) else kinds
 
 
 def pack_cpu_linears(model: nn.Module, mode: str, device: torch.device) -> str:
@@ -276,7 +279,6 @@ def _choices(by_shape: dict[Shape, list[tuple[str, nn.Module]]]) -> tuple[dict[S
     returns the choices and how many shapes were measured (None: the CPU was busy)."""
     key = cpu_tuning.machine_key()
     path = cpu_tuning.cache_path(key)
-    kinds = available_kinds()
     with cpu_tuning.locked(path):
         cached = cpu_tuning.read_cache(path)
         missing = [s for s in by_shape
@@ -292,11 +294,13 @@ def _choices(by_shape: dict[Shape, list[tuple[str, nn.Module]]]) -> tuple[dict[S
                 cached.update((s.key, c) for s, c in measured.items())
                 cpu_tuning.write_cache(path, key, cached)
                 return {s: cached[s.key] for s in by_shape}, len(missing)
+    fixed = {s: kinds_for(s)[0] for s in missing}
     logger.warning("linear layers: other processes used %.0f%% of the CPUs while tandem meant to time "
-                   "its kernels; the %s kernel for the %d shape(s) not measured yet, measured again at "
-                   "the next start", busy * 100, kinds[0], len(missing))
-    fixed = ShapeChoice(kinds[0], (kinds[0],) * len(M_BUCKETS), {kinds[0]: [1.0] * len(M_BUCKETS)})
-    return {s: fixed if s in missing else cached[s.key] for s in by_shape}, None
+                   "its kernels; the fixed rule's kernel (%s) for the %d shape(s) not measured yet, "
+                   "measured again at the next start", busy * 100, ", ".join(sorted(set(fixed.values()))),
+                   len(missing))
+    return {s: ShapeChoice(fixed[s], (fixed[s],) * len(M_BUCKETS), {fixed[s]: [1.0] * len(M_BUCKETS)})
+            if s in missing else cached[s.key] for s in by_shape}, None
 
 
 def _measure(shape: Shape, weight: torch.Tensor, kinds: list[str]) -> ShapeChoice:
