@@ -39,22 +39,44 @@ constexpr int64_t kPairBlock = 128;  // pair rows of a panel per K-slice: 8 KiB,
 constexpr int64_t kPrefetchSlices = 2;
 
 #ifdef TANDEM_DPBF16
-// rows x 16 outputs of one panel over `pairs` pair rows: tile[r * 16 + c] (+)= sum_j x-pair . w-pair
+// rows x 16 outputs of one panel over `pairs` pair rows: tile[r * 16 + c] (+)= sum_j x-pair . w-pair.
+// A sum waits for the previous vdpbf16ps into it (several cycles): with fewer than eight rows the
+// pair rows go round-robin into `chains` sums per row, added up at the end, so that enough
+// independent instructions are in flight (eight or more sums).
 template <int rows>
 TANDEM_DPBF16_TARGET inline void tile_kernel(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t pairs,
                                              float* tile, bool accumulate, const uint16_t* prefetch) {
-  __m512 acc[rows];
-  for (int r = 0; r < rows; ++r) acc[r] = accumulate ? _mm512_loadu_ps(tile + r * kPanel) : _mm512_setzero_ps();
-  for (int64_t j = 0; j < pairs; ++j) {
+  constexpr int chains = rows >= 8 ? 1 : (rows >= 4 ? 2 : 4);
+  __m512 acc[chains][rows];
+  for (int r = 0; r < rows; ++r) {
+    acc[0][r] = accumulate ? _mm512_loadu_ps(tile + r * kPanel) : _mm512_setzero_ps();
+    for (int c = 1; c < chains; ++c) acc[c][r] = _mm512_setzero_ps();
+  }
+  int64_t j = 0;
+  for (; j + chains <= pairs; j += chains) {
     if (prefetch != nullptr) _mm_prefetch(reinterpret_cast<const char*>(prefetch + j * 2 * kPanel), _MM_HINT_T1);
+    for (int c = 0; c < chains; ++c) {
+      const __m512i w = _mm512_loadu_si512(panel + (j + c) * 2 * kPanel);
+      for (int r = 0; r < rows; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, x + r * ldx + 2 * (j + c), sizeof(pair));
+        acc[c][r] = _mm512_dpbf16_ps(acc[c][r], (__m512bh)_mm512_set1_epi32(pair), (__m512bh)w);
+      }
+    }
+  }
+  for (; j < pairs; ++j) {
     const __m512i w = _mm512_loadu_si512(panel + j * 2 * kPanel);
     for (int r = 0; r < rows; ++r) {
       int32_t pair;
       std::memcpy(&pair, x + r * ldx + 2 * j, sizeof(pair));
-      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(pair), (__m512bh)w);
+      acc[0][r] = _mm512_dpbf16_ps(acc[0][r], (__m512bh)_mm512_set1_epi32(pair), (__m512bh)w);
     }
   }
-  for (int r = 0; r < rows; ++r) _mm512_storeu_ps(tile + r * kPanel, acc[r]);
+  for (int r = 0; r < rows; ++r) {
+    __m512 sum = acc[0][r];
+    for (int c = 1; c < chains; ++c) sum = _mm512_add_ps(sum, acc[c][r]);
+    _mm512_storeu_ps(tile + r * kPanel, sum);
+  }
 }
 
 TANDEM_DPBF16_TARGET void run_tile(int64_t rows, const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t pairs,
