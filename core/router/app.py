@@ -96,6 +96,7 @@ def create_router_app(config: TandemConfig, health_interval_s: float = 1.0) -> F
 
     app = FastAPI(title="tandem router", version=__version__, lifespan=lifespan,
                   description="Routes OpenAI requests over prefill and decode instances.")
+    app.state.dispatcher = dispatcher
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_request_body_bytes)
     _add_error_handlers(app)
     app.include_router(_v1_routes(dispatcher, config.server.api_key))
