@@ -64,12 +64,16 @@ class KVEventPublisher:
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(settings.hwm)
-        self.endpoint = _bind(self._pub, settings.endpoint)
         self._replay: zmq.Socket | None = None
         self.replay_endpoint: str | None = None
-        if settings.replay_endpoint is not None:
-            self._replay = self._ctx.socket(zmq.ROUTER)
-            self.replay_endpoint = _bind(self._replay, settings.replay_endpoint)
+        try:
+            self.endpoint = _bind(self._pub, settings.endpoint)
+            if settings.replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self.replay_endpoint = _bind(self._replay, settings.replay_endpoint)
+        except OSError:
+            self._ctx.destroy(linger=0)
+            raise
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tandem-kv-events", daemon=True)
         self._thread.start()
@@ -128,6 +132,5 @@ def _bind(socket: zmq.Socket, endpoint: str) -> str:
     try:
         socket.bind(endpoint)
     except zmq.ZMQError as exc:
-        socket.close(linger=0)
-        raise OSError(f"KV events: cannot bind {endpoint}: {exc}") from None
+        raise OSError(f"cannot bind {endpoint}: {exc}") from None
     return socket.getsockopt_string(zmq.LAST_ENDPOINT)
