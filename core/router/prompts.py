@@ -1,6 +1,7 @@
 """What the router reads from an OpenAI request body, and the bodies it derives for each step.
 
-The router does not tokenize. It needs two things from a prompt:
+The router does not tokenize (a policy that hashes the prompt's blocks, ``cache_aware``, gets the
+ids from an instance's /tokenize, with ``tokenize_body``). It needs two things from a prompt:
 
 - a length estimate, for conditional disaggregation: exact for a token-id prompt,
   ``characters // 4`` for text (of a chat: the characters of every message's content);

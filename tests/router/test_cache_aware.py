@@ -124,3 +124,21 @@ def test_an_instance_out_of_rotation_is_forgotten_and_replayed_when_it_is_back(i
     before = decode_attempts(router, second.url)
     answer = complete(router.url, conversation + _prompts(31, [4])[0])
     assert decode_attempts(router, second.url) == before + 1 and cached(answer) == 5 * BLOCK
+
+
+def test_a_chat_is_hashed_from_the_instances_own_tokenization(instances, router):
+    _, first, second = instances
+    rng_words = " ".join(f"w{i % 97}" for i in range(60))
+    messages = [{"role": "system", "content": rng_words}, {"role": "user", "content": "first question"}]
+    body = {"model": MODEL_NAME, "messages": messages, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    direct = httpx.post(f"{second.url}/v1/chat/completions", json=body, timeout=120)
+    assert direct.status_code == 200, direct.text
+    held = direct.json()["usage"]["prompt_tokens"] // BLOCK
+    assert held >= 4 and wait_for(lambda: index_blocks(router, second.url) >= held)
+    before = decode_attempts(router, second.url)
+    follow_up = {**body, "messages": messages + [{"role": "assistant", "content": "an answer"},
+                                                 {"role": "user", "content": "and then?"}]}
+    answer = httpx.post(f"{router.url}/v1/chat/completions", json=follow_up, timeout=120)
+    assert answer.status_code == 200, answer.text
+    assert decode_attempts(router, second.url) == before + 1
+    assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= (held - 1) * BLOCK
