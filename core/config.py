@@ -396,6 +396,10 @@ class DisaggregationConfig(_Section):
     """On a failed KV transfer: recompute the prompt locally, or fail the request."""
     min_disaggregated_prompt_tokens: int = Field(0, ge=0)
     """Shorter prompts skip the prefill instance and go straight to a decode instance."""
+    min_uncached_prefill_tokens: int = Field(0, ge=0)
+    """The router, with a decode routing policy that knows what each instance caches
+    (cache_aware): a request whose prompt tokens not yet cached on the chosen decode instance are
+    fewer than this is decoded in place there, without a prefill hop; 0 = always hand over."""
     router_admin_key: SecretStr | None = None
     """The router's admin routes (/admin/*) need "Authorization: Bearer <router_admin_key>";
     unset, they are off (403), and the router's /health says only ready or not. Never printed.
@@ -491,6 +495,42 @@ def require_cluster_secret(config: TandemConfig, what: str) -> None:
         f"(insecure).")
 
 
+class KVEventsConfig(_Section):
+    """``[kv_events]``: what enters and leaves this instance's prefix cache, published in vLLM's
+    wire format (msgpack ``KVEventBatch`` over ZMQ PUB) for routers and indexers. Events carry
+    prompt token ids: bind them only where the subscribers are trusted."""
+
+    enabled: bool = False
+    """Publish KV events (vLLM: enable_kv_cache_events)."""
+    publisher: Literal["zmq"] = "zmq"
+    """The publisher: ZMQ PUB."""
+    endpoint: str = "tcp://127.0.0.1:5557"
+    """The address the PUB socket binds (tcp://HOST:0 takes a free port; GET /kv/events tells
+    the router the one bound)."""
+    replay_endpoint: str | None = "tcp://127.0.0.1:5558"
+    """The address of the ROUTER socket that replays recent batches to a late subscriber; unset,
+    there is none."""
+    topic: str = ""
+    """The ZMQ topic, the first frame of every message."""
+    buffer_steps: int = Field(10_000, ge=1)
+    """Batches kept for replay (one batch per engine step that changed the cache)."""
+    hwm: int = Field(100_000, ge=1)
+    """The PUB socket's high-water mark: messages queued per slow subscriber before ZMQ drops."""
+    max_queue_size: int = Field(100_000, ge=1)
+    """Batches waiting for the publisher thread; past it the engine drops batches (subscribers
+    see the sequence gap) rather than wait."""
+    medium: str = "GPU"
+    """The medium field of the events: vLLM labels its primary KV cache "GPU" whatever the
+    device, and consumers filter on it."""
+
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _check_endpoint(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"(tcp://[^\s:]+|tcp://\[[0-9a-fA-F:.]+\]):(\d+|\*)|ipc://\S+", value):
+            raise ValueError("must be tcp://HOST:PORT (PORT 0 or * = a free one) or ipc://PATH")
+        return value
+
+
 class TandemConfig(BaseSettings):
     """The whole configuration. ``TandemConfig()`` reads defaults and ``TANDEM_*`` environment
     variables; ``load_config`` adds a TOML file and overrides."""
@@ -507,6 +547,7 @@ class TandemConfig(BaseSettings):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig)
+    kv_events: KVEventsConfig = Field(default_factory=KVEventsConfig)
 
     @classmethod
     def settings_customise_sources(
@@ -543,6 +584,7 @@ SECTIONS: dict[str, type[BaseModel]] = {
     "parallel": ParallelConfig,
     "server": ServerConfig,
     "disaggregation": DisaggregationConfig,
+    "kv_events": KVEventsConfig,
 }
 
 

@@ -24,6 +24,9 @@ BENCHMARKS = {
                    "bitmask time per step"),
     "disagg": ("tandem.bench.disagg", "colocated vs disaggregated serving on the same cores: TTFT and "
                "TPOT of steady decoding streams under bursts of long prompts"),
+    "multiturn": ("tandem.bench.multiturn", "multi-turn conversations on 1 prefill + 2 decode instances in "
+                  "three test hosts (as root): cache-aware routing with in-place decoding vs the same "
+                  "cluster without prefix reuse vs two colocated instances behind round robin"),
 }
 PEERS = {"offline": {"vllm": "tandem.bench.peers.vllm_offline", "llamacpp": "tandem.bench.peers.llamacpp_offline"},
          "serve": {"vllm": "tandem.bench.peers.vllm_serve"}}
