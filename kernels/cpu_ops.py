@@ -35,10 +35,11 @@ logger = logging.getLogger("tandem")
 
 SOURCES = [Path(__file__).parent / "cpu" / name
            for name in ("paged_attention.cpp", "linear.cpp", "elementwise.cpp", "sampling.cpp",
-                        "gguf_matmul.cpp", "decode_layers.cpp")]
+                        "gguf_matmul.cpp", "decode_layers.cpp", "work_pool.cpp")]
 HEADERS = [Path(__file__).parent / "cpu" / "work_queue.h"]
 OPS = ("paged_decode", "panel_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary_neox",
-       "draw_rows", "argmax_rows", "gguf_linear", "gguf_dequantize_rows", "decode_layers")
+       "draw_rows", "argmax_rows", "gguf_linear", "gguf_dequantize_rows", "decode_layers",
+       "use_work_pool")
 """Every operator of the library, each wrapped below."""
 _ISA_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
@@ -210,3 +211,10 @@ def decode_layers(hidden: torch.Tensor, residual: torch.Tensor | None, norms: li
     layer's sliding window (0: none)."""
     return _ops().decode_layers(hidden, residual, norms, weights, info, cos, sin, pool, slots, rows, tables,
                                 seq_lens, windows, heads, kv_heads, head_dim, scale, eps)
+
+
+def use_work_pool(on: bool) -> bool:
+    """Share the kernels' work out over tandem's own helper threads (True, the default unless
+    ``TANDEM_CPU_WORK_POOL=omp``) or OpenMP's (False), from now on, in this process
+    (work_queue.h says why); returns the previous setting."""
+    return _ops().use_work_pool(on)
