@@ -22,10 +22,15 @@
 //   kind 2  a dense weight    (at::linear in the weight's dtype)
 //   kind 3  GGUF blocks       (gguf_linear of ggml_type)
 //
+// Each part runs under a profiler scope ("decode_layers.linear" with the panel kernel itself as
+// ".matmul" inside it, ".norm", ".rotary", ".kv_write", ".attention", ".silu_and_mul"; free when
+// no profiler is on), so torch.profiler splits the step.
+//
 // pool [num_blocks, L, 2, bs, Hkv, D] of dtype T (D and the heads contiguous); slots [M] int64,
 // each >= 0; rows, tables, seq_lens as paged_decode takes them (one query row per token).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
 #include <torch/library.h>
 
 #include <cstring>
@@ -58,11 +63,16 @@ at::Tensor in_dtype(const at::Tensor& t, at::ScalarType dtype) {
 
 // x [M, K] of dtype T with contiguous rows -> [M, N] of dtype T
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const int64_t* info) {
+  RECORD_FUNCTION("decode_layers.linear", std::vector<c10::IValue>());
   const at::ScalarType dtype = x.scalar_type();
   switch (info[0]) {
     case 0: {
       at::Tensor out = at::empty({x.size(0), info[1]}, x.options().dtype(at::kFloat));
-      panel_linear(out, in_dtype(x, at::kFloat), w, c10::nullopt);
+      const at::Tensor x32 = in_dtype(x, at::kFloat);
+      {
+        RECORD_FUNCTION("decode_layers.matmul", std::vector<c10::IValue>());
+        panel_linear(out, x32, w, c10::nullopt);
+      }
       return in_dtype(out, dtype);
     }
     case 1: return in_dtype(onednn_linear(in_dtype(x, w.scalar_type()), w), dtype);
@@ -75,6 +85,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const int64_t* info)
 // k and v of every row of qkv into the layer's pool slots
 void write_kv(const at::Tensor& qkv, const at::Tensor& kv, const int64_t* slots, int64_t heads, int64_t kv_heads,
               int64_t d) {
+  RECORD_FUNCTION("decode_layers.kv_write", std::vector<c10::IValue>());
   const int64_t bs = kv.size(2), row_bytes = kv_heads * d * kv.element_size();
   const char* src = static_cast<const char*>(qkv.data_ptr());
   char* dst = static_cast<char*>(kv.data_ptr());
@@ -113,27 +124,42 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t* li = info.data() + l * 4 * kInfo;
     at::Tensor x;
-    if (l == 0 && !(residual_in.has_value() && residual_in->defined())) {
-      residual = h;
-      x = at::empty_like(h);
-      rms_norm(x, h, norms[0], eps);
-    } else {
-      if (l == 0) residual = *residual_in;
-      add_rms_norm(h, residual, norms[2 * l], eps);
-      x = h;
+    {
+      RECORD_FUNCTION("decode_layers.norm", std::vector<c10::IValue>());
+      if (l == 0 && !(residual_in.has_value() && residual_in->defined())) {
+        residual = h;
+        x = at::empty_like(h);
+        rms_norm(x, h, norms[0], eps);
+      } else {
+        if (l == 0) residual = *residual_in;
+        add_rms_norm(h, residual, norms[2 * l], eps);
+        x = h;
+      }
     }
     at::Tensor qkv = linear(x, weights[4 * l], li);
     at::Tensor qk = qkv.narrow(1, 0, qk_width).view({m, heads + kv_heads, head_dim});
-    rotary_neox(qk, cos, sin);
+    {
+      RECORD_FUNCTION("decode_layers.rotary", std::vector<c10::IValue>());
+      rotary_neox(qk, cos, sin);
+    }
     at::Tensor kv = pool.select(1, l);
     write_kv(qkv, kv, slot, heads, kv_heads, head_dim);
     at::Tensor attn = at::empty({m, heads, head_dim}, hidden.options());
-    paged_decode(attn, qk.narrow(1, 0, heads), kv, rows, tables, seq_lens, scale, windows[l]);
+    {
+      RECORD_FUNCTION("decode_layers.attention", std::vector<c10::IValue>());
+      paged_decode(attn, qk.narrow(1, 0, heads), kv, rows, tables, seq_lens, scale, windows[l]);
+    }
     h = linear(attn.view({m, heads * head_dim}), weights[4 * l + 1], li + kInfo);
-    add_rms_norm(h, residual, norms[2 * l + 1], eps);
+    {
+      RECORD_FUNCTION("decode_layers.norm", std::vector<c10::IValue>());
+      add_rms_norm(h, residual, norms[2 * l + 1], eps);
+    }
     at::Tensor gate_up = linear(h, weights[4 * l + 2], li + 2 * kInfo);
     at::Tensor act = at::empty({m, gate_up.size(1) / 2}, hidden.options());
-    silu_and_mul(act, gate_up);
+    {
+      RECORD_FUNCTION("decode_layers.silu_and_mul", std::vector<c10::IValue>());
+      silu_and_mul(act, gate_up);
+    }
     h = linear(act, weights[4 * l + 3], li + 3 * kInfo);
   }
   return {h, residual};
