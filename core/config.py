@@ -180,6 +180,11 @@ class EngineConfig(_Section):
     first start, cached under the cache dir's kernels/ keyed by CPU, ISA, torch and threads),
     tandem's element-wise kernels when they build. Decode attention is the attention
     backend's (cpu)."""
+    cpu_decode_loop: bool = True
+    """On CPU, with tandem's element-wise kernels on (``cpu_kernels`` other than torch and
+    onednn): run a decode step's decoder layers as one C++ loop (the same kernels, values
+    unchanged) instead of one Python call per operator, where the model is Llama-shaped
+    (plain RMSNorm, full rotary, no biases, SiLU, one tensor rank); false: the Python path."""
     num_speculative_tokens: int = Field(0, ge=0, le=16)
     """Speculative decoding with n-gram (prompt lookup) drafts: up to this many drafts per
     decoding request (n = 1) and step, checked in one forward pass; 0 = off. Greedy output is

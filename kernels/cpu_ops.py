@@ -35,10 +35,11 @@ logger = logging.getLogger("tandem")
 
 SOURCES = [Path(__file__).parent / "cpu" / name
            for name in ("paged_attention.cpp", "linear.cpp", "linear_dpbf16.cpp", "elementwise.cpp",
-                        "sampling.cpp", "gguf_matmul.cpp")]
+                        "sampling.cpp", "gguf_matmul.cpp", "decode_layers.cpp", "work_pool.cpp")]
 HEADERS = [Path(__file__).parent / "cpu" / "work_queue.h"]
 OPS = ("paged_decode", "panel_linear", "panel_linear_dpbf16", "dpbf16_supported", "rms_norm", "add_rms_norm",
-       "silu_and_mul", "rotary_neox", "draw_rows", "argmax_rows", "gguf_linear", "gguf_dequantize_rows")
+       "silu_and_mul", "rotary_neox", "draw_rows", "argmax_rows", "gguf_linear", "gguf_dequantize_rows",
+       "decode_layers", "use_work_pool")
 """Every operator of the library, each wrapped below."""
 _ISA_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
@@ -205,3 +206,32 @@ def gguf_dequantize_rows(qweight: torch.Tensor, ggml_type: int, in_features: int
     [0, N) (IndexError otherwise). Values are computed in float32, then rounded to ``dtype``."""
     check_qweight(qweight, ggml_type, in_features)
     return _ops().gguf_dequantize_rows(qweight, ggml_type, in_features, rows, dtype)
+
+
+def decode_layers(hidden: torch.Tensor, residual: torch.Tensor | None, norms: list[torch.Tensor],
+                  weights: list[torch.Tensor], info: list[int], cos: torch.Tensor, sin: torch.Tensor,
+                  pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor,
+                  seq_lens: torch.Tensor, windows: list[int], heads: int, kv_heads: int, head_dim: int,
+                  scale: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step through ``len(windows)`` Llama decoder layers (decode_layers.cpp, whose
+    header draws the steps): returns the last layer's (MLP output, residual), as
+    ``LlamaDecoderLayer.forward`` does, each row one token that attends through ``paged_decode``.
+
+    ``hidden`` [M, hidden] contiguous and ``residual`` (None before the first layer: the first
+    norm has no add) of the model's dtype, both overwritten as the layers' norms overwrite them;
+    ``norms`` two RMSNorm weights per layer (input, post-attention); ``weights`` four linears per
+    layer (qkv, o, gate_up, down) and ``info`` four ints per linear (kind, out_features,
+    in_features, ggml_type; kinds in the C++ header); ``cos``, ``sin`` [M, head_dim] of the
+    dtype; ``pool`` ``[num_blocks, >= layers, 2, block_size, kv_heads, head_dim]`` of the dtype,
+    layer ``l`` writing and reading ``pool[:, l]``; ``slots`` [M] int64 >= 0, row ``t``'s KV
+    slot; ``rows``, ``tables``, ``seq_lens`` as ``paged_decode`` takes them; ``windows`` each
+    layer's sliding window (0: none)."""
+    return _ops().decode_layers(hidden, residual, norms, weights, info, cos, sin, pool, slots, rows, tables,
+                                seq_lens, windows, heads, kv_heads, head_dim, scale, eps)
+
+
+def use_work_pool(on: bool) -> bool:
+    """Share the kernels' work out over tandem's own helper threads (True, the default unless
+    ``TANDEM_CPU_WORK_POOL=omp``) or OpenMP's (False), from now on, in this process
+    (work_queue.h says why); returns the previous setting."""
+    return _ops().use_work_pool(on)

@@ -127,6 +127,8 @@ class LlamaModel(PipelineStage):
                                           config.rope_scaling)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else None
         self.embedding_multiplier = config.embedding_multiplier
+        self.decode_loop = None
+        """The stage's layers as one C++ call for decode steps (``tandem.models.cpu_decode_loop``)."""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, intermediate: torch.Tensor | None = None) -> torch.Tensor:
@@ -137,8 +139,11 @@ class LlamaModel(PipelineStage):
         else:
             h, residual = intermediate[0], intermediate[1]
         cos, sin = self.rotary_emb(positions, h.dtype, metadata)
-        for layer in self.stage_layers():
-            h, residual = layer(h, residual, cos, sin, kv_cache, metadata)
+        if self.decode_loop is not None and self.decode_loop.can_run(h, kv_cache, metadata):
+            h, residual = self.decode_loop(h, residual, cos, sin, kv_cache, metadata)
+        else:
+            for layer in self.stage_layers():
+                h, residual = layer(h, residual, cos, sin, kv_cache, metadata)
         if not self.is_last_stage:
             return torch.stack((h, residual))
         h, _ = self.norm(h, residual)

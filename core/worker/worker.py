@@ -83,6 +83,7 @@ class Worker:
     them before ``min_tokens``)."""
 
     def __init__(self, config: TandemConfig, eos_token_ids: frozenset[int]) -> None:
+        from tandem.models.cpu_decode_loop import enable_cpu_decode_loop
         from tandem.models.cpu_fusion import enable_cpu_fusion
         from tandem.models.cuda_fusion import enable_cuda_fusion
         from tandem.models.cpu_linear import pack_cpu_linears
@@ -117,6 +118,8 @@ class Worker:
             and cpu_ops.load()
         if cpu_kernels:
             enable_cpu_fusion(self.model)
+            if eng.cpu_decode_loop and enable_cpu_decode_loop(self.model):
+                logger.info("decode steps: the decoder layers run as one C++ loop (engine.cpu_decode_loop)")
         if self.device.type == "cuda":
             enable_cuda_fusion(self.model)
         self.eos_token_ids = eos_token_ids

@@ -1,19 +1,164 @@
-// Work items shared out over torch's OpenMP threads from a counter (tandem's CPU kernels).
+// Work items shared out over threads from a counter (tandem's CPU kernels).
 //
 // at::parallel_for hands each thread one fixed range; when the OS takes a core away from one of
 // them for a while (the server's event loop, a client on the same machine), the whole call
 // waits for that range. Here each thread takes the next `chunk` items until none are left, so a
 // thread that is held up holds up only the chunk it is in, and uneven items (sequences of
 // different lengths) even out.
+//
+// The threads are tandem's own (WorkPool: torch's thread count less the caller, started on
+// first use), not OpenMP's: an OpenMP region ends only once every thread of the team has
+// arrived, so on a machine whose cores are shared each call waits for a thread the OS has not
+// even woken yet, though the caller did all the work. A WorkPool call returns as soon as every
+// item is done; a helper that wakes late finds nothing left. Between calls the helpers spin for
+// a while (kSpinMicros; none under OMP_WAIT_POLICY=PASSIVE), then sleep until the next call.
+// TANDEM_CPU_WORK_POOL=omp (or use_work_pool(false)) goes back to at::parallel_for.
 #pragma once
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+#include <unistd.h>
 
 namespace tandem_cpu {
+
+inline void cpu_relax() {
+#if defined(__SSE2__)
+  _mm_pause();
+#endif
+}
+
+class WorkPool {
+ public:
+  static constexpr int64_t kSpinMicros = 200;
+
+  static WorkPool& get() {
+    static WorkPool* pool = new WorkPool();  // never destroyed: detached helpers may outlive exit
+    return *pool;
+  }
+
+  static std::atomic<bool>& enabled() {
+    static std::atomic<bool> on{[] {
+      const char* env = std::getenv("TANDEM_CPU_WORK_POOL");
+      return env == nullptr || std::strcmp(env, "omp") != 0;
+    }()};
+    return on;
+  }
+
+  // f(begin, end) over [0, total) in chunks, on this thread and up to threads - 1 helpers. False
+  // (nothing run) when another call holds the pool: the caller runs the work itself.
+  template <typename F>
+  bool run(int64_t total, int64_t chunk, int64_t threads, const F& f) {
+    std::unique_lock<std::mutex> owner(owner_, std::try_to_lock);
+    if (!owner.owns_lock()) return false;
+    start_helpers(threads - 1);
+    Job job;
+    job.total = total;
+    job.chunk = chunk;
+    job.helpers = threads - 1;
+    job.ctx = &f;
+    job.call = [](const void* ctx, int64_t b, int64_t e) { (*static_cast<const F*>(ctx))(b, e); };
+    job_.store(&job);
+    generation_.fetch_add(1);
+    if (sleepers_.load() > 0) {
+      std::lock_guard<std::mutex> lock(sleep_mu_);
+      wake_.notify_all();
+    }
+    work(job);
+    pause_until([&] { return job.done.load(std::memory_order_acquire) >= total; });
+    job_.store(nullptr);
+    pause_until([&] { return active_.load() == 0; });  // a helper may still hold &job
+    return true;
+  }
+
+ private:
+  struct Job {
+    int64_t total = 0, chunk = 1, helpers = 0;
+    const void* ctx = nullptr;
+    void (*call)(const void*, int64_t, int64_t) = nullptr;
+    std::atomic<int64_t> next{0}, done{0};
+  };
+
+  WorkPool() : pid_(getpid()) {
+    const char* policy = std::getenv("OMP_WAIT_POLICY");
+    passive_ = policy != nullptr && (std::strcmp(policy, "PASSIVE") == 0 || std::strcmp(policy, "passive") == 0);
+  }
+
+  // spins until done(), giving the core away now and then: the helper it waits for may be
+  // waiting for this very core
+  template <typename Done>
+  static void pause_until(const Done& done) {
+    for (int spin = 1; !done(); ++spin) {
+      if ((spin & 1023) == 0) std::this_thread::yield();
+      cpu_relax();
+    }
+  }
+
+  static void work(Job& job) {
+    for (int64_t begin; (begin = job.next.fetch_add(job.chunk)) < job.total;) {
+      const int64_t end = std::min(job.total, begin + job.chunk);
+      job.call(job.ctx, begin, end);
+      job.done.fetch_add(end - begin, std::memory_order_release);
+    }
+  }
+
+  void start_helpers(int64_t count) {
+    if (getpid() != pid_) {  // a forked child has none of its parent's threads
+      pid_ = getpid();
+      started_ = 0;
+    }
+    for (; started_ < count; ++started_) std::thread([this, index = started_] { helper(index); }).detach();
+  }
+
+  void helper(int64_t index) {
+    uint64_t seen = generation_.load();
+    for (;;) {
+      wait_for_change(seen);
+      seen = generation_.load();
+      active_.fetch_add(1);
+      Job* job = job_.load();
+      if (job != nullptr && index < job->helpers) work(*job);
+      active_.fetch_sub(1);
+    }
+  }
+
+  void wait_for_change(uint64_t seen) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(passive_ ? 0 : kSpinMicros);
+    for (int spin = 0; generation_.load() == seen; ++spin) {
+      if ((spin & 255) == 0 && std::chrono::steady_clock::now() >= until) {
+        std::unique_lock<std::mutex> lock(sleep_mu_);
+        sleepers_.fetch_add(1);
+        wake_.wait(lock, [&] { return generation_.load() != seen; });
+        sleepers_.fetch_sub(1);
+        return;
+      }
+      cpu_relax();
+    }
+  }
+
+  std::mutex owner_, sleep_mu_;
+  std::condition_variable wake_;
+  std::atomic<Job*> job_{nullptr};
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> active_{0}, sleepers_{0};
+  int64_t started_ = 0;
+  pid_t pid_;
+  bool passive_ = false;
+};
 
 // f(begin, end) for consecutive ranges of at most `chunk` items covering [0, total), each range
 // once, on any thread.
@@ -24,6 +169,10 @@ inline void for_each_chunk(int64_t total, int64_t chunk, const F& f) {
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), (total + chunk - 1) / chunk);
   if (threads <= 1 || at::in_parallel_region()) {
     f(0, total);
+    return;
+  }
+  if (WorkPool::enabled().load(std::memory_order_relaxed)) {
+    if (!WorkPool::get().run(total, chunk, threads, f)) f(0, total);
     return;
   }
   std::atomic<int64_t> next{0};

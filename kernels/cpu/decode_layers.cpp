@@ -1,0 +1,185 @@
+// A whole decode step through a stack of Llama decoder layers in one call (the layer loop of
+// tandem.models.cpu_decode_loop). A small model's decode step costs more in the dispatch of its
+// many small operators — Python frames, tensor wrappers, conversions, per layer ~60 of them —
+// than in its matmuls; here the same kernels run one after another from C++:
+//
+//   per layer l (h, residual [M, hidden] in the model's dtype T; the first layer's residual is h):
+//     x        = add_rms_norm(h, residual, norms[2l])          (rms_norm(h) for the first layer)
+//     qkv      = linear(x, 4l)                                  [M, (H + 2 Hkv) D]
+//     rotary_neox(qkv[:, : (H + Hkv) D], cos, sin)              in place
+//     pool[slot of row t, l] = k, v of row t                    KV write
+//     attn     = paged_decode(q, pool[:, l], rows, tables, seq_lens, scale, windows[l])
+//     h        = linear(attn, 4l + 1)
+//     x        = add_rms_norm(h, residual, norms[2l + 1])
+//     h        = linear(silu_and_mul(linear(x, 4l + 2)), 4l + 3)
+//
+// returning the last (h, residual). Every step is the kernel the Python modules call, with the
+// same conversions, so the values are theirs bit for bit. Linear i is weights[i] with
+// info[4i .. 4i + 3] = (kind, out_features, in_features, ggml_type):
+//
+//   kind 0  tandem's panels   (x widened to float32, panel_linear, rounded back to T)
+//   kind 1  oneDNN's packing  (mkldnn::_linear_pointwise in the weight's dtype)
+//   kind 2  a dense weight    (at::linear in the weight's dtype)
+//   kind 3  GGUF blocks       (gguf_linear of ggml_type)
+//   kind 4  bfloat16 pairs    (x in bfloat16, panel_linear_dpbf16, rounded back to T)
+//
+// Each part runs under a profiler scope ("decode_layers.linear" with the panel kernel itself as
+// ".matmul" inside it, ".norm", ".rotary", ".kv_write", ".attention", ".silu_and_mul"; free when
+// no profiler is on), so torch.profiler splits the step.
+//
+// pool [num_blocks, L, 2, bs, Hkv, D] of dtype T (D and the heads contiguous); slots [M] int64,
+// each >= 0; rows, tables, seq_lens as paged_decode takes them (one query row per token).
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <tuple>
+
+void panel_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias);
+void panel_linear_dpbf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
+                         const c10::optional<at::Tensor>& bias);
+void paged_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& rows,
+                  const at::Tensor& tables, const at::Tensor& seq_lens, double scale, int64_t window);
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
+void add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
+void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up);
+void rotary_neox(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t ggml_type, int64_t in_features);
+
+namespace {
+
+constexpr int64_t kInfo = 4;
+
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w) {
+  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, w, c10::IValue(), std::string("none"), c10::List<std::optional<at::Scalar>>(),
+                          std::string("")};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+at::Tensor in_dtype(const at::Tensor& t, at::ScalarType dtype) {
+  return t.scalar_type() == dtype ? t : t.to(dtype);
+}
+
+// x [M, K] of dtype T with contiguous rows -> [M, N] of dtype T
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const int64_t* info) {
+  RECORD_FUNCTION("decode_layers.linear", std::vector<c10::IValue>());
+  const at::ScalarType dtype = x.scalar_type();
+  switch (info[0]) {
+    case 0: {
+      at::Tensor out = at::empty({x.size(0), info[1]}, x.options().dtype(at::kFloat));
+      const at::Tensor x32 = in_dtype(x, at::kFloat);
+      {
+        RECORD_FUNCTION("decode_layers.matmul", std::vector<c10::IValue>());
+        panel_linear(out, x32, w, c10::nullopt);
+      }
+      return in_dtype(out, dtype);
+    }
+    case 1: return in_dtype(onednn_linear(in_dtype(x, w.scalar_type()), w), dtype);
+    case 2: return in_dtype(at::linear(in_dtype(x, w.scalar_type()), w), dtype);
+    case 3: return gguf_linear(x, w, info[3], info[2]);
+    case 4: {
+      at::Tensor out = at::empty({x.size(0), info[1]}, x.options().dtype(at::kFloat));
+      panel_linear_dpbf16(out, in_dtype(x, at::kBFloat16).contiguous(), w, c10::nullopt);
+      return in_dtype(out, dtype);
+    }
+    default: TORCH_CHECK(false, "decode_layers: unknown linear kind ", info[0]);
+  }
+}
+
+// k and v of every row of qkv into the layer's pool slots
+void write_kv(const at::Tensor& qkv, const at::Tensor& kv, const int64_t* slots, int64_t heads, int64_t kv_heads,
+              int64_t d) {
+  RECORD_FUNCTION("decode_layers.kv_write", std::vector<c10::IValue>());
+  const int64_t bs = kv.size(2), row_bytes = kv_heads * d * kv.element_size();
+  const char* src = static_cast<const char*>(qkv.data_ptr());
+  char* dst = static_cast<char*>(kv.data_ptr());
+  const int64_t el = kv.element_size(), ld = qkv.stride(0) * el;
+  for (int64_t t = 0; t < qkv.size(0); ++t) {
+    const int64_t block = slots[t] / bs, offset = slots[t] % bs;
+    char* k = dst + (block * kv.stride(0) + offset * kv.stride(2)) * el;
+    std::memcpy(k, src + t * ld + heads * d * el, row_bytes);
+    std::memcpy(k + kv.stride(1) * el, src + t * ld + (heads + kv_heads) * d * el, row_bytes);
+  }
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> decode_layers(
+    const at::Tensor& hidden, const c10::optional<at::Tensor>& residual_in, at::TensorList norms,
+    at::TensorList weights, at::IntArrayRef info, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& pool,
+    const at::Tensor& slots, const at::Tensor& rows, const at::Tensor& tables, const at::Tensor& seq_lens,
+    at::IntArrayRef windows, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, double eps) {
+  const int64_t layers = static_cast<int64_t>(windows.size()), m = hidden.size(0);
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers && static_cast<int64_t>(weights.size()) == 4 * layers &&
+                  static_cast<int64_t>(info.size()) == kInfo * 4 * layers,
+              "decode_layers: 2 norms, 4 linears and 16 info values per layer");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && pool.dim() == 6 && pool.size(1) >= layers &&
+                  pool.scalar_type() == hidden.scalar_type() && pool.size(4) == kv_heads && pool.size(5) == head_dim &&
+                  pool.stride(5) == 1 && pool.stride(4) == head_dim,
+              "decode_layers: hidden [M, hidden] contiguous, pool [blocks, >= layers, 2, bs, Hkv, D] of its dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == m,
+              "decode_layers: one int64 slot per row");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < m; ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < pool.size(0) * pool.size(3), "decode_layers: slot out of the pool");
+  }
+  const int64_t qk_width = (heads + kv_heads) * head_dim;
+  at::Tensor h = hidden, residual;
+  for (int64_t l = 0; l < layers; ++l) {
+    const int64_t* li = info.data() + l * 4 * kInfo;
+    at::Tensor x;
+    {
+      RECORD_FUNCTION("decode_layers.norm", std::vector<c10::IValue>());
+      if (l == 0 && !(residual_in.has_value() && residual_in->defined())) {
+        residual = h;
+        x = at::empty_like(h);
+        rms_norm(x, h, norms[0], eps);
+      } else {
+        if (l == 0) residual = *residual_in;
+        add_rms_norm(h, residual, norms[2 * l], eps);
+        x = h;
+      }
+    }
+    at::Tensor qkv = linear(x, weights[4 * l], li);
+    at::Tensor qk = qkv.narrow(1, 0, qk_width).view({m, heads + kv_heads, head_dim});
+    {
+      RECORD_FUNCTION("decode_layers.rotary", std::vector<c10::IValue>());
+      rotary_neox(qk, cos, sin);
+    }
+    at::Tensor kv = pool.select(1, l);
+    write_kv(qkv, kv, slot, heads, kv_heads, head_dim);
+    at::Tensor attn = at::empty({m, heads, head_dim}, hidden.options());
+    {
+      RECORD_FUNCTION("decode_layers.attention", std::vector<c10::IValue>());
+      paged_decode(attn, qk.narrow(1, 0, heads), kv, rows, tables, seq_lens, scale, windows[l]);
+    }
+    h = linear(attn.view({m, heads * head_dim}), weights[4 * l + 1], li + kInfo);
+    {
+      RECORD_FUNCTION("decode_layers.norm", std::vector<c10::IValue>());
+      add_rms_norm(h, residual, norms[2 * l + 1], eps);
+    }
+    at::Tensor gate_up = linear(h, weights[4 * l + 2], li + 2 * kInfo);
+    at::Tensor act = at::empty({m, gate_up.size(1) / 2}, hidden.options());
+    {
+      RECORD_FUNCTION("decode_layers.silu_and_mul", std::vector<c10::IValue>());
+      silu_and_mul(act, gate_up);
+    }
+    h = linear(act, weights[4 * l + 3], li + 3 * kInfo);
+  }
+  return {h, residual};
+}
+
+TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
+  m.def("decode_layers(Tensor(b!) hidden, Tensor(c!)? residual, Tensor[] norms, Tensor[] weights, int[] info, Tensor cos, "
+        "Tensor sin, Tensor(a!) pool, Tensor slots, Tensor rows, Tensor tables, Tensor seq_lens, int[] windows, "
+        "int heads, int kv_heads, int head_dim, float scale, float eps) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("decode_layers", &decode_layers); }
+
+// oneDNN's packed weights are tensors of their own backend: a call that holds one dispatches here
+TORCH_LIBRARY_IMPL(tandem_cpu, MkldnnCPU, m) { m.impl("decode_layers", &decode_layers); }

@@ -1,0 +1,86 @@
+"""The C++ decode loop (tandem.models.cpu_decode_loop) against HF transformers: a prompt, then
+token-by-token decode steps that all go through ``decode_layers`` (counted), float32 logits
+within test_model_vs_hf's tolerance, on each linear kernel the loop calls (tandem's panels,
+oneDNN, dense torch weights, GGUF blocks); bfloat16 gives the modules' own path's values
+exactly; stacks the loop cannot run keep the Python path."""
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from transformers import AutoModelForCausalLM
+
+from tandem import LLM, SamplingParams
+from tandem.kernels import cpu_ops
+from tandem.models.cpu_decode_loop import CpuDecodeLoop, enable_cpu_decode_loop
+from tandem.models.cpu_linear import dpbf16_available
+from tests.helpers.gguf_files import write_tiny_gguf
+from tests.helpers.tiny_models import hf_model, tiny_model_dir
+from tests.models.test_cpu_kernels_vs_hf import load_with_kernels, run
+from tests.models.test_model_vs_hf import ATOL, hf_logits, prompt
+
+PREFILL = 9
+
+
+@pytest.fixture
+def loop_calls(monkeypatch):
+    calls = []
+    real = cpu_ops.decode_layers
+
+    def counted(hidden, *args):
+        calls.append(hidden.shape[0])
+        return real(hidden, *args)
+
+    monkeypatch.setattr(cpu_ops, "decode_layers", counted)
+    return calls
+
+
+def decode_logits(kind, kernels, dtype=torch.float32, loop=True):
+    model, arch = load_with_kernels(kind, kernels, dtype)
+    if loop:
+        assert enable_cpu_decode_loop(model)
+    ids = prompt()
+    return run(model, arch, ids, [PREFILL] + [1] * (len(ids) - PREFILL)), ids
+
+
+@pytest.mark.parametrize(("kind", "kernels"), [("llama", "tandem"), ("llama_tied", "onednn"), ("mistral", "torch"),
+                                               ("llama3", "tandem")])
+def test_decode_steps_through_the_loop_match_hf(kind, kernels, loop_calls):
+    got, ids = decode_logits(kind, kernels)
+    assert loop_calls == [1] * (len(ids) - PREFILL)
+    torch.testing.assert_close(got, hf_logits(hf_model(tiny_model_dir(kind)), ids), atol=ATOL, rtol=ATOL)
+
+
+@pytest.mark.parametrize("kernels", ["tandem", "dpbf16"])
+def test_bfloat16_loop_gives_the_modules_values_exactly(loop_calls, kernels):
+    if kernels == "dpbf16" and not dpbf16_available():
+        pytest.skip("this CPU has no AVX512-BF16 instructions")
+    got, _ = decode_logits("llama", kernels, torch.bfloat16)
+    assert loop_calls
+    want, _ = decode_logits("llama", kernels, torch.bfloat16, loop=False)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "granite", "smollm3", "gemma3"])
+def test_stacks_the_loop_cannot_run_keep_the_python_path(kind):
+    """q/k/v biases, q/k norms, a residual multiplier, rope-free layers, Gemma's layers."""
+    model, _ = load_with_kernels(kind, "tandem")
+    assert CpuDecodeLoop.build(list(model.model.stage_layers())) is None
+
+
+def test_gguf_blocks_through_the_loop_match_hf_greedy(tmp_path, loop_calls):
+    path = write_tiny_gguf(tmp_path / "llama.gguf", "llama", lambda name, i: Q.Q8_0)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    prompts = [[5, 100, 200, 300, 17, 42, 99, 7], [6, 100, 200, 300, 17, 42, 99, 7]]
+    want = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = list(p)
+            for _ in range(6):
+                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+            want.append(ids[len(p):])
+    llm = LLM(model=str(path), num_kv_blocks=32, dtype="float32", num_threads=1, quantization="gguf")
+    got = [o.outputs[0].token_ids for o in llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))]
+    assert got == want and want[0] != want[1]
+    assert 2 in loop_calls  # both sequences decoding in one step
