@@ -547,10 +547,29 @@ class KVConnector(ABC):
         """Reader side: tell ``peer`` that ``transfer_id``'s blocks will not be read (the request
         was aborted, or the prefix cache already held them). Never raises."""
 
+    def configure(self, config: Any) -> None:
+        """Called once, before ``register_pool``, with the instance's whole configuration
+        (``tandem.config.TandemConfig``). Optional: the built-in transports need nothing of it;
+        a wrapper such as "faulty" reads its section there."""
+
     def read_counters(self) -> list[KVReadCounters]:
         """Reader side: the ``KVReadCounters`` of each rank of this instance, in rank order (one
         for a single-process connector). Optional (the default counts nothing); never raises."""
         return [KVReadCounters()]
+
+    def block_checksums(self, block_ids: list[int]) -> list[int] | None:
+        """The checksum of each of ``block_ids`` of this instance's pool, as
+        ``tandem.transport.kv_checksum`` defines it (the same on both sides of a hand-over,
+        however each is split): an owner's goes with a hand-over, and a reader compares its own
+        after a read reported "done" — a read that delivered part of a block is then a failed
+        one. Optional: None (the default) when the connector cannot checksum its pool."""
+        return None
+
+    def event_counts(self) -> dict[str, int]:
+        """Cumulative counts of connector-specific events by name, summed over the ranks (the
+        "faulty" connector: the faults it injected). Optional (the default has none); never
+        raises; may cross to the workers, so callers rate-limit it."""
+        return {}
 
     def remove_peer(self, peer: str) -> None:
         """Forget ``peer`` (it died, or is no longer used): its transfers end as "error:peer"

@@ -17,6 +17,9 @@ executor's channel: ``call_ranks``) and merges the answers::
                      its deadline, then "closed" once each of those is closed)
     get_notifications  a transfer id once each rank's connector has heard from all its readers
     read_counters    every rank's, in rank order
+    block_checksums  the ranks' shares added (``tandem.transport.kv_checksum``); None when a
+                     rank cannot checksum
+    event_counts     summed over the ranks
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from tandem.interfaces import KVConnector, KVReadCounters
 
 DONE, DEADLINE, CLOSED = "done", "error:deadline", "closed"
 MAX_PARTIAL_NOTIFICATIONS = 65536
+CHECKSUM_MASK = (1 << 64) - 1
 
 
 class RankedConnector(KVConnector):
@@ -111,6 +115,22 @@ class RankedConnector(KVConnector):
 
     def read_counters(self) -> list[KVReadCounters]:
         return [c for counters in self._call("read_counters", [()] * self.world_size) for c in counters]
+
+    def block_checksums(self, block_ids: list[int]) -> list[int] | None:
+        shares = self._call("block_checksums", [(block_ids,)] * self.world_size)
+        if any(share is None for share in shares):
+            return None
+        return [sum(column) & CHECKSUM_MASK for column in zip(*shares, strict=True)]
+
+    def event_counts(self) -> dict[str, int]:
+        try:
+            counts = self._call("event_counts", [()] * self.world_size)
+        except Exception:  # noqa: BLE001 - never raises, as the contract says
+            return {}
+        total: Counter[str] = Counter()
+        for rank_counts in counts:
+            total.update(rank_counts)
+        return dict(total)
 
     def notify_release(self, peer: str, transfer_id: str) -> None:
         names = self._peers.get(peer)
