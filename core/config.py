@@ -465,10 +465,10 @@ class FaultInjectionConfig(_Section):
     read_fail_rate: Rate = 0.0
     """Reads that run but are reported "error:transfer"."""
     read_delay_rate: Rate = 0.0
-    """Reads whose "done" is reported read_delay_s late ("error:deadline" then "closed" when that
-    passes the transfer's deadline)."""
+    """Reads whose "done" is reported late ("error:deadline" then "closed" when that passes the
+    transfer's deadline)."""
     read_delay_s: float = Field(0.2, ge=0.0, allow_inf_nan=False)
-    """How late a delayed read is reported."""
+    """The longest delay of a delayed read (each drawn uniformly up to it)."""
     truncate_rate: Rate = 0.0
     """Reads reported "done" with the second half of their last block not written (garbage):
     the decode instance's block checksums must catch them."""

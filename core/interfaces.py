@@ -470,6 +470,12 @@ class KVReadCounters:
     bytes_read: int = 0
 
 
+class KVPeerUnavailable(Exception):
+    """Raised by ``KVConnector.add_peer`` for a compatible peer whose agent cannot be reached
+    (it died, or restarted with new metadata behind the same handshake URL): a failed load, for
+    ``kv_load_failure_policy`` to handle, not a bad hand-over."""
+
+
 class KVConnector(ABC):
     """Moves KV blocks between instances. It knows block ids and bytes, nothing of requests'
     tokens, the scheduler or the runner. Failures are states the engine polls, never exceptions
@@ -511,7 +517,8 @@ class KVConnector(ABC):
         name. ``handshake`` may list an instance's ranks (``"ranks"``). Raises ``ValueError`` with
         a message naming both sides when the peer's ``compat_hash`` differs from this
         instance's, or its ranks' shards cannot give this rank's layers and KV heads: its blocks
-        would be garbage here, so no transfer may start."""
+        would be garbage here, so no transfer may start; ``KVPeerUnavailable`` when the peer is
+        compatible but cannot be reached."""
 
     @abstractmethod
     def start_read(

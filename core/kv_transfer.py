@@ -31,7 +31,7 @@ from typing import Any
 
 from tandem import handover
 from tandem.handover import DecodeHandover, DecodeState, PrefillHandover
-from tandem.interfaces import KVConnector
+from tandem.interfaces import KVConnector, KVPeerUnavailable
 from tandem.handover_auth import prompt_digest
 from tandem.sched.scheduler import PinnedKV, RemoteKVLoad, Scheduler, quarantine_holder_id
 
@@ -244,8 +244,8 @@ class KVTransferCoordinator:
               cache_salt: str | None = None) -> bool:
         """Check the hand-over of ``request_id`` (about to be added to the scheduler, with
         ``cache_salt``) and make it ADMITTED. True: add the request with ``remote_kv`` LOAD.
-        False: no read will be made (a mismatched prompt or salt, a stalled peer) and the policy
-        is "recompute": add it as an ordinary request. Raises ``KVTransferReplayed`` for a used
+        False: no read will be made (a mismatched prompt or salt, a stalled or unreachable
+        peer) and the policy is "recompute": add it as an ordinary request. Raises ``KVTransferReplayed`` for a used
         transfer id, ValueError for an incompatible peer (compat hash, layout, a pool of no sane
         size), ``KVTransferFailed`` where the policy is "fail"."""
         transfer_id = remote.transfer_id
@@ -265,7 +265,14 @@ class KVTransferCoordinator:
             reason = "mismatch"  # another prompt (or salt) was prefilled: its KV must not be read
         elif self._stalled(remote.engine_id):
             reason = "peer"
-        peer = self._peer(remote) if reason is None else ""
+        peer = ""
+        if reason is None:
+            try:
+                peer = self._peer(remote)
+            except KVPeerUnavailable as exc:
+                logger.warning("%s", exc)
+                self._stale_handshakes.append(remote.engine_id)
+                reason = "peer"
         load = DecodeHandover(transfer_id, request_id, peer, remote.engine_id, remote.block_ids,
                               remote_checksums=remote.kv_checksums)
         if reason is None:
@@ -407,7 +414,8 @@ class KVTransferCoordinator:
 
     def _peer(self, remote: RemotePrefill) -> str:
         """The connector peer of ``remote``'s engine, added on first use (raises ValueError for
-        an incompatible one); keeps at most ``MAX_PEERS``."""
+        an incompatible one, ``KVPeerUnavailable`` for one that cannot be reached); keeps at
+        most ``MAX_PEERS``."""
         peer = self._peers.get(remote.engine_id)
         if peer is None:
             peer = self.connector.add_peer(remote.handshake)

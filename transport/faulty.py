@@ -7,8 +7,8 @@ Faults, each decided by ``random.Random(seed + rank)`` in call order, logged and
 (``event_counts``, by the names below)::
 
     reader side  read_fail      the read runs, then is reported "error:transfer"
-                 read_delay     "done" is reported read_delay_s late; past the transfer's
-                 read_late      deadline: "error:deadline" at once, "closed" read_delay_s later
+                 read_delay     "done" is reported up to read_delay_s late (uniformly); past
+                 read_late      the transfer's deadline: "error:deadline" at once, "closed" then
                  truncate       "done", with the second half of the read's last local block
                                 overwritten (as if those bytes never arrived): only the block
                                 checksums can tell
@@ -133,7 +133,7 @@ class FaultyConnector(KVConnector):
             block[block.shape[0] // 2:] = GARBAGE_BYTE
             self._count("truncate", transfer_id)
             return state
-        report_at = time.monotonic() + self._settings.read_delay_s
+        report_at = time.monotonic() + self._rng.uniform(0.0, self._settings.read_delay_s)
         if report_at < fault.deadline:
             self._count("read_delay", transfer_id)
             self._held[transfer_id] = _Held(report_at, state)

@@ -42,7 +42,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.interfaces import KVConnector, KVPoolDescriptor, KVReadCounters
+from tandem.interfaces import KVConnector, KVPeerUnavailable, KVPoolDescriptor, KVReadCounters
 from tandem.transport.compat import KVHandshakeError, base_handshake, check_pool, check_read, peer_ranks, read_plan
 from tandem.transport.kv_checksum import BlockChecksums
 from tandem.transport.nixl_agent import NixlAgent, back_with_huge_pages
@@ -156,13 +156,16 @@ class NixlConnector(KVConnector):
         agents: list[str] = []
         try:
             for index in sorted({read.remote_rank for read in plan.reads} | plan.notify.keys()):
-                loaded = self._agent.load_peer(base64.b64decode(ranks[index]["agent_metadata"]))
+                try:
+                    loaded = self._agent.load_peer(base64.b64decode(ranks[index]["agent_metadata"]))
+                except Exception as exc:  # its agent is gone: no connection to its address
+                    raise KVPeerUnavailable(f"cannot reach KV peer {name!r}: {type(exc).__name__}: {exc}") from exc
                 agents.append(loaded)
                 if loaded != remote[index].agent:
-                    raise ValueError(f"its metadata names agent {loaded!r}")
-        except Exception as exc:
+                    raise KVHandshakeError(f"cannot load KV peer {name!r}: its metadata names agent {loaded!r}")
+        except Exception:
             self._forget_agents(agents)
-            raise KVHandshakeError(f"cannot load KV peer {name!r}: {type(exc).__name__}: {exc}") from exc
+            raise
         self._peers[name] = _Peer(name, key, min(r["num_blocks"] for r in ranks), remote, plan, agents)
         return name
 

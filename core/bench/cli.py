@@ -24,6 +24,9 @@ BENCHMARKS = {
                    "bitmask time per step"),
     "disagg": ("tandem.bench.disagg", "colocated vs disaggregated serving on the same cores: TTFT and "
                "TPOT of steady decoding streams under bursts of long prompts"),
+    "chaos": ("tandem.bench.chaos", "a prefill/decode cluster under injected KV-transfer faults (the "
+              "\"faulty\" connector over NIXL): requests lost, answers against a colocated instance's, "
+              "blocks left held, faults injected vs observed"),
 }
 PEERS = {"offline": {"vllm": "tandem.bench.peers.vllm_offline", "llamacpp": "tandem.bench.peers.llamacpp_offline"},
          "serve": {"vllm": "tandem.bench.peers.vllm_serve"}}
