@@ -585,6 +585,7 @@ SECTIONS: dict[str, type[BaseModel]] = {
     "parallel": ParallelConfig,
     "server": ServerConfig,
     "disaggregation": DisaggregationConfig,
+    "fault_injection": FaultInjectionConfig,
 }
 
 
