@@ -44,7 +44,7 @@ EVENTS_REFRESH_S = 1.0
 """How often ``stats`` asks the connector for its event counts (they may cross to the workers)."""
 """Prefill engines a decode instance keeps connected; the least recently used idle one goes."""
 
-CHECKSUM_HEX_DIGITS = 16
+CHECKSUM_HEX_DIGITS = 8
 _REMOTE_PREFILL_FIELDS = ("engine_id", "transfer_id", "block_ids", "num_tokens", "prompt_digest",
                           "compat_hash")
 
@@ -88,7 +88,7 @@ class RemotePrefill:
         checksums = params.get("kv_checksums") or ()
         if checksums and (len(checksums) != len(block_ids) or not all(
                 isinstance(c, str) and len(c) == CHECKSUM_HEX_DIGITS for c in checksums)):
-            raise ValueError("kv_transfer_params.kv_checksums must hold one 16-digit hex checksum per block")
+            raise ValueError("kv_transfer_params.kv_checksums must hold one 8-digit hex checksum per block")
         return cls(str(params["engine_id"]), str(params["transfer_id"]), tuple(block_ids), num_tokens,
                    str(params["prompt_digest"]), str(params["compat_hash"]), handshake,
                    tuple(int(c, 16) for c in checksums))
@@ -208,7 +208,7 @@ class KVTransferCoordinator:
             }
             checksums = self.connector.block_checksums(list(pin.block_ids))
             if checksums is not None:
-                params[pin.request_id]["kv_checksums"] = [f"{c:016x}" for c in checksums]
+                params[pin.request_id]["kv_checksums"] = [f"{c:08x}" for c in checksums]
         return params
 
     def release(self, transfer_id: str) -> bool:

@@ -39,6 +39,7 @@ from tandem.bench.serve import start_process, stop_server
 from tandem.server.supervisor import free_port
 
 MODEL_NAME = "chaos"
+SEED_STRIDE = 1000
 DRAIN_GAUGES = ("tandem:num_requests_running", "tandem:num_requests_waiting", "tandem:kv_blocks_used",
                 "tandem:kv_blocks_pending_release", "tandem:kv_blocks_quarantined")
 FAULT_FLAGS = ("read_fail_rate", "read_delay_rate", "read_delay_s", "truncate_rate", "notify_drop_rate",
@@ -109,15 +110,17 @@ def running_cluster(model: str, faults: dict[str, float], *, decode_instances: i
             stack.callback(stop_server, proc)
             return url
 
-        def serve(name: str, role: str, extra: list[str] = (), threads: int = 1) -> str:
+        def serve(name: str, role: str, index: int = 0, extra: list[str] = ()) -> str:
             port = free_port()
             cmd = [sys.executable, "-m", "tandem.cli", "serve", model, "--port", str(port), *flags, *extra]
-            return start(name, cmd, port, instance_env(role, secret, faults, expiry_s, transfer_timeout_s, threads))
+            # each instance its own fault sequence (ranks add their rank to the seed)
+            seeded = faults | {"seed": int(faults.get("seed", 0)) + SEED_STRIDE * index}
+            return start(name, cmd, port, instance_env(role, secret, seeded, expiry_s, transfer_timeout_s, 1))
 
         oracle = serve("oracle", "both")
         prefill = serve("prefill", "prefill")
         tp = ["--tensor-parallel-size", str(decode_tp)] if decode_tp > 1 else []
-        decode = tuple(serve(f"decode{i}", "decode", tp) for i in range(decode_instances))
+        decode = tuple(serve(f"decode{i}", "decode", i + 1, tp) for i in range(decode_instances))
         listed = [{"url": prefill, "role": "prefill"}] + [{"url": d, "role": "decode"} for d in decode]
         port = free_port()
         env = instance_env("both", secret, {}, expiry_s, transfer_timeout_s, 1) | {

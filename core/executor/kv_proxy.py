@@ -30,7 +30,7 @@ from tandem.interfaces import KVConnector, KVReadCounters
 
 DONE, DEADLINE, CLOSED = "done", "error:deadline", "closed"
 MAX_PARTIAL_NOTIFICATIONS = 65536
-CHECKSUM_MASK = (1 << 64) - 1
+CHECKSUM_MASK = (1 << 32) - 1
 
 
 class RankedConnector(KVConnector):

@@ -66,7 +66,7 @@ def _kv_transfer_metrics(stats: KVTransferStats) -> Iterator[Metric]:
                               value=stats.bytes_total)
     failures = CounterMetricFamily("tandem:kv_transfer_failures",
                                    "KV hand-overs that failed (decode side: peer, deadline, transfer, "
-                                   "mismatch; prefill side: expired).", labels=["reason"])
+                                   "mismatch, checksum; prefill side: expired).", labels=["reason"])
     for reason, count in stats.failures:
         failures.add_metric([reason], count)
     yield failures

@@ -111,7 +111,7 @@ class KVTransferParams(_Request):
     """Where the decode instance fetches the prefill instance's KV handshake: http(s) only."""
     expires_at: int | None = Field(None, ge=0)
     """Unix time (s) after which the hand-over is refused: its pin expires then."""
-    kv_checksums: list[Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]] | None = Field(None, max_length=1 << 20)
+    kv_checksums: list[Annotated[str, Field(pattern=r"^[0-9a-f]{8}$")]] | None = Field(None, max_length=1 << 20)
     """The prefill instance's checksum of each block (``KVConnector.block_checksums``), which
     the decode instance compares after its read; absent when its connector has none. Not
     signed: altered, it can only make the decode instance recompute the prompt."""
