@@ -508,7 +508,8 @@ class KVConnector(ABC):
     @abstractmethod
     def handshake_info(self) -> dict[str, Any]:
         """What a peer needs to read from this instance (agent metadata, addresses, layout,
-        ``compat_hash``): a JSON-serialisable dict."""
+        ``compat_hash``): a JSON-serialisable dict. It may change while the instance runs (a
+        transport restarted with a new agent): the instance serves the current one."""
 
     @abstractmethod
     def add_peer(self, handshake: dict[str, Any]) -> str:

@@ -1,9 +1,10 @@
 """`tandem bench chaos`: a disaggregated cluster under injected KV-transfer faults, every answer
 checked against a colocated instance's.
 
-It starts, as separate ``tandem`` processes on 127.0.0.1: a colocated instance (the oracle), one
-prefill instance and ``--decode-instances`` decode instances (``--decode-tp`` ranks each: a
-decode instance split otherwise than the prefill one reads only its KV heads), both roles over
+It starts, as separate ``tandem`` processes on 127.0.0.1: a colocated instance (the oracle), a
+prefill instance of ``--prefill-tp`` ranks and ``--decode-instances`` decode instances of
+``--decode-tp`` ranks (split otherwise than the prefill one, a decode rank reads only its KV
+heads), both roles over
 the "faulty" KV connector wrapping NIXL (``[fault_injection]``, docs/configuration.md), and a
 router over them. The workload is ``--conversations`` multi-turn conversations of ``--turns``
 turns, ``--concurrency`` at a time: every prompt starts with one shared system prefix, and each
@@ -95,7 +96,7 @@ def instance_env(role: str, secret: str, faults: dict[str, float], expiry_s: flo
 
 @contextmanager
 def running_cluster(model: str, faults: dict[str, float], *, decode_instances: int = 1, decode_tp: int = 1,
-                    expiry_s: float = 3.0, transfer_timeout_s: float = 5.0, num_kv_blocks: int = 256,
+                    prefill_tp: int = 1, expiry_s: float = 3.0, transfer_timeout_s: float = 5.0, num_kv_blocks: int = 256,
                     log_dir: Path | None = None, timeout_s: float = 300.0):
     """The oracle, the prefill and decode instances and the router, as processes; yields a
     ``Cluster`` and stops them all at the end. Instance logs go to ``log_dir``."""
@@ -118,8 +119,8 @@ def running_cluster(model: str, faults: dict[str, float], *, decode_instances: i
             return start(name, cmd, port, instance_env(role, secret, seeded, expiry_s, transfer_timeout_s, 1))
 
         oracle = serve("oracle", "both")
-        prefill = serve("prefill", "prefill")
-        tp = ["--tensor-parallel-size", str(decode_tp)] if decode_tp > 1 else []
+        prefill = serve("prefill", "prefill", 0, ["--tensor-parallel-size", str(prefill_tp)])
+        tp = ["--tensor-parallel-size", str(decode_tp)]
         decode = tuple(serve(f"decode{i}", "decode", i + 1, tp) for i in range(decode_instances))
         listed = [{"url": prefill, "role": "prefill"}] + [{"url": d, "role": "decode"} for d in decode]
         port = free_port()
@@ -235,14 +236,14 @@ def count_faults(cluster: Cluster, report: ChaosReport) -> None:
 
 
 def run_chaos(model: str, faults: dict[str, float], *, conversations_: int, turns: int, max_tokens: int,
-              concurrency: int, seed: int, decode_instances: int = 1, decode_tp: int = 1,
+              concurrency: int, seed: int, decode_instances: int = 1, decode_tp: int = 1, prefill_tp: int = 1,
               expiry_s: float = 3.0, transfer_timeout_s: float = 5.0, log_dir: Path | None = None) -> ChaosReport:
     """Start the cluster, run the workload, check it drains, count the faults."""
     vocab_size = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     convs = conversations(vocab_size, conversations_, turns, seed)
     report = ChaosReport()
     with running_cluster(model, faults, decode_instances=decode_instances, decode_tp=decode_tp,
-                         expiry_s=expiry_s, transfer_timeout_s=transfer_timeout_s, log_dir=log_dir) as cluster:
+                         prefill_tp=prefill_tp, expiry_s=expiry_s, transfer_timeout_s=transfer_timeout_s, log_dir=log_dir) as cluster:
         t0 = time.perf_counter()
         asyncio.run(run_workload(cluster, convs, max_tokens, concurrency, report))
         report.duration_s = time.perf_counter() - t0
@@ -273,8 +274,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--concurrency", type=int, default=6, help="conversations in flight")
     p.add_argument("--decode-instances", type=int, default=1)
-    p.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel ranks of each decode instance "
-                                                            "(the prefill instance has 1)")
+    p.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel ranks of each decode instance")
+    p.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel ranks of the prefill instance")
     p.add_argument("--kv-expiry-s", type=float, default=3.0)
     p.add_argument("--kv-transfer-timeout-s", type=float, default=5.0)
     p.add_argument("--log-dir", type=Path, default=None)
@@ -291,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
     faults = {name: getattr(args, name) for name in FAULT_FLAGS}
     report = run_chaos(args.model, faults, conversations_=args.conversations, turns=args.turns,
                        max_tokens=args.max_tokens, concurrency=args.concurrency, seed=args.seed,
-                       decode_instances=args.decode_instances, decode_tp=args.decode_tp,
+                       decode_instances=args.decode_instances, decode_tp=args.decode_tp, prefill_tp=args.prefill_tp,
                        expiry_s=args.kv_expiry_s, transfer_timeout_s=args.kv_transfer_timeout_s,
                        log_dir=args.log_dir)
     print(format_report(report))

@@ -7,7 +7,9 @@ same on every rank. ``RankedConnector`` forwards each call to every rank (throug
 executor's channel: ``call_ranks``) and merges the answers::
 
     handshake_info   rank 0's fields, plus "ranks" (every rank's handshake) and the parallel
-                     sizes
+                     sizes; asked of the ranks again at most every ``HANDSHAKE_REFRESH_S``, on
+                     the engine thread (``get_notifications``): a rank's transport may restart
+                     with a new agent
     add_peer         every rank gets the peer's whole handshake and reads the layers and heads
                      of its shard from the peer's ranks that hold them
                      (``tandem.transport.shard_plan``): the peer may be split another way
@@ -23,6 +25,7 @@ executor's channel: ``call_ranks``) and merges the answers::
 """
 from __future__ import annotations
 
+import time
 from collections import Counter
 from typing import Any, Callable
 
@@ -31,6 +34,7 @@ from tandem.interfaces import KVConnector, KVReadCounters
 DONE, DEADLINE, CLOSED = "done", "error:deadline", "closed"
 MAX_PARTIAL_NOTIFICATIONS = 65536
 CHECKSUM_MASK = (1 << 32) - 1
+HANDSHAKE_REFRESH_S = 1.0
 
 
 class RankedConnector(KVConnector):
@@ -44,11 +48,10 @@ class RankedConnector(KVConnector):
                  tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
         self._call = call_ranks
         self.world_size = len(handshakes)
-        self._handshake = dict(handshakes[0]) | {
-            "ranks": handshakes,
-            "tensor_parallel_size": tensor_parallel_size,
-            "pipeline_parallel_size": pipeline_parallel_size,
-        }
+        self._sizes = {"tensor_parallel_size": tensor_parallel_size,
+                       "pipeline_parallel_size": pipeline_parallel_size}
+        self._handshake = self._merged(handshakes)
+        self._handshake_at = time.monotonic()
         self._peers: dict[str, list[str]] = {}
         self._ended: dict[str, dict[int, str]] = {}
         """Transfers in flight: rank → the first state it reported."""
@@ -61,6 +64,18 @@ class RankedConnector(KVConnector):
 
     def handshake_info(self) -> dict[str, Any]:
         return dict(self._handshake)
+
+    def _merged(self, handshakes: list[dict[str, Any]]) -> dict[str, Any]:
+        return dict(handshakes[0]) | {"ranks": handshakes} | self._sizes
+
+    def _refresh_handshake(self) -> None:
+        now = time.monotonic()
+        if now - self._handshake_at < HANDSHAKE_REFRESH_S:
+            return
+        self._handshake_at = now
+        handshakes = self._call("handshake_info", [()] * self.world_size)
+        if handshakes != self._handshake["ranks"]:
+            self._handshake = self._merged(handshakes)  # one reference swap: other threads read it
 
     def add_peer(self, handshake: dict[str, Any]) -> str:
         names = self._call("add_peer", [(handshake,)] * self.world_size)
@@ -102,6 +117,7 @@ class RankedConnector(KVConnector):
         return changed
 
     def get_notifications(self) -> list[str]:
+        self._refresh_handshake()
         ready = []
         for ids in self._call("get_notifications", [()] * self.world_size):
             for tid in ids:
