@@ -70,6 +70,10 @@ class ChaosReport:
     """Instance → the gauges not back to zero after the run."""
     injected: dict[str, int] = field(default_factory=dict)
     observed: dict[str, int] = field(default_factory=dict)
+    kv_bytes_read: int = 0
+    """Read by the decode instances: with their prefix caches, only the blocks they lacked."""
+    prompt_tokens_cached: int = 0
+    """Prompt tokens the decode instances found in their own prefix caches."""
     duration_s: float = 0.0
 
     @property
@@ -233,6 +237,9 @@ def count_faults(cluster: Cluster, report: ChaosReport) -> None:
             report.injected[event] = report.injected.get(event, 0) + n
         for reason, n in labelled(metrics, "tandem:kv_transfer_failures_total", "reason").items():
             report.observed[reason] = report.observed.get(reason, 0) + n
+        if url in cluster.decode:
+            report.kv_bytes_read += int(metrics.get("tandem:kv_transfer_bytes_total", 0))
+            report.prompt_tokens_cached += int(metrics.get("tandem:prefix_cache_hits_total", 0))
 
 
 def run_chaos(model: str, faults: dict[str, float], *, conversations_: int, turns: int, max_tokens: int,
@@ -257,6 +264,8 @@ def format_report(report: ChaosReport) -> str:
     lines = [f"requests {report.requests} in {report.duration_s:.1f} s: lost {len(report.lost)}, "
              f"answers differing from the colocated instance {len(report.wrong)}, "
              f"instances not drained {len(report.leaks)}",
+             f"decode instances: {report.kv_bytes_read / 2**20:.1f} MiB of KV read, "
+             f"{report.prompt_tokens_cached} prompt tokens found in their own prefix caches",
              "faults injected:   " + ", ".join(f"{k} {v}" for k, v in sorted(report.injected.items())),
              "failures observed: " + ", ".join(f"{k} {v}" for k, v in sorted(report.observed.items()))]
     lines += [f"  lost: {x}" for x in report.lost[:10]] + [f"  wrong: {x}" for x in report.wrong[:10]]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tandem.config import load_config
-from tandem.interfaces import KVPoolDescriptor, compat_hash
+from tandem.interfaces import KVConnector, KVPoolDescriptor, compat_hash
 from tandem.plugin_manager import get_registry
 from tandem.transport.faulty import FaultyConnector
 
@@ -101,3 +101,10 @@ def test_an_owner_restarts_with_a_new_agent_on_the_same_pool(owner_pool):
     reader_pool.zero_()
     assert read(reader, owner, "fresh") == ["done"]
     assert torch.equal(reader_pool[5], owner_pool[3])
+
+
+def test_every_method_of_the_interface_is_forwarded():
+    """An optional ``KVConnector`` method the wrapper did not define would silently run the
+    interface's default instead of the inner connector's."""
+    methods = {name for name, value in vars(KVConnector).items() if callable(value) and not name.startswith("_")}
+    assert sorted(methods - set(vars(FaultyConnector))) == []
