@@ -13,7 +13,8 @@ executor's channel: ``call_ranks``) and merges the answers::
     add_peer         every rank gets the peer's whole handshake and reads the layers and heads
                      of its shard from the peer's ranks that hold them
                      (``tandem.transport.shard_plan``): the peer may be split another way
-    start_read       every rank reads its share of the blocks
+    start_read       every rank reads its share of the blocks ("error:peer" at the next poll for
+                     a peer not added, or removed since: as a rank's own connector reports it)
     poll             a transfer is "done" once every rank's read is; "error:<reason>" once every
                      rank's read ended and one failed ("error:deadline" when any rank's ran past
                      its deadline, then "closed" once each of those is closed)
@@ -58,6 +59,8 @@ class RankedConnector(KVConnector):
         self._closing: dict[str, set[int]] = {}
         """Transfers reported "error:deadline": the ranks whose read is not closed yet."""
         self._notified: Counter[str] = Counter()
+        self._unknown_peer: list[str] = []
+        """Reads started on a peer not (or no longer) added: "error:peer" at the next poll."""
 
     def register_pool(self, pool: Any, descriptor: Any) -> None:
         raise RuntimeError("the ranks register their own pools (MultiprocExecutor.connect_kv)")
@@ -84,13 +87,17 @@ class RankedConnector(KVConnector):
 
     def start_read(self, transfer_id: str, peer: str, remote_block_ids: list[int],
                    local_block_ids: list[int], deadline_s: float) -> None:
-        names = self._peer(peer)
+        names = self._peers.get(peer)
+        if names is None:  # removed since the read was planned: as a rank's connector reports it
+            self._unknown_peer.append(transfer_id)
+            return
         self._call("start_read", [(transfer_id, name, remote_block_ids, local_block_ids, deadline_s)
                                   for name in names])
         self._ended[transfer_id] = {}
 
     def poll(self) -> dict[str, str]:
-        changed: dict[str, str] = {}
+        changed: dict[str, str] = dict.fromkeys(self._unknown_peer, "error:peer")
+        self._unknown_peer.clear()
         for rank, states in enumerate(self._call("poll", [()] * self.world_size)):
             for tid, state in states.items():
                 if tid in self._closing:
@@ -168,9 +175,3 @@ class RankedConnector(KVConnector):
 
     def close(self) -> None:
         """The ranks close their own connectors when the executor stops them."""
-
-    def _peer(self, peer: str) -> list[str]:
-        names = self._peers.get(peer)
-        if names is None:
-            raise ValueError(f"unknown KV peer {peer!r}")
-        return names

@@ -156,3 +156,15 @@ def test_the_handshake_follows_a_rank_whose_transport_restarted(monkeypatch):
     assert _poll_until(reader, "t3") == "done"
     assert torch.equal(reader_pool[4], whole[3])
     assert reader.block_checksums([2, 4]) == owner.block_checksums([1, 3])
+
+
+def test_a_read_from_a_peer_removed_meanwhile_ends_as_error_peer():
+    """A load admitted before its peer was removed (another load found it dead) starts its read
+    after: it ends "error:peer", as on a single-rank connector — not as a refused call."""
+    owner, _, _, _ = _instance(_whole(5), 1, 1)
+    reader, ranks, _, _ = _instance(None, 2, 1)
+    for connector in (reader, ranks[0]):
+        peer = connector.add_peer(owner.handshake_info())
+        connector.remove_peer(peer)
+        connector.start_read("t", peer, [1], [2], 5.0)
+        assert connector.poll() == {"t": "error:peer"}
