@@ -10,7 +10,8 @@ router over them. The workload is ``--conversations`` multi-turn conversations o
 turns, ``--concurrency`` at a time: every prompt starts with one shared system prefix, and each
 turn repeats the previous turn's prompt and adds new tokens, so decode instances hold most of a
 turn in their prefix cache and hand-overs move only the blocks they lack. Every request is greedy
-with a fixed output length and goes to the router and to the oracle.
+with a fixed output length and goes to the router and to the oracle; ``--abort-rate`` of the turns
+are also sent once more and abandoned by the client within 0.3 s (aborts during hand-overs).
 
 It reports (and exits 1 unless all hold): requests lost (no answer, or an error) = 0; answers
 that differ from the oracle's = 0; after the run, within the KV expiry, every instance back to no
@@ -41,6 +42,7 @@ from tandem.server.supervisor import free_port
 
 MODEL_NAME = "chaos"
 SEED_STRIDE = 1000
+ABANDON_S = 0.3
 DRAIN_GAUGES = ("tandem:num_requests_running", "tandem:num_requests_waiting", "tandem:kv_blocks_used",
                 "tandem:kv_blocks_pending_release", "tandem:kv_blocks_quarantined")
 FAULT_FLAGS = ("read_fail_rate", "read_delay_rate", "read_delay_s", "truncate_rate", "notify_drop_rate",
@@ -70,6 +72,8 @@ class ChaosReport:
     """Instance → the gauges not back to zero after the run."""
     injected: dict[str, int] = field(default_factory=dict)
     observed: dict[str, int] = field(default_factory=dict)
+    abandoned: int = 0
+    """Extra requests whose client hung up early (not counted in ``requests``)."""
     kv_bytes_read: int = 0
     """Read by the decode instances: with their prefix caches, only the blocks they lacked."""
     prompt_tokens_cached: int = 0
@@ -170,16 +174,30 @@ async def answer(client: httpx.AsyncClient, url: str, prompt: list[int], max_tok
     return response.json()["choices"][0]["logprobs"]["tokens"]
 
 
+async def abandon(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int,
+                  after_s: float) -> None:
+    """Send a request and hang up after ``after_s`` (a client that gave up)."""
+    try:
+        await asyncio.wait_for(client.post(f"{url}/v1/completions", json=body(prompt, max_tokens)), after_s)
+    except (TimeoutError, httpx.HTTPError):
+        pass
+
+
 async def run_workload(cluster: Cluster, convs: list[list[list[int]]], max_tokens: int, concurrency: int,
-                       report: ChaosReport) -> None:
+                       report: ChaosReport, abort_rate: float = 0.0, seed: int = 0) -> None:
     """Every conversation's turns in order, ``concurrency`` conversations at a time; each turn
-    to the router and to the oracle."""
+    to the router and to the oracle. Before a turn, with probability ``abort_rate``, the same
+    request goes to the router once more and is abandoned within ``ABANDON_S`` (not counted)."""
     queue = list(enumerate(convs))
+    rng = random.Random(seed)
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=30.0)) as client:
         async def worker() -> None:
             while queue:
                 index, turns = queue.pop(0)
                 for turn, prompt in enumerate(turns):
+                    if rng.random() < abort_rate:
+                        report.abandoned += 1
+                        await abandon(client, cluster.router, prompt, max_tokens, rng.uniform(0, ABANDON_S))
                     got, expected = await asyncio.gather(answer(client, cluster.router, prompt, max_tokens),
                                                          answer(client, cluster.oracle, prompt, max_tokens))
                     report.requests += 1
@@ -244,7 +262,7 @@ def count_faults(cluster: Cluster, report: ChaosReport) -> None:
 
 def run_chaos(model: str, faults: dict[str, float], *, conversations_: int, turns: int, max_tokens: int,
               concurrency: int, seed: int, decode_instances: int = 1, decode_tp: int = 1, prefill_tp: int = 1,
-              expiry_s: float = 3.0, transfer_timeout_s: float = 5.0, log_dir: Path | None = None) -> ChaosReport:
+              abort_rate: float = 0.0, expiry_s: float = 3.0, transfer_timeout_s: float = 5.0, log_dir: Path | None = None) -> ChaosReport:
     """Start the cluster, run the workload, check it drains, count the faults."""
     vocab_size = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     convs = conversations(vocab_size, conversations_, turns, seed)
@@ -252,7 +270,7 @@ def run_chaos(model: str, faults: dict[str, float], *, conversations_: int, turn
     with running_cluster(model, faults, decode_instances=decode_instances, decode_tp=decode_tp,
                          prefill_tp=prefill_tp, expiry_s=expiry_s, transfer_timeout_s=transfer_timeout_s, log_dir=log_dir) as cluster:
         t0 = time.perf_counter()
-        asyncio.run(run_workload(cluster, convs, max_tokens, concurrency, report))
+        asyncio.run(run_workload(cluster, convs, max_tokens, concurrency, report, abort_rate, seed))
         report.duration_s = time.perf_counter() - t0
         report.leaks = wait_drained((*cluster.instances, cluster.oracle), expiry_s + transfer_timeout_s + 5)
         time.sleep(1.5)
@@ -261,7 +279,8 @@ def run_chaos(model: str, faults: dict[str, float], *, conversations_: int, turn
 
 
 def format_report(report: ChaosReport) -> str:
-    lines = [f"requests {report.requests} in {report.duration_s:.1f} s: lost {len(report.lost)}, "
+    lines = [f"requests {report.requests} (and {report.abandoned} abandoned) in {report.duration_s:.1f} s: "
+             f"lost {len(report.lost)}, "
              f"answers differing from the colocated instance {len(report.wrong)}, "
              f"instances not drained {len(report.leaks)}",
              f"decode instances: {report.kv_bytes_read / 2**20:.1f} MiB of KV read, "
@@ -285,6 +304,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-instances", type=int, default=1)
     p.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel ranks of each decode instance")
     p.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel ranks of the prefill instance")
+    p.add_argument("--abort-rate", type=float, default=0.05,
+                   help="before a turn, send it once more and hang up within 0.3 s (default 0.05)")
     p.add_argument("--kv-expiry-s", type=float, default=3.0)
     p.add_argument("--kv-transfer-timeout-s", type=float, default=5.0)
     p.add_argument("--log-dir", type=Path, default=None)
@@ -302,6 +323,7 @@ def run(args: argparse.Namespace) -> int:
     report = run_chaos(args.model, faults, conversations_=args.conversations, turns=args.turns,
                        max_tokens=args.max_tokens, concurrency=args.concurrency, seed=args.seed,
                        decode_instances=args.decode_instances, decode_tp=args.decode_tp, prefill_tp=args.prefill_tp,
+                       abort_rate=args.abort_rate,
                        expiry_s=args.kv_expiry_s, transfer_timeout_s=args.kv_transfer_timeout_s,
                        log_dir=args.log_dir)
     print(format_report(report))
