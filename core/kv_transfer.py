@@ -40,9 +40,9 @@ logger = logging.getLogger("tandem")
 CONSUMED_IDS = 65536
 """Ended transfer ids remembered (per decode instance) to refuse replays."""
 MAX_PEERS = 256
+"""Prefill engines a decode instance keeps connected; the least recently used idle one goes."""
 EVENTS_REFRESH_S = 1.0
 """How often ``stats`` asks the connector for its event counts (they may cross to the workers)."""
-"""Prefill engines a decode instance keeps connected; the least recently used idle one goes."""
 
 CHECKSUM_HEX_DIGITS = 8
 _REMOTE_PREFILL_FIELDS = ("engine_id", "transfer_id", "block_ids", "num_tokens", "prompt_digest",
@@ -245,9 +245,10 @@ class KVTransferCoordinator:
         """Check the hand-over of ``request_id`` (about to be added to the scheduler, with
         ``cache_salt``) and make it ADMITTED. True: add the request with ``remote_kv`` LOAD.
         False: no read will be made (a mismatched prompt or salt, a stalled or unreachable
-        peer) and the policy is "recompute": add it as an ordinary request. Raises ``KVTransferReplayed`` for a used
-        transfer id, ValueError for an incompatible peer (compat hash, layout, a pool of no sane
-        size), ``KVTransferFailed`` where the policy is "fail"."""
+        peer) and the policy is "recompute": add it as an ordinary request. Raises
+        ``KVTransferReplayed`` for a used transfer id, ValueError for an incompatible peer
+        (compat hash, layout, a pool of no sane size), ``KVTransferFailed`` where the policy is
+        "fail"."""
         transfer_id = remote.transfer_id
         if transfer_id in self._loads or transfer_id in self._consumed:
             raise KVTransferReplayed(f"kv_transfer_params.transfer_id {transfer_id!r} has already "
