@@ -352,6 +352,15 @@ class AsyncEngine:
         kv_transfer = self._engine.kv_transfer
         return {**kv_transfer.connector.handshake_info(), "engine_id": kv_transfer.engine_id}
 
+    def kv_events_info(self) -> dict | None:
+        """Where this instance publishes its KV events, and its block size; None when
+        ``kv_events`` is off (or the engine is not loaded)."""
+        publisher = self._engine.kv_events if self._engine is not None else None
+        if publisher is None:
+            return None
+        return {"endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint,
+                "topic": publisher.settings.topic, "block_size": self._engine.config.engine.block_size}
+
     def begin_shutdown(self, timeout_s: float) -> None:
         """Stop admitting requests; requests in flight may finish within ``timeout_s``, after which
         the engine thread aborts them and their streams raise ``RequestAbortedByShutdown``."""

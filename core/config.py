@@ -168,11 +168,12 @@ class EngineConfig(_Section):
     """Attention backend plugin name; auto = triton on CUDA, cpu on CPU (torch: the reference)."""
     num_threads: int | None = Field(None, ge=1)
     """torch threads on CPU; unset = torch's default."""
-    cpu_kernels: Literal["auto", "tandem", "onednn", "torch"] = "auto"
+    cpu_kernels: Literal["auto", "tandem", "dpbf16", "onednn", "torch"] = "auto"
     """On CPU: the kernels of the model's unquantized linear layers, LM head and element-wise
     steps. tandem: tandem's own C++ kernels (built on first use): linear layers on weights
     packed once (16-bit weights stay 16-bit), residual add + RMSNorm, SiLU-and-mul and rotary
-    each in one pass; onednn: linear layers on oneDNN's packed weights (16-bit weights on a CPU
+    each in one pass; dpbf16: as tandem, but bfloat16 layers multiplied by AVX512-BF16's
+    pair dot products (a CPU without them is refused); onednn: linear layers on oneDNN's packed weights (16-bit weights on a CPU
     without instructions for them are kept in float32, twice their memory), torch for the
     rest; torch: torch everywhere (``F.linear``; the reference); auto: each linear layer shape
     and batch-size bucket on the kernel measured fastest on this machine (timed once at the
@@ -395,6 +396,10 @@ class DisaggregationConfig(_Section):
     """On a failed KV transfer: recompute the prompt locally, or fail the request."""
     min_disaggregated_prompt_tokens: int = Field(0, ge=0)
     """Shorter prompts skip the prefill instance and go straight to a decode instance."""
+    min_uncached_prefill_tokens: int = Field(0, ge=0)
+    """The router, with a decode routing policy that knows what each instance caches
+    (cache_aware): a request whose prompt tokens not yet cached on the chosen decode instance are
+    fewer than this is decoded in place there, without a prefill hop; 0 = always hand over."""
     router_admin_key: SecretStr | None = None
     """The router's admin routes (/admin/*) need "Authorization: Bearer <router_admin_key>";
     unset, they are off (403), and the router's /health says only ready or not. Never printed.
@@ -532,6 +537,42 @@ def require_cluster_secret(config: TandemConfig, what: str) -> None:
         f"(insecure).")
 
 
+class KVEventsConfig(_Section):
+    """``[kv_events]``: what enters and leaves this instance's prefix cache, published in vLLM's
+    wire format (msgpack ``KVEventBatch`` over ZMQ PUB) for routers and indexers. Events carry
+    prompt token ids: bind them only where the subscribers are trusted."""
+
+    enabled: bool = False
+    """Publish KV events (vLLM: enable_kv_cache_events)."""
+    publisher: Literal["zmq"] = "zmq"
+    """The publisher: ZMQ PUB."""
+    endpoint: str = "tcp://127.0.0.1:5557"
+    """The address the PUB socket binds (tcp://HOST:0 takes a free port; GET /kv/events tells
+    the router the one bound)."""
+    replay_endpoint: str | None = "tcp://127.0.0.1:5558"
+    """The address of the ROUTER socket that replays recent batches to a late subscriber; unset,
+    there is none."""
+    topic: str = ""
+    """The ZMQ topic, the first frame of every message."""
+    buffer_steps: int = Field(10_000, ge=1)
+    """Batches kept for replay (one batch per engine step that changed the cache)."""
+    hwm: int = Field(100_000, ge=1)
+    """The PUB socket's high-water mark: messages queued per slow subscriber before ZMQ drops."""
+    max_queue_size: int = Field(100_000, ge=1)
+    """Batches waiting for the publisher thread; past it the engine drops batches (subscribers
+    see the sequence gap) rather than wait."""
+    medium: str = "GPU"
+    """The medium field of the events: vLLM labels its primary KV cache "GPU" whatever the
+    device, and consumers filter on it."""
+
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _check_endpoint(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"(tcp://[^\s:]+|tcp://\[[0-9a-fA-F:.]+\]):(\d+|\*)|ipc://\S+", value):
+            raise ValueError("must be tcp://HOST:PORT (PORT 0 or * = a free one) or ipc://PATH")
+        return value
+
+
 class TandemConfig(BaseSettings):
     """The whole configuration. ``TandemConfig()`` reads defaults and ``TANDEM_*`` environment
     variables; ``load_config`` adds a TOML file and overrides."""
@@ -548,6 +589,7 @@ class TandemConfig(BaseSettings):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig)
+    kv_events: KVEventsConfig = Field(default_factory=KVEventsConfig)
     fault_injection: FaultInjectionConfig = Field(default_factory=FaultInjectionConfig)
 
     @classmethod
@@ -585,6 +627,7 @@ SECTIONS: dict[str, type[BaseModel]] = {
     "parallel": ParallelConfig,
     "server": ServerConfig,
     "disaggregation": DisaggregationConfig,
+    "kv_events": KVEventsConfig,
     "fault_injection": FaultInjectionConfig,
 }
 

@@ -85,6 +85,10 @@ CONFIG_FLAGS = [
     ConfigFlag("--role", "disaggregation.role"),
     ConfigFlag("--kv-transfer-secret-file", "disaggregation.kv_transfer_secret_file", metavar="PATH"),
     ConfigFlag("--router-admin-key-file", "disaggregation.router_admin_key_file", metavar="PATH"),
+    ConfigFlag("--min-uncached-prefill-tokens", "disaggregation.min_uncached_prefill_tokens", int, "N"),
+    ConfigFlag("--kv-events", "kv_events.enabled", None),
+    ConfigFlag("--kv-events-endpoint", "kv_events.endpoint", metavar="ZMQ_ADDRESS"),
+    ConfigFlag("--kv-events-replay-endpoint", "kv_events.replay_endpoint", metavar="ZMQ_ADDRESS"),
 ]
 _POSITIONAL_MODEL = "model_path_positional"
 

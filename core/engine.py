@@ -29,6 +29,7 @@ from tandem.errors import EngineDeadError, RequestRejected
 from tandem.config import ConfigError, Role, TandemConfig
 from tandem.device import resolve_device, resolve_dtype
 from tandem.interfaces import compat_hash
+from tandem.kv_events.publisher import KVEventPublisher, PublisherSettings
 from tandem.kv_transfer import KVTransferCoordinator, RemotePrefill
 from tandem.models.config import ModelArchConfig, kv_bytes_per_block
 from tandem.output_processor import OutputProcessor
@@ -89,6 +90,8 @@ class LLMEngine:
         self._ids = count()
         self.last_step: StepStats | None = None
         self.kv_transfer = self._build_kv_transfer()
+        self.kv_events = self._build_kv_events()
+        """The KV event publisher (``kv_events.enabled``), or None."""
         self._failed: list[tuple[str, str]] = []
         self._num_failed_steps_in_row = 0
         self.structured = self._build_structured_outputs()
@@ -205,10 +208,38 @@ class LLMEngine:
             failure_policy=disagg.kv_load_failure_policy,
             secret=secret.get_secret_value().encode() if secret is not None else None)
 
+    def _build_kv_events(self) -> KVEventPublisher | None:
+        cfg = self.config.kv_events
+        if not cfg.enabled:
+            return None
+        if not self.config.engine.enable_prefix_caching:
+            raise ConfigError("kv_events.enabled needs engine.enable_prefix_caching: the events say "
+                              "what enters and leaves the prefix cache")
+        self.scheduler.kv.record_events()
+        settings = PublisherSettings(endpoint=cfg.endpoint, replay_endpoint=cfg.replay_endpoint,
+                                     topic=cfg.topic, buffer_steps=cfg.buffer_steps, hwm=cfg.hwm,
+                                     max_queue_size=cfg.max_queue_size, medium=cfg.medium)
+        try:
+            return KVEventPublisher(settings)
+        except OSError as exc:
+            raise ConfigError(f"kv_events.endpoint / kv_events.replay_endpoint: {exc}") from exc
+
     def close(self) -> None:
+        """Stop the executor, the KV event publisher and release the KV connector (idempotent)."""
         self.structured.close()
-        """Stop the executor and release the KV connector (idempotent)."""
+        if self.kv_events is not None:
+            self._publish_kv_events()
+            self.kv_events.close()
         self.executor.close()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block no request holds (published as a KV event at once)."""
+        self.scheduler.kv.reset_prefix_cache()
+        self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_events is not None and (events := self.scheduler.kv.take_events()):
+            self.kv_events.publish(events)
 
     # ----------------------------------------------------------------------------- requests
 
@@ -420,6 +451,7 @@ class LLMEngine:
             changed[root] = None
         self._take_chunk_prompt_logprobs(updates, runner_out, changed)
         self._record_step(sched_out, runner_out, time.perf_counter() - t0)
+        self._publish_kv_events()
         outputs = [o for rid in changed if rid not in failed and (o := self._output(rid, failed))]
         outputs += [self._fail(rid, exc, "post-processing its tokens") for rid, exc in failed.items()]
         outputs += started

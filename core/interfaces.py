@@ -163,6 +163,15 @@ class KVAllocator(ABC):
     def reset_prefix_cache(self) -> None:
         """Forget every cached block that no request holds (optional)."""
 
+    def record_events(self) -> None:
+        """From now on, record what enters and leaves the prefix cache for ``take_events``
+        (``kv_events.enabled``; optional: an allocator that records nothing publishes nothing)."""
+
+    def take_events(self) -> list:
+        """The prefix-cache events (``tandem.sched.kv_events``) since the last call, oldest
+        first. Called by the engine thread once per step; must be cheap."""
+        return []
+
     def check_consistency(self) -> None:
         """Raise ``AssertionError`` naming the problem when the bookkeeping is inconsistent (a
         block's reference count against the tables holding it, the free list). Called by the
@@ -777,10 +786,59 @@ class InstanceInfo:
     """Requests the router has sent the instance and not yet seen finish (exact, current)."""
 
 
+@dataclass(slots=True, frozen=True)
+class RoutedPrompt:
+    """A request's prompt as a cache-aware policy sees it. ``key``: what ``select`` gets;
+    ``token_ids``: the ids the instances compute (from an instance's /tokenize, or the client's
+    ids), None when the policy does not ask for them (``needs_token_ids``) or the router could not
+    get them; ``cache_salt``: the request's, which seeds its blocks' hash chain."""
+
+    key: Sequence[int]
+    token_ids: Sequence[int] | None = None
+    cache_salt: str | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class RouterContext:
+    """What the router tells its policies at start-up (``RoutingPolicy.start``):
+    ``kv_secret`` is the cluster secret the instances' /kv/* routes ask for (None: none)."""
+
+    kv_secret: str | None = None
+
+
 class RoutingPolicy(ABC):
-    """Picks the instance for a request, in the router process, once per request."""
+    """Picks the instance for a request, in the router process, once per request.
+
+    Only ``select`` is required. A policy that follows the instances' state (their KV events)
+    also implements the optional methods, all called on the router's event loop and none
+    allowed to block: ``start``/``close`` around the router's life, ``rotation_changed`` when
+    an instance enters or leaves rotation, ``select_prompt`` and ``cached_tokens`` per request."""
 
     name: ClassVar[str] = ""
+    needs_token_ids: ClassVar[bool] = False
+    """True: the router gets each prompt's token ids (an instance's /tokenize) for
+    ``select_prompt`` and ``cached_tokens``."""
+
+    def start(self, context: RouterContext) -> None:
+        """Once, when the router starts (default: nothing)."""
+
+    def close(self) -> None:
+        """Once, when the router stops (default: nothing)."""
+
+    def rotation_changed(self, url: str, in_rotation: bool) -> None:
+        """``url`` entered or left rotation (health checks, a failed request, removal; default:
+        nothing)."""
+
+    def select_prompt(self, instances: Sequence[InstanceInfo], prompt: RoutedPrompt) -> InstanceInfo:
+        """What the router calls per request; the default is ``select(instances, prompt.key)``."""
+        return self.select(instances, prompt.key)
+
+    def cached_tokens(self, url: str, prompt: RoutedPrompt) -> int | None:
+        """How many leading prompt tokens ``url`` holds in its prefix cache, as far as the policy
+        knows; None (the default) when it does not know. The router decodes a request in place,
+        without a prefill hop, when the rest is under
+        ``disaggregation.min_uncached_prefill_tokens``."""
+        return None
 
     @abstractmethod
     def select(self, instances: Sequence[InstanceInfo], prompt_token_ids: Sequence[int]) -> InstanceInfo:

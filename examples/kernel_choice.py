@@ -16,6 +16,8 @@ from tandem import LLM
 from tandem.models import cpu_tuning
 from tandem.models.cpu_tuning import M_BUCKETS
 
+KINDS = ("tandem", "dpbf16", "onednn", "torch")
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -28,13 +30,13 @@ def main() -> None:
     choices = cpu_tuning.read_cache(cpu_tuning.cache_path(key))
     print(f"\n{key['cpu']}, ISA {' '.join(key['isa'])}, {key['threads']} threads, torch {key['torch']}")
     print("| shape (dtype:N×K) | kernel per M = " + " / ".join(map(str, M_BUCKETS)) + " | "
-          + " | ".join(f"{k} µs" for k in ("tandem", "onednn", "torch")) + " |")
-    print("|---|---|---|---|---|")
+          + " | ".join(f"{k} µs" for k in KINDS) + " |")
+    print("|---|---|" + "---|" * len(KINDS))
     for shape, choice in sorted(choices.items()):
         if not shape.startswith(args.dtype):
             continue
         times = [" / ".join(f"{t * 1e6:.0f}" for t in choice.seconds.get(k, [])) or "–"
-                 for k in ("tandem", "onednn", "torch")]
+                 for k in KINDS]
         print(f"| {shape} | {' / '.join(choice.buckets)} | " + " | ".join(times) + " |")
 
 

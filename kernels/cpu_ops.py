@@ -34,11 +34,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tandem")
 
 SOURCES = [Path(__file__).parent / "cpu" / name
-           for name in ("paged_attention.cpp", "linear.cpp", "elementwise.cpp", "sampling.cpp",
-                        "gguf_matmul.cpp")]
+           for name in ("paged_attention.cpp", "linear.cpp", "linear_dpbf16.cpp", "elementwise.cpp",
+                        "sampling.cpp", "gguf_matmul.cpp")]
 HEADERS = [Path(__file__).parent / "cpu" / "work_queue.h"]
-OPS = ("paged_decode", "panel_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary_neox",
-       "draw_rows", "argmax_rows", "gguf_linear", "gguf_dequantize_rows")
+OPS = ("paged_decode", "panel_linear", "panel_linear_dpbf16", "dpbf16_supported", "rms_norm", "add_rms_norm",
+       "silu_and_mul", "rotary_neox", "draw_rows", "argmax_rows", "gguf_linear", "gguf_dequantize_rows")
 """Every operator of the library, each wrapped below."""
 _ISA_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
@@ -119,6 +119,23 @@ def panel_linear(out: torch.Tensor, x: torch.Tensor, panels: torch.Tensor, bias:
     past N zero (``tandem.models.cpu_linear`` packs them); ``out`` [M, N] float32 with contiguous
     rows; ``bias`` [N] float32 or None. Products and sums in float32."""
     _ops().panel_linear(out, x, panels, bias)
+
+
+def dpbf16_supported() -> bool:
+    """Whether this CPU has the AVX512-BF16 instructions ``panel_linear_dpbf16`` needs (CPUID,
+    asked by the library)."""
+    return bool(_ops().dpbf16_supported())
+
+
+def panel_linear_dpbf16(out: torch.Tensor, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """``out = x @ W.T + bias`` by AVX512-BF16 pair dot products (linear_dpbf16.cpp); call only
+    where ``dpbf16_supported()``.
+
+    ``x`` [M, K] bfloat16 with contiguous rows, K and the row stride even; ``panels``
+    [ceil(N / 16), K / 2, 16, 2] contiguous bfloat16: panel ``p``, pair row ``j``, column ``c``
+    holds ``W[16p + c, 2j : 2j + 2]``, columns past N zero; ``out`` [M, N] float32 with contiguous
+    rows; ``bias`` [N] float32 or None. Products exact in float32, sums in float32."""
+    _ops().panel_linear_dpbf16(out, x, panels, bias)
 
 
 def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:

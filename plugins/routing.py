@@ -12,6 +12,8 @@ for decode choices, so a stateful policy (round robin) counts each role on its o
   instance, so that its prefix cache serves them. Rendezvous hashing: every instance gets the
   score ``sha256(url + "\\n" + prefix as little-endian int64s)`` and the highest score wins, so
   when an instance leaves rotation only the prompts it held move, each to its next choice.
+- ``cache_aware`` (``tandem.plugins.cache_aware``): the instance whose prefix cache, as its KV
+  events tell, holds the longest run of the prompt's leading blocks.
 """
 from __future__ import annotations
 
@@ -70,3 +72,6 @@ def tandem_register_routing_policies(register: Callable[[str, type], None]) -> N
     register("round_robin", RoundRobin)
     register("least_loaded", LeastLoaded)
     register("prefix_affinity", PrefixAffinity)
+    from tandem.plugins.cache_aware import CacheAware  # it builds on queue_length above
+
+    register("cache_aware", CacheAware)

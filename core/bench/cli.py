@@ -24,6 +24,9 @@ BENCHMARKS = {
                    "bitmask time per step"),
     "disagg": ("tandem.bench.disagg", "colocated vs disaggregated serving on the same cores: TTFT and "
                "TPOT of steady decoding streams under bursts of long prompts"),
+    "multiturn": ("tandem.bench.multiturn", "multi-turn conversations on 1 prefill + 2 decode instances in "
+                  "three test hosts (as root): cache-aware routing with in-place decoding vs the same "
+                  "cluster without prefix reuse vs two colocated instances behind round robin"),
     "chaos": ("tandem.bench.chaos", "a prefill/decode cluster under injected KV-transfer faults (the "
               "\"faulty\" connector over NIXL): requests lost, answers against a colocated instance's, "
               "blocks left held, faults injected vs observed"),

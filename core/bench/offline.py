@@ -106,6 +106,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pipeline stages of the parallel run (see -tp)")
     p.add_argument("--repeats", type=_positive, default=3, metavar="N",
                    help="with -tp/-pp: timed runs of each setup, alternating (the median counts)")
+    p.add_argument("--rounds", type=_positive, default=1, metavar="N",
+                   help="with --baseline: timed runs of tandem and of the peer, alternating; each "
+                        "round's ratio is printed and the median ratio counts")
+    p.add_argument("--cpu-kernels", default="auto", metavar="NAME",
+                   help="tandem's engine.cpu_kernels (auto, tandem, dpbf16, onednn, torch)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="tandem's max_num_seqs")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--num-speculative-tokens", type=int, default=0,
@@ -178,7 +183,8 @@ def run(args: argparse.Namespace, peer: Peer | None = None) -> int:
         hf = AutoModelForCausalLM.from_pretrained(hf_folder(path), dtype=getattr(torch, args.dtype)).eval()
     llm = LLM(model=path, dtype=args.dtype, quantization=args.quantization, max_num_seqs=args.max_num_seqs,
               num_speculative_tokens=args.num_speculative_tokens,
-              max_num_batched_tokens=args.max_num_batched_tokens) if "tandem" in args.modes else None
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              cpu_kernels=args.cpu_kernels) if "tandem" in args.modes else None
     wl = _workload(args, llm.engine.arch.vocab_size if llm else hf.config.vocab_size, eos)
     print(f"{describe_workload(path, wl, args)}, torch threads {torch.get_num_threads()}")
     if peer is not None and llm:
@@ -198,6 +204,8 @@ def run(args: argparse.Namespace, peer: Peer | None = None) -> int:
         results[peer.name] = peer.run(args, path, wl)
         _print_mode(results[peer.name], wl)
     _print_summary(results, wl, peer.name if peer is not None else None)
+    if peer is not None and "tandem" in results and args.rounds > 1:
+        _more_rounds(args, peer, llm, path, wl, results)
     if peer is not None and llm is not None and hasattr(peer, "batch1_report"):
         peer.batch1_report(args, llm, path, wl)
     if args.roofline and "tandem" in results:
@@ -205,6 +213,25 @@ def run(args: argparse.Namespace, peer: Peer | None = None) -> int:
 
         report(llm.engine.arch, results["tandem"].steps, args.dtype, args.max_num_seqs)
     return 0
+
+
+def _more_rounds(args: argparse.Namespace, peer: Peer, llm, path: str, wl: Workload,
+                 first: dict[str, ModeResult]) -> None:
+    """Rounds 2..``--rounds`` of tandem then the peer, one after the other; prints every round's
+    rates and ratio and the median ratio (round 1 is ``first``)."""
+    rates = [(first["tandem"].tokens_per_s(wl), first[peer.name].tokens_per_s(wl))]
+    for _ in range(args.rounds - 1):
+        ours = run_tandem(llm, wl)
+        _print_mode(ours, wl)
+        theirs = peer.run(args, path, wl)
+        _print_mode(theirs, wl)
+        rates.append((ours.tokens_per_s(wl), theirs.tokens_per_s(wl)))
+    print(f"\nround   tandem tok/s   {peer.name} tok/s   ratio")
+    for i, (ours, theirs) in enumerate(rates, 1):
+        print(f"{i:>5}   {ours:12.1f}   {theirs:10.1f}   {ours / theirs:5.2f}x")
+    ratios = [ours / theirs for ours, theirs in rates]
+    print(f"tandem / {peer.name}, median of {len(ratios)} interleaved rounds: {statistics.median(ratios):.2f}x "
+          f"(range {min(ratios):.2f}-{max(ratios):.2f}x)")
 
 
 def _workload(args: argparse.Namespace, vocab_size: int, eos: set[int]) -> Workload:

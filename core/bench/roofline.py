@@ -156,30 +156,30 @@ def measure_read_bandwidth(num_bytes: int = BANDWIDTH_BUFFER_BYTES, repeats: int
     return x.numel() * 4 / min(times)
 
 
-def measure_gemm_rate(rows: int, inner: int, outer: int, dtype: str, repeats: int = REPEATS) -> float:
+def measure_gemm_rate(rows: int, inner: int, outer: int, dtype: str, repeats: int = REPEATS) -> tuple[float, str]:
     """FLOP/s of the fastest GEMM this machine offers tandem for [rows, inner] x [inner, outer]
-    in ``dtype`` (the fastest of ``repeats`` runs of ``GEMM_CALLS_PER_RUN`` calls each): torch's
-    ``matmul`` against an [outer, inner] weight transposed (the layout of ``F.linear``; CPU torch
-    multiplies a row-major [inner, outer] bfloat16 operand far slower) and, on the CPU, each
-    packed kernel of ``tandem.models.cpu_linear`` that is available here."""
+    in ``dtype`` (the fastest of ``repeats`` runs of ``GEMM_CALLS_PER_RUN`` calls each), and that
+    kernel's name: torch's ``matmul`` against an [outer, inner] weight transposed (the layout of
+    ``F.linear``; CPU torch multiplies a row-major [inner, outer] bfloat16 operand far slower)
+    and, on the CPU, each packed kernel of ``tandem.models.cpu_linear`` that takes the shape here
+    (AVX512-BF16's ``dpbf16`` among them where the CPU has it) — so the floor is the rate of the
+    instructions the step can use."""
     import torch
 
-    from tandem.models.cpu_linear import PackedLinear, resolve_kind
+    from tandem.models.cpu_linear import PackedLinear, kinds_for
+    from tandem.models.cpu_tuning import Shape
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(rows, inner, generator=gen).to(getattr(torch, dtype))
     weight = torch.randn(outer, inner, generator=gen).to(getattr(torch, dtype))
     out = torch.matmul(x, weight.t())
     candidates = {"torch": lambda: torch.matmul(x, weight.t(), out=out)}
-    for kind in ("tandem", "onednn"):
-        try:
-            if resolve_kind(kind, torch.device("cpu")) == kind:
-                packed = PackedLinear.pack(kind, weight)
-                candidates[kind] = lambda packed=packed: packed(x)
-        except (ValueError, RuntimeError):
-            continue
-    best = 0.0
-    for call in candidates.values():
+    for kind in kinds_for(Shape(weight.dtype, outer, inner)):
+        if kind != "torch":
+            packed = PackedLinear.pack(kind, weight)
+            candidates[kind] = lambda packed=packed: packed(x)
+    best, best_kind = 0.0, "torch"
+    for kind, call in candidates.items():
         call()
         times = []
         for _ in range(repeats):
@@ -187,8 +187,10 @@ def measure_gemm_rate(rows: int, inner: int, outer: int, dtype: str, repeats: in
             for _ in range(GEMM_CALLS_PER_RUN):
                 call()
             times.append((time.perf_counter() - t0) / GEMM_CALLS_PER_RUN)
-        best = max(best, 2 * rows * inner * outer / min(times))
-    return best
+        rate = 2 * rows * inner * outer / min(times)
+        if rate > best:
+            best, best_kind = rate, kind
+    return best, best_kind
 
 
 def decode_batches(records: Sequence[RecordedStep], full_batch: int) -> list[int]:
@@ -233,10 +235,11 @@ def report(arch: ModelArchConfig, records: Sequence[RecordedStep], dtype: str, f
         return
     bandwidth = measure_read_bandwidth()
     shape = (arch.hidden_size, arch.intermediate_size)
-    machine = Machine(bandwidth, {b: measure_gemm_rate(b, *shape, dtype) for b in batches})
+    gemms = {b: measure_gemm_rate(b, *shape, dtype) for b in batches}
+    machine = Machine(bandwidth, {b: rate for b, (rate, _) in gemms.items()})
     print(f"\nroofline, measured now: read bandwidth {bandwidth / 1e9:.1f} GB/s (float32 sum over "
           f"{BANDWIDTH_BUFFER_BYTES // 2**20} MiB), best GEMM [B, {shape[0]}] x {list(shape)} {dtype} "
-          + ", ".join(f"{machine.gemm_flops_per_s[b] / 1e9:.3g} GFLOP/s at B={b}" for b in batches)
+          + ", ".join(f"{rate / 1e9:.3g} GFLOP/s at B={b} ({kind})" for b, (rate, kind) in gemms.items())
           + f" (fastest of {REPEATS} runs); KV reads and attention FLOPs from the steps' own contexts")
     for batch in batches:
         print(roofline_line(arch, records, batch, dtype, machine))

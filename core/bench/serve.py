@@ -328,6 +328,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="dtype of the servers it starts (default: tandem's auto; float32 for both "
                         "with --baseline)")
+    p.add_argument("--rounds", type=int, default=1, metavar="N",
+                   help="with --baseline: N rounds of tandem's server then the peer's, each started "
+                        "afresh; every round's ratios are printed and their medians count")
 
 
 Client = Callable[[argparse.Namespace, str, str, str], "dict | None"]

@@ -11,6 +11,9 @@ Kernels (``mode``):
 
 - ``tandem``: tandem's own panels (``kernels/cpu/linear.cpp``, docs/architecture.md §11): 16-bit
   weights stay 16-bit and widen to float32 as they load, so they read half the bytes;
+- ``dpbf16``: tandem's panels of bfloat16 weight pairs multiplied by AVX512-BF16's pair dot
+  products (``kernels/cpu/linear_dpbf16.cpp``), for bfloat16 layers on a CPU that has them
+  (other layers fall back to ``tandem``);
 - ``onednn``: oneDNN's reordered weights (``torch.ops.mkldnn``), in the model's dtype where the
   CPU has instructions for it, else in float32 (twice the memory of a 16-bit model);
 - ``torch``: ``F.linear`` on the plain weights — the reference the tests compare against;
@@ -36,7 +39,7 @@ from tandem.models.cpu_tuning import M_BUCKETS, Shape, ShapeChoice, bucket_index
 
 logger = logging.getLogger("tandem")
 
-MODES = ("auto", "tandem", "onednn", "torch")
+MODES = ("auto", "tandem", "dpbf16", "onednn", "torch")
 PANEL = 16
 
 
@@ -58,13 +61,17 @@ class PackedLinear:
         n, k = weight.shape
         if kind == "torch":
             packed = weight
-        elif kind == "tandem":
+        elif kind in ("tandem", "dpbf16"):
             if not cpu_ops.load():
                 raise ValueError("tandem's CPU kernels could not be built (see the warning above)")
             panels = -(-n // PANEL)
             padded = torch.zeros(panels * PANEL, k, dtype=weight.dtype)
             padded[:n] = weight
-            packed = padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+            if kind == "tandem":
+                packed = padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+            else:
+                assert dpbf16_fits(weight.dtype, k), (weight.dtype, k)
+                packed = padded.view(panels, PANEL, k // 2, 2).transpose(1, 2).contiguous()
         else:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(onednn_dtype(weight.dtype)).contiguous(), 1)
         return cls(kind, packed, n, k)
@@ -82,6 +89,13 @@ class PackedLinear:
             if bias is not None and bias.dtype != torch.float32:
                 bias = bias.float()
             cpu_ops.panel_linear(out, x2, self.weight, bias)
+        elif self.kind == "dpbf16":
+            if x2.dtype != torch.bfloat16 or x2.stride(-1) != 1 or x2.stride(0) % 2:
+                x2 = x2.to(torch.bfloat16).contiguous()
+            out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+            if bias is not None and bias.dtype != torch.float32:
+                bias = bias.float()
+            cpu_ops.panel_linear_dpbf16(out, x2, self.weight, bias)
         else:
             compute = self.weight.dtype
             out = torch.ops.mkldnn._linear_pointwise(
@@ -125,12 +139,29 @@ def onednn_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
+@functools.cache
+def dpbf16_available() -> bool:
+    """Whether the ``dpbf16`` kernel runs here: tandem's kernels built and a CPU with AVX512-BF16."""
+    return cpu_ops.load() and cpu_ops.dpbf16_supported()
+
+
+def dpbf16_fits(dtype: torch.dtype, in_features: int) -> bool:
+    """Whether a layer of ``dtype`` weights with ``in_features`` inputs can use ``dpbf16``."""
+    return dtype == torch.bfloat16 and in_features % 2 == 0
+
+
 def resolve_kind(mode: str, device: torch.device) -> str:
-    """The kernel ``mode`` stands for on ``device``: "tandem", "onednn" or "torch"."""
+    """The kernel ``mode`` stands for on ``device``: "tandem", "dpbf16", "onednn" or "torch"."""
     if mode not in MODES:
         raise ValueError(f"engine.cpu_kernels = {mode!r}; allowed: {', '.join(MODES)}")
     if device.type != "cpu" or mode == "torch":
         return "torch"
+    if mode == "dpbf16":
+        if not dpbf16_available():
+            raise ValueError("engine.cpu_kernels = 'dpbf16' but this CPU has no AVX512-BF16 instructions "
+                             "(or tandem's CPU kernels could not be built); use 'auto', 'tandem', 'onednn' "
+                             "or 'torch'")
+        return mode
     if mode in ("auto", "tandem") and cpu_ops.load():
         return "tandem"
     if mode == "tandem":
@@ -147,8 +178,16 @@ def resolve_kind(mode: str, device: torch.device) -> str:
 def available_kinds() -> list[str]:
     """The CPU kernels that run here, in the order of the fixed rule (the first is what
     ``auto`` meant before kernels were measured)."""
-    return [k for k, ok in (("tandem", cpu_ops.load()), ("onednn", torch.backends.mkldnn.is_available()),
-                            ("torch", True)) if ok]
+    return [k for k, ok in (("tandem", cpu_ops.load()), ("dpbf16", dpbf16_available()),
+                            ("onednn", torch.backends.mkldnn.is_available()), ("torch", True)) if ok]
+
+
+def kinds_for(shape: Shape) -> list[str]:
+    """The kernels of ``available_kinds()`` that take a layer of ``shape``, the fixed rule's first:
+    ``dpbf16`` where it takes the layer (the CPU's own bfloat16 instructions rather than
+    bfloat16 widened to float32), else the order of ``available_kinds()``."""
+    kinds = [k for k in available_kinds() if k != "dpbf16"]
+    return ["dpbf16", *kinds] if dpbf16_available() and dpbf16_fits(shape.dtype, shape.k) else kinds
 
 
 def pack_cpu_linears(model: nn.Module, mode: str, device: torch.device) -> str:
@@ -177,7 +216,8 @@ def pack_cpu_linears(model: nn.Module, mode: str, device: torch.device) -> str:
     with torch.no_grad():
         for _, module in layers:
             dtypes.add(module.weight.dtype)
-            _install(module, PackedLinear.pack(kind, module.weight))
+            fits = kind != "dpbf16" or dpbf16_fits(module.weight.dtype, module.weight.shape[1])
+            _install(module, PackedLinear.pack(kind if fits else "tandem", module.weight))
     if layers:
         names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
         upcast = kind == "onednn" and any(onednn_dtype(d) != d for d in dtypes)
@@ -195,7 +235,7 @@ def _install(module: nn.Module, packed: PackedLinear | BucketedLinear) -> None:
 
 
 def _packed_bytes(kind: str, shape: Shape) -> int:
-    if kind == "tandem":
+    if kind in ("tandem", "dpbf16"):
         return -(-shape.n // PANEL) * PANEL * shape.k * shape.dtype.itemsize
     dtype = onednn_dtype(shape.dtype) if kind == "onednn" else shape.dtype
     return shape.n * shape.k * dtype.itemsize
@@ -239,26 +279,28 @@ def _choices(by_shape: dict[Shape, list[tuple[str, nn.Module]]]) -> tuple[dict[S
     returns the choices and how many shapes were measured (None: the CPU was busy)."""
     key = cpu_tuning.machine_key()
     path = cpu_tuning.cache_path(key)
-    kinds = available_kinds()
     with cpu_tuning.locked(path):
         cached = cpu_tuning.read_cache(path)
-        missing = [s for s in by_shape if s.key not in cached or not set(cached[s.key].seconds) >= set(kinds)]
+        missing = [s for s in by_shape
+                   if s.key not in cached or not set(cached[s.key].seconds) >= set(kinds_for(s))]
         if not missing:
             return {s: cached[s.key] for s in by_shape}, 0
         busy = cpu_tuning.machine_is_busy()
         if busy is None:
             meter = cpu_tuning.CpuMeter()
-            measured = {s: _measure(s, by_shape[s][0][1].weight, kinds) for s in missing}
+            measured = {s: _measure(s, by_shape[s][0][1].weight, kinds_for(s)) for s in missing}
             busy = meter.others_share()
             if busy <= cpu_tuning.BUSY_SHARE:
                 cached.update((s.key, c) for s, c in measured.items())
                 cpu_tuning.write_cache(path, key, cached)
                 return {s: cached[s.key] for s in by_shape}, len(missing)
+    fixed = {s: kinds_for(s)[0] for s in missing}
     logger.warning("linear layers: other processes used %.0f%% of the CPUs while tandem meant to time "
-                   "its kernels; the %s kernel for the %d shape(s) not measured yet, measured again at "
-                   "the next start", busy * 100, kinds[0], len(missing))
-    fixed = ShapeChoice(kinds[0], (kinds[0],) * len(M_BUCKETS), {kinds[0]: [1.0] * len(M_BUCKETS)})
-    return {s: fixed if s in missing else cached[s.key] for s in by_shape}, None
+                   "its kernels; the fixed rule's kernel (%s) for the %d shape(s) not measured yet, "
+                   "measured again at the next start", busy * 100, ", ".join(sorted(set(fixed.values()))),
+                   len(missing))
+    return {s: ShapeChoice(fixed[s], (fixed[s],) * len(M_BUCKETS), {fixed[s]: [1.0] * len(M_BUCKETS)})
+            if s in missing else cached[s.key] for s in by_shape}, None
 
 
 def _measure(shape: Shape, weight: torch.Tensor, kinds: list[str]) -> ShapeChoice:

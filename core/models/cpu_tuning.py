@@ -12,9 +12,10 @@ second start measures nothing; processes that start together measure once (a fil
 Decisions, per shape (``choose``):
 
 - The *primary* kernel is the one with the lowest geometric mean of its time over the buckets
-  relative to the fastest there. The previous fixed rule's kernel (tandem when it builds, else
-  oneDNN, else torch: ``fallback``) stays primary unless another is at least ``SWITCH_GAIN``
-  faster on that mean — timing noise on a shared machine does not flip a choice.
+  relative to the fastest there. The fixed rule's kernel (``fallback``: ``dpbf16`` for a
+  bfloat16 layer on a CPU with AVX512-BF16, else tandem's panels when they build, else oneDNN,
+  else torch; ``cpu_linear.kinds_for``) stays primary unless another is at least
+  ``SWITCH_GAIN`` faster on that mean — timing noise on a shared machine does not flip a choice.
 - A bucket may use a second kernel when it is at least ``SECOND_GAIN`` faster there than the
   primary. That kernel's packing is extra memory, so second packings are granted in order of
   time saved per byte while their bytes stay within ``EXTRA_BYTES_SHARE`` of the model's

@@ -77,7 +77,8 @@ def create_router_app(config: TandemConfig, health_interval_s: float = 1.0) -> F
     dispatcher = Dispatcher(registry, plugins.get("routing_policy", disagg.routing_policy)(),
                             plugins.get("routing_policy", disagg.decode_routing_policy)(),
                             metrics, client, disagg.min_disaggregated_prompt_tokens,
-                            secret.get_secret_value() if secret is not None else None)
+                            secret.get_secret_value() if secret is not None else None,
+                            disagg.min_uncached_prefill_tokens)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -89,11 +90,13 @@ def create_router_app(config: TandemConfig, health_interval_s: float = 1.0) -> F
             checks.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await checks
+            dispatcher.close()
             await client.aclose()
             await health_client.aclose()
 
     app = FastAPI(title="tandem router", version=__version__, lifespan=lifespan,
                   description="Routes OpenAI requests over prefill and decode instances.")
+    app.state.dispatcher = dispatcher
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_request_body_bytes)
     _add_error_handlers(app)
     app.include_router(_v1_routes(dispatcher, config.server.api_key))

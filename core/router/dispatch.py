@@ -17,13 +17,13 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx
 from fastapi.responses import Response
 
 from tandem.config import Role
-from tandem.interfaces import RoutingPolicy
+from tandem.interfaces import RoutedPrompt, RouterContext, RoutingPolicy
 from tandem.router.errors import RouterError
 from tandem.router.metrics import RouterMetrics
 from tandem.router.prompts import (
@@ -32,6 +32,7 @@ from tandem.router.prompts import (
     decode_body,
     needs_prompt_computed,
     prefill_body,
+    tokenize_body,
 )
 from tandem.router.proxy import (
     SSE_DONE,
@@ -52,6 +53,7 @@ logger = logging.getLogger("tandem.router")
 MAX_BROKEN_CONNECTIONS = 2
 KV_SECRET_HEADER = b"x-tandem-kv-secret"
 KV_RELEASE_PATH = "/kv/release"
+TOKENIZE_PATH = "/tokenize"
 RELEASE_TIMEOUT_S = 5.0
 """A release that gets no answer in time is given up: the blocks go at the prefill's expiry."""
 DRAIN_AFTER_DONE_S = 1.0
@@ -70,6 +72,9 @@ class Plan(enum.StrEnum):
     prompt."""
     SHORT_PROMPT = "short_prompt"
     """Under ``min_disaggregated_prompt_tokens``: straight to a decode instance."""
+    CACHED_PREFIX = "cached_prefix"
+    """The decode instance caches all of the prompt but less than
+    ``min_uncached_prefill_tokens``: decoded in place there, without a prefill hop."""
     NEEDS_PROMPT = "needs_prompt"
     """Prompt logprobs or max_tokens 0: the decode instance computes the prompt."""
     DIRECT = "direct"
@@ -87,6 +92,8 @@ class RouterRequest:
     headers: RawHeaders
     prompt: PromptInfo
     arrival: float
+    routed: RoutedPrompt | None = None
+    """What the policies see (``Dispatcher.handle`` sets it)."""
 
     @property
     def stream(self) -> bool:
@@ -149,15 +156,26 @@ class Dispatcher:
 
     def __init__(self, registry: InstanceRegistry, prefill_policy: RoutingPolicy,
                  decode_policy: RoutingPolicy, metrics: RouterMetrics, client: httpx.AsyncClient,
-                 min_disaggregated_prompt_tokens: int, kv_secret: str | None = None) -> None:
+                 min_disaggregated_prompt_tokens: int, kv_secret: str | None = None,
+                 min_uncached_prefill_tokens: int = 0) -> None:
         self.registry = registry
         self.policies = {Step.PREFILL: prefill_policy, Step.DECODE: decode_policy}
         self.metrics = metrics
         self.client = client
         self.min_disaggregated_prompt_tokens = min_disaggregated_prompt_tokens
+        self.min_uncached_prefill_tokens = min_uncached_prefill_tokens
         self._secret_header = [] if kv_secret is None else [(KV_SECRET_HEADER, kv_secret.encode())]
+        for policy in {id(p): p for p in self.policies.values()}.values():
+            registry.rotation_listeners.append(policy.rotation_changed)
+            policy.start(RouterContext(kv_secret=kv_secret))
+
+    def close(self) -> None:
+        """Stop the policies (their event streams)."""
+        for policy in {id(p): p for p in self.policies.values()}.values():
+            policy.close()
 
     async def handle(self, request: RouterRequest) -> Response:
+        request = replace(request, routed=await self._routed_prompt(request))
         plan = self._plan(request)
         hand_over = None
         broken = _Broken()
@@ -183,14 +201,54 @@ class Dispatcher:
             return Plan.NEEDS_PROMPT
         if estimate < self.min_disaggregated_prompt_tokens:
             return Plan.SHORT_PROMPT
+        if self._uncached_tokens(request) < self.min_uncached_prefill_tokens:
+            return Plan.CACHED_PREFIX
         return Plan.DISAGGREGATED
+
+    def _uncached_tokens(self, request: RouterRequest) -> int | float:
+        """The prompt tokens the decode instance the policy picks does not cache, as the decode
+        policy knows it; infinite when it does not know."""
+        routed = request.routed
+        if not self.min_uncached_prefill_tokens or routed is None or routed.token_ids is None:
+            return float("inf")
+        url = self._pick(Step.DECODE, request, set())
+        cached = None if url is None else self.policies[Step.DECODE].cached_tokens(url, routed)
+        return float("inf") if cached is None else len(routed.token_ids) - cached
+
+    async def _routed_prompt(self, request: RouterRequest) -> RoutedPrompt:
+        """The prompt for the policies: with its token ids when a policy asks for them (the
+        client's, or an instance's /tokenize answer; None when neither is to be had)."""
+        salt = request.body.get("cache_salt")
+        salt = salt if isinstance(salt, str) else None
+        key = request.prompt.key
+        if not any(p.needs_token_ids for p in self.policies.values()):
+            return RoutedPrompt(key, None, salt)
+        if request.prompt.token_ids:
+            return RoutedPrompt(key, key, salt)
+        return RoutedPrompt(key, await self._tokenize(request), salt)
+
+    async def _tokenize(self, request: RouterRequest) -> list[int] | None:
+        body = tokenize_body(request.path, request.body)
+        if body is None or request.prompt.estimated_tokens is None:
+            return None
+        for info in self.registry.candidates(Step.DECODE):
+            try:
+                answer = await post(self.client, info.url + TOKENIZE_PATH, body, request.headers)
+            except Unreachable:
+                continue
+            data = answer.json() if answer.status == 200 else None
+            tokens = data.get("tokens") if isinstance(data, dict) else None
+            if isinstance(tokens, list):
+                return tokens
+            return None
+        return None
 
     def _pick(self, step: Step, request: RouterRequest, tried: set[str]) -> str | None:
         candidates = self.registry.candidates(step, exclude=tried)
         if not candidates:
             return None
         policy = self.policies[step]
-        url = policy.select(candidates, request.prompt.key).url
+        url = policy.select_prompt(candidates, request.routed or RoutedPrompt(request.prompt.key)).url
         if url not in {c.url for c in candidates}:
             raise RuntimeError(f"routing policy {type(policy).__qualname__} chose {url}, which is "
                                f"not one of the {step} candidates {[c.url for c in candidates]}")

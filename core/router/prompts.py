@@ -1,6 +1,7 @@
 """What the router reads from an OpenAI request body, and the bodies it derives for each step.
 
-The router does not tokenize. It needs two things from a prompt:
+The router does not tokenize (a policy that hashes the prompt's blocks, ``cache_aware``, gets the
+ids from an instance's /tokenize, with ``tokenize_body``). It needs two things from a prompt:
 
 - a length estimate, for conditional disaggregation: exact for a token-id prompt,
   ``characters // 4`` for text (of a chat: the characters of every message's content);
@@ -38,10 +39,12 @@ _PREFILL_DROPS = ("stream_options", "min_tokens", "logprobs", "top_logprobs", "e
 
 @dataclass(slots=True, frozen=True)
 class PromptInfo:
-    """``key``: what routing policies see; ``estimated_tokens``: None = not disaggregatable."""
+    """``key``: what routing policies see; ``estimated_tokens``: None = not disaggregatable;
+    ``token_ids``: True when ``key`` holds the client's token ids (not text bytes)."""
 
     key: list[int]
     estimated_tokens: int | None
+    token_ids: bool = False
 
 
 _UNREADABLE = PromptInfo(key=[], estimated_tokens=None)
@@ -55,7 +58,7 @@ def completion_prompt(body: dict[str, Any]) -> PromptInfo:
     if isinstance(prompt, str):
         return PromptInfo(list(prompt.encode()), len(prompt) // CHARS_PER_TOKEN)
     if isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt):
-        return PromptInfo(list(prompt), len(prompt))
+        return PromptInfo(list(prompt), len(prompt), token_ids=True)
     return _UNREADABLE
 
 
@@ -90,6 +93,27 @@ def _message_text(message: Any) -> str | None:
     if isinstance(content, list) and all(isinstance(p, dict) for p in content):
         return "".join(str(p.get("text", "")) for p in content)
     return None
+
+
+_TOKENIZE_FIELDS = {"/v1/completions": ("model", "prompt", "add_special_tokens"),
+                    "/v1/chat/completions": ("model", "messages", "tools", "add_generation_prompt",
+                                             "add_special_tokens")}
+
+
+def tokenize_body(path: str, body: dict[str, Any]) -> dict[str, Any] | None:
+    """The POST /tokenize body that gives the token ids an instance computes for this request
+    (a cache-aware policy hashes them); None when /tokenize cannot say (several prompts, chat
+    template options it does not take)."""
+    fields = _TOKENIZE_FIELDS.get(path)
+    if fields is None or "chat_template" in body or "chat_template_kwargs" in body:
+        return None
+    request = {k: body[k] for k in fields if body.get(k) is not None}
+    prompt = request.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        request["prompt"] = prompt[0]
+    elif prompt is not None and not isinstance(prompt, str):
+        return None
+    return request
 
 
 def needs_prompt_computed(body: dict[str, Any]) -> bool:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -104,6 +104,8 @@ class InstanceRegistry:
 
     def __init__(self, instances: Sequence[tuple[str, Role | str]] = ()) -> None:
         self._instances: dict[str, InstanceState] = {}
+        self.rotation_listeners: list[Callable[[str, bool], None]] = []
+        """Called with (url, in rotation) whenever an instance enters or leaves rotation."""
         for url, role in instances:
             self.add(url, role)
 
@@ -126,6 +128,8 @@ class InstanceRegistry:
         """Take ``url`` out for good (``KeyError`` when unknown); requests in flight finish."""
         state = self._instances.pop(url)
         logger.info("instance %s (%s) removed", url, state.role)
+        if state.healthy:
+            self._rotation_changed(url, False)
         return state
 
     def get(self, url: str) -> InstanceState | None:
@@ -150,6 +154,7 @@ class InstanceRegistry:
         if state is not None and state.healthy:
             logger.warning("instance %s leaves rotation: %s", url, reason)
             state.healthy, state.reason = False, reason
+            self._rotation_changed(url, False)
 
     @contextmanager
     def in_flight(self, url: str) -> Iterator[None]:
@@ -196,11 +201,18 @@ class InstanceRegistry:
             await self.check_all(client)
 
     def _set_health(self, state: InstanceState, healthy: bool, reason: str) -> None:
+        changed = healthy != state.healthy
         if healthy and not state.healthy:
             logger.info("instance %s (%s) is in rotation", state.url, state.role)
         elif not healthy and state.healthy:
             logger.warning("instance %s leaves rotation: %s", state.url, reason)
         state.healthy, state.reason = healthy, reason
+        if changed and state.url in self._instances:
+            self._rotation_changed(state.url, healthy)
+
+    def _rotation_changed(self, url: str, in_rotation: bool) -> None:
+        for listener in self.rotation_listeners:
+            listener(url, in_rotation)
 
 
 def _check_url(url: str) -> None:

@@ -9,7 +9,9 @@ until its memory is needed. The free queue is ordered by eviction::
     [ free, never cached ... | cached, released earliest ... cached, released latest ]
 
 Allocation pops the front; a popped block that was cached leaves the cache map (evicted).
-Block 0 is the null block: it is never queued, never handed out.
+Block 0 is the null block: it is never queued, never handed out. With an event log
+(``events``), every block leaving the cache map is recorded there (``tandem.sched.kv_events``);
+blocks entering it are recorded by the allocator, which knows their tokens.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+
+from tandem.sched.kv_events import KVEventLog
 
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
@@ -29,6 +33,25 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> by
         digest.update(parent_hash)
     digest.update(array("q", token_ids).tobytes())
     return digest.digest()
+
+
+def salt_seed(salt: str | None) -> bytes | None:
+    """The parent hash of a sequence's first block: none, or one derived from its cache salt."""
+    return None if salt is None else hashlib.blake2b(salt.encode(), digest_size=16).digest()
+
+
+def extend_chain(hashes: list[bytes], token_ids: Sequence[int], block_size: int, num_blocks: int,
+                 cache_salt: str | None) -> list[bytes]:
+    """Append to ``hashes`` (the chain of the first ``len(hashes)`` blocks of ``token_ids``) the
+    hashes of the blocks up to ``num_blocks``; returns ``hashes``. Block ``i`` holds
+    ``token_ids[i*block_size:(i+1)*block_size]``; the first block's parent is the salt's seed.
+    The router computes a prompt's chain with this too, so both sides agree."""
+    assert num_blocks * block_size <= len(token_ids)
+    while len(hashes) < num_blocks:
+        i = len(hashes)
+        parent = hashes[-1] if hashes else salt_seed(cache_salt)
+        hashes.append(hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size]))
+    return hashes
 
 
 @dataclass(slots=True, eq=False)
@@ -43,7 +66,7 @@ class KVBlock:
 class BlockPool:
     """Blocks ``0 .. num_blocks-1``; block 0 is the null block and is never handed out."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, events: KVEventLog | None = None) -> None:
         if num_blocks < 2:
             raise ValueError(
                 f"a block pool needs at least 2 blocks (block 0 is reserved), got {num_blocks}")
@@ -51,6 +74,7 @@ class BlockPool:
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
         self._cache: dict[bytes, KVBlock] = {}
         self.num_evictions = 0
+        self.events = events
 
     @property
     def num_free_blocks(self) -> int:
@@ -67,6 +91,8 @@ class BlockPool:
         _, block = self._free.popitem(last=False)
         if block.block_hash is not None:
             del self._cache[block.block_hash]
+            if self.events is not None:
+                self.events.removed(block.block_hash)
             block.block_hash = None
             self.num_evictions += 1
         block.ref_count = 1
@@ -93,12 +119,15 @@ class BlockPool:
     def lookup(self, block_hash: bytes) -> KVBlock | None:
         return self._cache.get(block_hash)
 
-    def cache(self, block: KVBlock, block_hash: bytes) -> None:
-        """Register a full block under its chained hash. No-op when the block is already cached,
-        or when another block already holds that hash (the same tokens computed twice)."""
+    def cache(self, block: KVBlock, block_hash: bytes) -> bool:
+        """Register a full block under its chained hash; whether it entered the cache. No-op
+        (False) when the block is already cached, or when another block already holds that hash
+        (the same tokens computed twice)."""
         if block.block_hash is None and block_hash not in self._cache:
             block.block_hash = block_hash
             self._cache[block_hash] = block
+            return True
+        return False
 
     def check_consistency(self, holders: Mapping[int, int]) -> None:
         """Raise ``AssertionError`` unless every block's reference count equals ``holders[id]``
@@ -117,10 +146,16 @@ class BlockPool:
         assert len(self._cache) == sum(b.block_hash is not None for b in self.blocks), "stale cache entries"
 
     def reset_cache(self) -> int:
-        """Forget every cached block no request holds; returns how many were forgotten."""
+        """Forget every cached block no request holds; returns how many were forgotten. Logged as
+        ``AllBlocksCleared`` when the cache is empty afterwards, else as their removal."""
         stale = [h for h, b in self._cache.items() if b.ref_count == 0]
         for block_hash in stale:
             block = self._cache.pop(block_hash)
             block.block_hash = None
             self._free.move_to_end(block.block_id, last=False)
+        if self.events is not None and not self._cache:
+            self.events.cleared()
+        elif self.events is not None:
+            for block_hash in stale:
+                self.events.removed(block_hash)
         return len(stale)

@@ -22,11 +22,11 @@ block (the partial last one; full blocks are never written again) gets a private
 """
 from __future__ import annotations
 
-import hashlib
 from collections import Counter
 
 from tandem.interfaces import KVAllocation, KVAllocator, KVStats, SchedulableRequest
-from tandem.sched.block_pool import BlockPool, KVBlock, hash_block_tokens
+from tandem.sched.block_pool import BlockPool, KVBlock, extend_chain
+from tandem.sched.kv_events import BlockStored, KVCacheEvent, KVEventLog
 
 
 class PagedKVAllocator(KVAllocator):
@@ -138,6 +138,13 @@ class PagedKVAllocator(KVAllocator):
     def reset_prefix_cache(self) -> None:
         self.block_pool.reset_cache()
 
+    def record_events(self) -> None:
+        self.block_pool.events = KVEventLog()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        log = self.block_pool.events
+        return [] if log is None else log.take()
+
     def check_consistency(self) -> None:
         holders = Counter(block.block_id for table in self._tables.values() for block in table)
         self.block_pool.check_consistency(holders)
@@ -164,25 +171,33 @@ class PagedKVAllocator(KVAllocator):
         if num_full <= done:
             return
         table = self._tables[request_id]
-        hashes = self._block_hashes(self._requests[request_id], num_full)
-        for index in range(done, num_full):
-            self.block_pool.cache(table[index], hashes[index])
+        request = self._requests[request_id]
+        hashes = self._block_hashes(request, num_full)
+        entered = [i for i in range(done, num_full) if self.block_pool.cache(table[i], hashes[i])]
         self._num_registered[request_id] = num_full
+        if self.block_pool.events is not None and entered:
+            self._log_stored(request, hashes, entered)
+
+    def _log_stored(self, request: SchedulableRequest, hashes: list[bytes], entered: list[int]) -> None:
+        """One ``BlockStored`` per run of consecutive block indices that entered the cache."""
+        bs = self.block_size
+        tokens = request.all_token_ids
+        runs: list[list[int]] = []
+        for index in entered:
+            if runs and runs[-1][-1] == index - 1:
+                runs[-1].append(index)
+            else:
+                runs.append([index])
+        for run in runs:
+            first, end = run[0], run[-1] + 1
+            self.block_pool.events.stored(BlockStored(
+                block_hashes=hashes[first:end],
+                parent_block_hash=hashes[first - 1] if first else None,
+                token_ids=list(tokens[first * bs:end * bs]), block_size=bs))
 
     def _block_hashes(self, request: SchedulableRequest, num_blocks: int) -> list[bytes]:
         """The chained hashes of the request's first ``num_blocks`` full blocks (memoized per
         request: the tokens under a full block never change)."""
         hashes = self._hashes.setdefault(request.request_id, [])
-        tokens = request.all_token_ids
-        bs = self.block_size
-        assert num_blocks * bs <= len(tokens)
-        while len(hashes) < num_blocks:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else _salt_seed(getattr(request, "cache_salt", None))
-            hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs]))
-        return hashes
-
-
-def _salt_seed(salt: str | None) -> bytes | None:
-    """The parent hash of a request's first block: none, or one derived from its cache salt."""
-    return None if salt is None else hashlib.blake2b(salt.encode(), digest_size=16).digest()
+        return extend_chain(hashes, request.all_token_ids, self.block_size, num_blocks,
+                            getattr(request, "cache_salt", None))

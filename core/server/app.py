@@ -36,7 +36,7 @@ from tandem.plugin_manager import get_registry
 from tandem.server.bounds import RequestBounds
 from tandem.server.chat import create_chat_completion
 from tandem.server.completions import create_completion
-from tandem.server.disagg import HANDSHAKE_PATH, RELEASE_PATH, HandshakeCache, check_kv_secret
+from tandem.server.disagg import HANDSHAKE_PATH, KV_EVENTS_PATH, RELEASE_PATH, HandshakeCache, check_kv_secret
 from tandem.server.errors import APIError, api_error_from, internal_error
 from tandem.http_limits import BodyLimitMiddleware
 from tandem.server.metrics import ServerMetrics
@@ -212,6 +212,17 @@ def _add_kv_routes(app: FastAPI, ctx: ServingContext) -> None:
         ctx.check_ready()
         require_connector()
         return JSONResponse(ctx.engine.kv_handshake())
+
+    @app.get(KV_EVENTS_PATH, dependencies=[Depends(check)], responses=_KV_ERRORS)
+    async def kv_events() -> JSONResponse:
+        """Where this instance publishes its KV events (``kv_events``): the PUB and replay
+        endpoints as bound, the topic and the block size. 503 until ready; 404 when off."""
+        ctx.check_ready()
+        info = ctx.engine.kv_events_info()
+        if info is None:
+            raise APIError(404, "this instance publishes no KV events (kv_events.enabled = false)",
+                           code="not_found")
+        return JSONResponse(info)
 
     @app.post(RELEASE_PATH, dependencies=[Depends(check)], responses=_KV_ERRORS,
               response_model=KVReleaseResponse)

@@ -38,6 +38,7 @@ logger = logging.getLogger("tandem.server")
 
 HANDSHAKE_PATH = "/kv/handshake"
 RELEASE_PATH = "/kv/release"
+KV_EVENTS_PATH = "/kv/events"
 KV_SECRET_HEADER = "X-Tandem-KV-Secret"
 HANDSHAKE_TIMEOUT_S = 10.0
 """The whole fetch of one handshake, connection to last byte."""

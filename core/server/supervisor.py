@@ -141,7 +141,8 @@ def plan_children(config: TandemConfig, folder: Path, uvicorn_log_level: str,
         conf = _write_config(config, folder, role)
         children.append(Child(role, [*tandem, "serve", "--config", conf, "--role", role,
                                      "--host", "127.0.0.1", "--port", str(port),
-                                     "--uvicorn-log-level", uvicorn_log_level], instance_env))
+                                     "--uvicorn-log-level", uvicorn_log_level, *_kv_event_ports(config)],
+                              instance_env))
     router_config = config.model_copy(deep=True)
     router_config.disaggregation.instances = [
         InstanceConfig(url=f"http://127.0.0.1:{port}", role=role) for role, port in ports.items()]
@@ -150,6 +151,17 @@ def plan_children(config: TandemConfig, folder: Path, uvicorn_log_level: str,
                                      "--host", config.server.host, "--port", str(config.server.port),
                                      "--uvicorn-log-level", uvicorn_log_level], env))
     return children
+
+
+def _kv_event_ports(config: TandemConfig) -> list[str]:
+    """Both instances publishing KV events on one host: each on free ports (the router finds them
+    at GET /kv/events), not both on the configured ones."""
+    events = config.kv_events
+    if not events.enabled:
+        return []
+    free = "tcp://127.0.0.1:0"
+    replay = [] if events.replay_endpoint is None else ["--kv-events-replay-endpoint", free]
+    return ["--kv-events-endpoint", free, *replay]
 
 
 def run_disaggregated(config: TandemConfig, uvicorn_log_level: str = "warning") -> int:

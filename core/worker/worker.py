@@ -113,7 +113,7 @@ class Worker:
                                            attn_backend_cls=self.attn_backend_cls, quant_method=quant_method)
         logger.info("loaded %s (%s) on %s in %s in %.1f s", path, self.arch.architectures[0], self.device,
                     str(self.dtype).removeprefix("torch."), time.perf_counter() - t0)
-        cpu_kernels = pack_cpu_linears(self.model, eng.cpu_kernels, self.device) in ("tandem", "tuned") \
+        cpu_kernels = pack_cpu_linears(self.model, eng.cpu_kernels, self.device) in ("tandem", "dpbf16", "tuned") \
             and cpu_ops.load()
         if cpu_kernels:
             enable_cpu_fusion(self.model)

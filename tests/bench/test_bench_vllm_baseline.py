@@ -10,7 +10,7 @@ import pytest
 
 from tandem.bench.peers import vllm_offline_driver as driver
 from tandem.bench.peers.vllm_offline import read_result, write_workload
-from tandem.bench.peers.vllm_serve import format_ratios
+from tandem.bench.peers.vllm_serve import format_median_ratios, format_ratios
 from tandem.bench.workload import Workload, token_agreement
 from tandem.cli import main
 
@@ -93,6 +93,18 @@ def test_ratio_table_divides_tandem_by_vllm():
               "e2e_ms": {"p50": 500.0}}
     table = format_ratios(ours, theirs)
     assert [line.split()[-1] for line in table.splitlines()[2:]] == ["0.50x", "0.50x", "2.00x", "2.00x"]
+
+
+def test_median_ratio_table_takes_each_metrics_median_over_the_rounds():
+    def summary(tok_s, ttft, tpot, e2e):
+        return {"output_throughput": tok_s, "ttft_ms": {"p50": ttft}, "tpot_ms": {"p50": tpot},
+                "e2e_ms": {"p50": e2e}}
+    rounds = [(summary(300, 50, 20, 1000), summary(100, 100, 40, 500)),   # 3.0, 0.5, 0.5, 2.0
+              (summary(200, 50, 30, 1000), summary(100, 25, 30, 1000)),   # 2.0, 2.0, 1.0, 1.0
+              (summary(100, 10, 10, 1000), summary(100, 100, 20, 250))]   # 1.0, 0.1, 0.5, 4.0
+    lines = format_median_ratios(rounds).splitlines()[2:]
+    assert [line.split()[-2] for line in lines] == ["2.00x", "0.50x", "0.50x", "2.00x"]
+    assert lines[0].split()[-1] == "(1.00-3.00x)"
 
 
 def test_serve_baseline_refuses_one_server_outputs(capsys):

@@ -9,6 +9,7 @@ import math
 import re
 
 import pytest
+import torch
 
 from tandem import LLM, SamplingParams
 from tandem.bench.offline import add_arguments, run
@@ -24,6 +25,8 @@ from tandem.bench.roofline import (
 )
 from tandem.engine import StepStats
 from tandem.models.config import ModelArchConfig
+from tandem.models.cpu_linear import kinds_for
+from tandem.models.cpu_tuning import Shape
 from tests.helpers.tiny_models import hf_model, tiny_model_dir
 
 NUMBER = r"[0-9]+(?:\.[0-9]+)?"
@@ -80,8 +83,9 @@ def test_measurements_return_positive_finite_rates():
     bandwidth = measure_read_bandwidth(num_bytes=4 * 2**20, repeats=3)
     assert math.isfinite(bandwidth) and bandwidth > 0
     for dtype in ("float32", "bfloat16"):
-        rate = measure_gemm_rate(4, 64, 128, dtype, repeats=3)
+        rate, kernel = measure_gemm_rate(4, 64, 128, dtype, repeats=3)
         assert math.isfinite(rate) and rate > 0
+        assert kernel in kinds_for(Shape(getattr(torch, dtype), 128, 64))
 
 
 def _step(num_seqs: int, num_prompt_tokens: int = 0) -> RecordedStep:

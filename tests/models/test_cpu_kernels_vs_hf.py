@@ -80,3 +80,27 @@ def test_fused_passes_give_torchs_bfloat16_values_exactly(kind):
     got = run(ours, arch, ids, [len(ids)])
     want = run(ref, arch, ids, [len(ids)])
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("kernels", ["tandem", "dpbf16", "onednn", "torch"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_bfloat16_next_tokens_match_hf_on_each_kernel(kind, kernels):
+    """Every kernel ``auto`` may pick, forced in turn, on a bfloat16 model: at each position where
+    HF's own bfloat16 forward is not near a tie, the next token it predicts is HF's, and the
+    logits stay within bfloat16's reach of HF's (the kernels sum in float32, HF rounds as torch
+    does: exact agreement is not to be had)."""
+    from tandem.models.cpu_linear import dpbf16_available
+
+    if kernels == "dpbf16" and not dpbf16_available():
+        pytest.skip("this CPU has no AVX512-BF16 instructions")
+    model, arch = load_with_kernels(kind, kernels, torch.bfloat16)
+    hf = hf_model(tiny_model_dir(kind)).to(torch.bfloat16)
+    ids = prompt(0)
+    got = run(model, arch, ids, [9, 1, 1, len(ids) - 11]).float()
+    want = hf_logits(hf, ids).float()
+    top2 = want.topk(2, dim=-1).values
+    scale = want.abs().max().item()
+    clear = (top2[:, 0] - top2[:, 1]) > 0.025 * scale  # twice the logits' tolerance below
+    assert clear.sum() >= len(ids) // 2, "the test model must have clear next tokens"
+    assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+    torch.testing.assert_close(got, want, atol=0.0125 * scale, rtol=0.02)

@@ -7,11 +7,14 @@ import torch
 import torch.nn.functional as F
 
 from tandem.config import TandemConfig
-from tandem.models.cpu_linear import PackedLinear, pack_cpu_linears, resolve_kind
+from tandem.kernels import cpu_ops
+from tandem.models.cpu_linear import PackedLinear, dpbf16_available, pack_cpu_linears, resolve_kind
 from tandem.models.layers import LinearLayer, LMHead
 from tests.helpers.tiny_models import load_tiny_model, tiny_model_dir
 
 CPU = torch.device("cpu")
+needs_dpbf16 = pytest.mark.skipif(not dpbf16_available(), reason="this CPU has no AVX512-BF16 instructions: "
+                                  "the dpbf16 kernel is built but cannot run here")
 
 
 def reference(x, w, bias):
@@ -60,7 +63,12 @@ def test_the_result_does_not_depend_on_the_number_of_threads(rows):
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(16 * 37 + 5, 64, generator=gen) / 8
     x = torch.randn(rows, 64, generator=gen)
-    packed = PackedLinear.pack("tandem", w)
+    many = on_one_thread_and_more(PackedLinear.pack("tandem", w), x)
+    torch.testing.assert_close(many, reference(x, w, None), atol=1e-4, rtol=1e-4)
+
+
+def on_one_thread_and_more(packed, x):
+    """``packed(x)`` on one thread and on two or more: the same bits (returned)."""
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -70,7 +78,7 @@ def test_the_result_does_not_depend_on_the_number_of_threads(rows):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, many)
-    torch.testing.assert_close(many, reference(x, w, None), atol=1e-4, rtol=1e-4)
+    return many
 
 
 def test_strided_and_batched_inputs():
@@ -121,7 +129,64 @@ def test_auto_picks_tandems_kernel_here():
 
 
 def test_unknown_mode_names_the_field_and_the_choices():
-    with pytest.raises(ValueError, match=r"engine.cpu_kernels = 'fast'; allowed: auto, tandem, onednn, torch"):
+    with pytest.raises(ValueError, match=r"engine.cpu_kernels = 'fast'; allowed: auto, tandem, dpbf16, onednn, torch"):
         resolve_kind("fast", CPU)
     with pytest.raises(ValueError, match="cpu_kernels"):
         TandemConfig.model_validate({"model": {"path": "x"}, "engine": {"cpu_kernels": "fast"}})
+
+
+@needs_dpbf16
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 96, 97, 200])
+@pytest.mark.parametrize("k", [48, 258, 600])
+def test_dpbf16_sums_the_exact_bfloat16_products_in_float32(rows, k):
+    # Products of two bfloat16 values are exact in float32: the float32 result must be as close to
+    # float64 sums of the same values as float32 arithmetic gets — across K-slices of 128 pairs
+    # (600 = 2 full and 1 partial), tiles of 8 rows and row blocks of 96.
+    gen = torch.Generator().manual_seed(rows * k)
+    n = 83  # not a multiple of the 16-column panel
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen)
+    packed = PackedLinear.pack("dpbf16", w)
+    for b in (None, bias):
+        out = torch.empty(rows, n)
+        cpu_ops.panel_linear_dpbf16(out, x, packed.weight, b)
+        expected = x.double() @ w.double().t() + (0 if b is None else b.double())
+        torch.testing.assert_close(out, expected.float(), atol=1e-4, rtol=1e-4)
+        got = packed(x, b)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=1e-2)
+
+
+@needs_dpbf16
+def test_dpbf16_takes_strided_rows_and_any_thread_count():
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(16 * 37 + 5, 64, generator=gen).to(torch.bfloat16)
+    wide = torch.randn(70, 192, generator=gen).to(torch.bfloat16)
+    x = wide[:, 64:128]  # rows 192 apart: a slice of a fused projection's output
+    many = on_one_thread_and_more(PackedLinear.pack("dpbf16", w), x)
+    torch.testing.assert_close(many.float(), F.linear(x.float(), w.float()), atol=2e-2, rtol=2e-2)
+
+
+@needs_dpbf16
+def test_dpbf16_mode_packs_bfloat16_layers_and_leaves_others_on_tandems_panels():
+    ref, _ = load_tiny_model(tiny_model_dir("llama"), dtype=torch.bfloat16)
+    model, _ = load_tiny_model(tiny_model_dir("llama"), dtype=torch.bfloat16)
+    assert pack_cpu_linears(model, "dpbf16", CPU) == "dpbf16"
+    linears = [m for m in model.modules() if isinstance(m, LinearLayer)]
+    assert linears and {m.packed.kind for m in linears} == {"dpbf16"}
+    hidden = torch.randn(5, model.config.hidden_size).to(torch.bfloat16)
+    with torch.inference_mode():
+        ours, theirs = model.compute_logits(hidden), ref.compute_logits(hidden)
+    torch.testing.assert_close(ours.float(), theirs.float(), atol=5e-2, rtol=2e-2)
+    fp32, _ = load_tiny_model(tiny_model_dir("llama"))
+    assert pack_cpu_linears(fp32, "dpbf16", CPU) == "dpbf16"
+    assert {m.packed.kind for m in fp32.modules() if isinstance(m, LinearLayer)} == {"tandem"}
+
+
+def test_dpbf16_mode_without_the_instructions_is_refused(monkeypatch):
+    from tandem.models import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "dpbf16_available", lambda: False)
+    with pytest.raises(ValueError, match=r"cpu_kernels = 'dpbf16' but this CPU has no AVX512-BF16"):
+        resolve_kind("dpbf16", CPU)

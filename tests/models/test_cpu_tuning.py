@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tandem.models import cpu_tuning
-from tandem.models.cpu_linear import BucketedLinear, PackedLinear, pack_cpu_linears
+from tandem.models.cpu_linear import BucketedLinear, PackedLinear, dpbf16_available, kinds_for, pack_cpu_linears
 from tandem.models.cpu_tuning import M_BUCKETS, Shape, ShapeChoice, bucket_index, choose, measure, within_budget
 from tandem.models.layers import LinearLayer, LMHead
 from tests.helpers.tiny_models import load_tiny_model, tiny_model_dir
@@ -182,3 +182,23 @@ def test_timings_disturbed_while_measuring_are_not_cached(cache_dir, monkeypatch
     pack_cpu_linears(model, "auto", CPU)
     assert all(k == ["tandem"] * len(M_BUCKETS) for k in kinds_of(model))
     assert not list((cache_dir / "kernels").glob("linear-*.json"))
+
+
+@pytest.mark.skipif(not dpbf16_available(), reason="this CPU has no AVX512-BF16 instructions")
+def test_on_a_busy_machine_bfloat16_layers_take_the_cpus_own_bfloat16_kernel(cache_dir, monkeypatch):
+    # Not measured, a bfloat16 layer must not fall back to bfloat16 widened to float32 where the
+    # CPU multiplies bfloat16 itself (the rule that made auto the slower choice on AVX512-BF16)
+    monkeypatch.setattr(cpu_tuning, "machine_is_busy", lambda: 0.6)
+    model, _ = load_tiny_model(tiny_model_dir("llama"), dtype=torch.bfloat16)
+    assert pack_cpu_linears(model, "auto", CPU) == "tuned"
+    assert all(k == ["dpbf16"] * len(M_BUCKETS) for k in kinds_of(model))
+
+
+@pytest.mark.skipif(not dpbf16_available(), reason="this CPU has no AVX512-BF16 instructions")
+def test_bfloat16_shapes_are_timed_on_dpbf16_too_and_float32_ones_are_not(cache_dir):
+    model, _ = load_tiny_model(tiny_model_dir("llama"), dtype=torch.bfloat16)
+    pack_cpu_linears(model, "auto", CPU)
+    cached = cpu_tuning.read_cache(cpu_tuning.cache_path(cpu_tuning.machine_key()))
+    assert cached and all(key.startswith("bfloat16") and "dpbf16" in c.seconds for key, c in cached.items())
+    assert kinds_for(Shape(torch.bfloat16, 64, 32))[0] == "dpbf16"
+    assert "dpbf16" not in kinds_for(Shape(torch.float32, 64, 32)) + kinds_for(Shape(torch.bfloat16, 64, 33))

@@ -20,12 +20,12 @@ from tandem.router.prompts import (
     ("abcdefghi", PromptInfo(list(b"abcdefghi"), 2)),          # 9 characters // 4
     (["abcd"], PromptInfo(list(b"abcd"), 1)),                   # a list of one string
     ("héllo wörld", PromptInfo(list("héllo wörld".encode()), 2)),  # 11 characters, 13 bytes
-    ([5, 6, 7], PromptInfo([5, 6, 7], 3)),                      # token ids: exact
-    ([[5, 6, 7, 8]], PromptInfo([5, 6, 7, 8], 4)),              # a list of one id list
+    ([5, 6, 7], PromptInfo([5, 6, 7], 3, token_ids=True)),      # token ids: exact
+    ([[5, 6, 7, 8]], PromptInfo([5, 6, 7, 8], 4, token_ids=True)),  # a list of one id list
     (["a", "b"], PromptInfo([], None)),                         # several prompts
     ([[1], [2]], PromptInfo([], None)),
     ([True, 1], PromptInfo([], None)),                          # booleans are not token ids
-    ([2**63 - 1, 0], PromptInfo([2**63 - 1, 0], 2)),            # the int64 range, which policies pack
+    ([2**63 - 1, 0], PromptInfo([2**63 - 1, 0], 2, token_ids=True)),  # the int64 range, which policies pack
     ([5, 2**63], PromptInfo([], None)),                         # beyond it: no vocabulary has these
     ([[-1, 5]], PromptInfo([], None)),
     ([], PromptInfo([], None)),

@@ -111,3 +111,21 @@ def test_reset_cache_forgets_only_blocks_nobody_holds():
     assert pool.reset_cache() == 1
     assert pool.lookup(b"2" * 16) is None and free.block_hash is None
     assert pool.lookup(b"1" * 16) is held
+
+
+def test_evictions_and_resets_are_logged_as_kv_events():
+    from tandem.sched.kv_events import AllBlocksCleared, BlockRemoved, KVEventLog
+
+    pool = BlockPool(4, events=KVEventLog())
+    a, b, c = pool.allocate(), pool.allocate(), pool.allocate()
+    for block, name in ((a, b"a"), (b, b"b"), (c, b"c")):
+        assert pool.cache(block, name * 16)
+    assert not pool.cache(c, b"d" * 16)                # already cached: not stored again
+    pool.release([a, b])                               # c stays held
+    pool.allocate()                                    # evicts a (released first)
+    assert pool.events.take() == [BlockRemoved([b"a" * 16])]
+    pool.reset_cache()                                 # c is held: only b goes, one by one
+    assert pool.events.take() == [BlockRemoved([b"b" * 16])]
+    pool.release([c])
+    pool.reset_cache()
+    assert pool.events.take() == [AllBlocksCleared()] and pool.events.take() == []

@@ -278,3 +278,23 @@ def test_cache_salt_separates_prefixes():
     assert kv.get_num_cached_tokens(same) == 8
     assert kv.get_num_cached_tokens(other) == 0
     assert kv.get_num_cached_tokens(unsalted) == 0
+
+
+def test_blocks_entering_the_cache_are_logged_in_runs_with_their_parent_and_tokens():
+    from tandem.sched.block_pool import hash_block_tokens
+    from tandem.sched.kv_events import BlockStored
+
+    kv = PagedKVAllocator(num_blocks=16, block_size=2)
+    kv.record_events()
+    tokens = [1, 2, 3, 4, 5, 6, 7]
+    h1 = hash_block_tokens(None, [1, 2])
+    h2 = hash_block_tokens(h1, [3, 4])
+    h3 = hash_block_tokens(h2, [5, 6])
+    first = make("a", tokens[:4] + [9])
+    compute(kv, first, 5)
+    kv.free("a")
+    assert kv.take_events() == [BlockStored([h1, h2], None, [1, 2, 3, 4], 2)]
+    second = make("b", tokens)                         # hits [1 2][3 4], computes the rest
+    compute(kv, second, 3, num_cached=4)
+    kv.free("b")
+    assert kv.take_events() == [BlockStored([h3], h2, [5, 6], 2)]

@@ -4,6 +4,7 @@ serves again, one that keeps dying makes the command exit non-zero; SIGTERM stop
 exits 0. Each start of the command costs three processes, so one start checks all it can."""
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import signal
@@ -221,3 +222,21 @@ def test_keys_from_files_reach_the_children_by_their_environment_only(tmp_path, 
     child = load_config(router.argv[router.argv.index("--config") + 1], env=router.env, check_plugins=False)
     assert child.server.api_key.get_secret_value() == "client-key-0123"
     assert child.disaggregation.router_admin_key.get_secret_value() == "admin-key-0123"
+
+
+def test_instances_publishing_kv_events_each_take_free_ports(tmp_path, monkeypatch):
+    from tandem.config import load_config
+    from tandem.config_flags import add_config_flags, flags_to_overrides
+    from tandem.server.supervisor import plan_children
+
+    monkeypatch.setenv("TANDEM_STATE_DIR", str(tmp_path / "state"))
+    config = load_config(overrides={"model.path": "/m", "kv_events.enabled": True}, env={}, check_plugins=False)
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser)
+    for child in plan_children(config, tmp_path, "warning")[:2]:
+        args, _ = parser.parse_known_args(child.argv[child.argv.index("serve") + 1:])
+        child_config = load_config(args.config_file, flags_to_overrides(args), env={}, check_plugins=False)
+        assert child_config.kv_events.enabled
+        assert child_config.kv_events.endpoint == child_config.kv_events.replay_endpoint == "tcp://127.0.0.1:0"
+    plain = load_config(overrides={"model.path": "/m"}, env={}, check_plugins=False)
+    assert not any("--kv-events-endpoint" in c.argv for c in plan_children(plain, tmp_path, "warning"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shlex
+import statistics
 import time
 
 from tandem.bench import serve
@@ -37,12 +38,27 @@ def run_side_by_side(args: argparse.Namespace) -> int:
         raise ConfigError("--plot and --result-json write one server's figures: not with --baseline")
     vllm_offline.check_arguments(args)
     dtype = args.dtype or "float32"
+    rounds = []
+    for i in range(max(1, args.rounds)):
+        print(f"=== round {i + 1} of {max(1, args.rounds)}", flush=True)
+        pair = _one_round(args, dtype)
+        if pair is None:
+            return 1
+        rounds.append(pair)
+        print(format_ratios(*pair))
+    if len(rounds) > 1:
+        print(format_median_ratios(rounds))
+    return 0
+
+
+def _one_round(args: argparse.Namespace, dtype: str) -> tuple[dict, dict] | None:
+    """tandem's server benchmarked, stopped, then vLLM's: their summaries (None if one failed)."""
     tandem_cmd = ["--dtype", dtype, *shlex.split(args.server_args)]
     print(f"=== tandem ({dtype})", flush=True)
     proc, url = serve.start_server(args.model, tandem_cmd)
     ours = _warm_and_bench(args, proc, url)
     if ours is None:
-        return 1
+        return None
     port = serve.free_port()
     cmd = [args.vllm_python, vllm_cli.__file__, "serve", hf_folder(args.model), "--host", "127.0.0.1",
            "--port", str(port), "--dtype", dtype, "--seed", str(args.seed), *BATCH_LIMITS]
@@ -51,10 +67,7 @@ def run_side_by_side(args: argparse.Namespace) -> int:
     proc, url = serve.start_process(cmd, port, VLLM_START_TIMEOUT_S)
     print(f"vllm: ready in {time.perf_counter() - t0:.0f} s", flush=True)
     theirs = _warm_and_bench(args, proc, url)
-    if theirs is None:
-        return 1
-    print(format_ratios(ours, theirs))
-    return 0
+    return None if theirs is None else (ours, theirs)
 
 
 def client(args: argparse.Namespace) -> serve.Client | None:
@@ -77,10 +90,23 @@ def _warm_and_bench(args: argparse.Namespace, proc, url: str) -> dict | None:
         serve.stop_server(proc)
 
 
+def _figure(summary: dict, key: str, stat: str | None) -> float:
+    return summary[key] if stat is None else summary[key][stat]
+
+
 def format_ratios(ours: dict, theirs: dict) -> str:
     """tandem's figures over vLLM's: above 1 is better for throughput, below 1 for latencies."""
     lines = ["", "metric            tandem       vllm   tandem / vllm"]
     for name, key, stat in RATIOS:
-        a, b = (s[key] if stat is None else s[key][stat] for s in (ours, theirs))
+        a, b = _figure(ours, key, stat), _figure(theirs, key, stat)
         lines.append(f"{name:<14} {a:9.2f}  {b:9.2f}   {a / b:10.2f}x")
+    return "\n".join(lines)
+
+
+def format_median_ratios(rounds: list[tuple[dict, dict]]) -> str:
+    """Per metric, the median over the rounds of tandem's figure over vLLM's, and their range."""
+    lines = ["", f"metric          median tandem / vllm over {len(rounds)} rounds (range)"]
+    for name, key, stat in RATIOS:
+        ratios = [_figure(a, key, stat) / _figure(b, key, stat) for a, b in rounds]
+        lines.append(f"{name:<14} {statistics.median(ratios):8.2f}x   ({min(ratios):.2f}-{max(ratios):.2f}x)")
     return "\n".join(lines)

@@ -1,0 +1,186 @@
+// bfloat16 linear layers on CPUs with AVX512-BF16: y = x @ W.T (+ bias) by vdpbf16ps, which
+// multiplies pairs of bfloat16 values and adds both products to a float32 sum, 32 products an
+// instruction (the float32 FMAs of linear.cpp do 8 a 256-bit instruction).
+//
+//   x      [M, K] bfloat16, rows contiguous, K even
+//   panels [ceil(N / 16), K / 2, 16, 2] bfloat16: panel p, pair row j holds, for each of its 16
+//          columns c, W[16p + c, 2j] and W[16p + c, 2j + 1] side by side (columns past N zero),
+//          so one 64-byte load gives the 16 columns' next two weights
+//   out    [M, N] float32
+//
+// Products of two bfloat16 values are exact in float32, so the result equals float32 arithmetic
+// on the same values up to the order of the sums. The loop nest is linear.cpp's (row blocks,
+// K-slices that stay in L1, tiles of up to kTile rows accumulating in registers, panels shared
+// out from a counter). The AVX512-BF16 code is compiled for that ISA alone (a target attribute),
+// whatever the rest of the library targets, and runs only where the CPU reports it
+// (dpbf16_supported): on other CPUs it is built but never called.
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include "work_queue.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define TANDEM_DPBF16 1
+#define TANDEM_DPBF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#endif
+
+namespace {
+
+constexpr int64_t kPanel = 16;
+constexpr int64_t kTile = 8;
+constexpr int64_t kRowBlock = 96;
+constexpr int64_t kPairBlock = 128;  // pair rows of a panel per K-slice: 8 KiB, stays in L1
+constexpr int64_t kPrefetchSlices = 2;
+
+#ifdef TANDEM_DPBF16
+// rows x 16 outputs of one panel over `pairs` pair rows: tile[r * 16 + c] (+)= sum_j x-pair . w-pair.
+// A sum waits for the previous vdpbf16ps into it (several cycles): with fewer than eight rows the
+// pair rows go round-robin into `chains` sums per row, added up at the end, so that enough
+// independent instructions are in flight (eight or more sums).
+template <int rows>
+TANDEM_DPBF16_TARGET inline void tile_kernel(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t pairs,
+                                             float* tile, bool accumulate, const uint16_t* prefetch) {
+  constexpr int chains = rows >= 8 ? 1 : (rows >= 4 ? 2 : 4);
+  __m512 acc[chains][rows];
+  for (int r = 0; r < rows; ++r) {
+    acc[0][r] = accumulate ? _mm512_loadu_ps(tile + r * kPanel) : _mm512_setzero_ps();
+    for (int c = 1; c < chains; ++c) acc[c][r] = _mm512_setzero_ps();
+  }
+  int64_t j = 0;
+  for (; j + chains <= pairs; j += chains) {
+    if (prefetch != nullptr) _mm_prefetch(reinterpret_cast<const char*>(prefetch + j * 2 * kPanel), _MM_HINT_T1);
+    for (int c = 0; c < chains; ++c) {
+      const __m512i w = _mm512_loadu_si512(panel + (j + c) * 2 * kPanel);
+      for (int r = 0; r < rows; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, x + r * ldx + 2 * (j + c), sizeof(pair));
+        acc[c][r] = _mm512_dpbf16_ps(acc[c][r], (__m512bh)_mm512_set1_epi32(pair), (__m512bh)w);
+      }
+    }
+  }
+  for (; j < pairs; ++j) {
+    const __m512i w = _mm512_loadu_si512(panel + j * 2 * kPanel);
+    for (int r = 0; r < rows; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * ldx + 2 * j, sizeof(pair));
+      acc[0][r] = _mm512_dpbf16_ps(acc[0][r], (__m512bh)_mm512_set1_epi32(pair), (__m512bh)w);
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    __m512 sum = acc[0][r];
+    for (int c = 1; c < chains; ++c) sum = _mm512_add_ps(sum, acc[c][r]);
+    _mm512_storeu_ps(tile + r * kPanel, sum);
+  }
+}
+
+TANDEM_DPBF16_TARGET void run_tile(int64_t rows, const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t pairs,
+                                   float* tile, bool accumulate, const uint16_t* prefetch) {
+  switch (rows) {
+    case 1: return tile_kernel<1>(x, ldx, panel, pairs, tile, accumulate, prefetch);
+    case 2: return tile_kernel<2>(x, ldx, panel, pairs, tile, accumulate, prefetch);
+    case 3: return tile_kernel<3>(x, ldx, panel, pairs, tile, accumulate, prefetch);
+    case 4: return tile_kernel<4>(x, ldx, panel, pairs, tile, accumulate, prefetch);
+    case 5: return tile_kernel<5>(x, ldx, panel, pairs, tile, accumulate, prefetch);
+    case 6: return tile_kernel<6>(x, ldx, panel, pairs, tile, accumulate, prefetch);
+    case 7: return tile_kernel<7>(x, ldx, panel, pairs, tile, accumulate, prefetch);
+    default: return tile_kernel<8>(x, ldx, panel, pairs, tile, accumulate, prefetch);
+  }
+}
+
+struct Problem {
+  const uint16_t* x;
+  const uint16_t* w;
+  float* out;
+  const float* bias;
+  int64_t m, pairs, n, n_panels, ldx, ldo;
+};
+
+// work items [begin, end): item = row block * n_panels + panel (a thread walks consecutive panels
+// of one row block, streaming a contiguous range of the weight)
+TANDEM_DPBF16_TARGET void run_items(const Problem& p, int64_t begin, int64_t end) {
+  alignas(64) float acc[kRowBlock * kPanel];
+  for (int64_t work = begin; work < end; ++work) {
+    const int64_t rb = work / p.n_panels, panel_index = work % p.n_panels;
+    const uint16_t* panel = p.w + panel_index * p.pairs * 2 * kPanel;
+    const int64_t col0 = panel_index * kPanel, cols = std::min(kPanel, p.n - col0);
+    const int64_t row0 = rb * kRowBlock, row_end = std::min(p.m, row0 + kRowBlock);
+    for (int64_t j0 = 0; j0 < p.pairs; j0 += kPairBlock) {
+      const int64_t jc = std::min(kPairBlock, p.pairs - j0);
+      const uint16_t* ahead = panel + (j0 + kPrefetchSlices * jc) * 2 * kPanel;
+      for (int64_t r0 = row0; r0 < row_end; r0 += kTile) {
+        run_tile(std::min(kTile, row_end - r0), p.x + r0 * p.ldx + 2 * j0, p.ldx, panel + j0 * 2 * kPanel, jc,
+                 acc + (r0 - row0) * kPanel, j0 > 0, r0 == row0 ? ahead : nullptr);
+      }
+    }
+    for (int64_t r = row0; r < row_end; ++r) {
+      float* dst = p.out + r * p.ldo + col0;
+      const float* src = acc + (r - row0) * kPanel;
+      if (p.bias != nullptr) {
+        for (int64_t c = 0; c < cols; ++c) dst[c] = src[c] + p.bias[col0 + c];
+      } else {
+        std::memcpy(dst, src, cols * sizeof(float));
+      }
+    }
+  }
+}
+#endif
+
+bool cpu_has_dpbf16() {
+#ifdef TANDEM_DPBF16
+  static const bool supported = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+                                __builtin_cpu_supports("avx512vl");
+  return supported;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+bool dpbf16_supported() { return cpu_has_dpbf16(); }
+
+void panel_linear_dpbf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
+                         const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(cpu_has_dpbf16(), "panel_linear_dpbf16: this CPU has no AVX512-BF16 instructions");
+  TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu() && out.device().is_cpu(),
+              "panel_linear_dpbf16 runs on the CPU");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.size(1) % 2 == 0 &&
+                  x.stride(0) % 2 == 0,
+              "panel_linear_dpbf16: x must be bfloat16 [M, K], K even, with contiguous rows at even strides");
+  TORCH_CHECK(panels.dim() == 4 && panels.scalar_type() == at::kBFloat16 && panels.size(1) * 2 == x.size(1) &&
+                  panels.size(2) == kPanel && panels.size(3) == 2 && panels.is_contiguous(),
+              "panel_linear_dpbf16: panels must be contiguous bfloat16 [P, K / 2, 16, 2]");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.scalar_type() == at::kFloat && out.stride(1) == 1 &&
+                  out.size(1) <= panels.size(0) * kPanel && out.size(1) > (panels.size(0) - 1) * kPanel,
+              "panel_linear_dpbf16: out must be float32 [M, N] with N filling the panels");
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out.size(1),
+                "panel_linear_dpbf16: bias must be float32 [N]");
+    bp = bias->data_ptr<float>();
+  }
+  if (x.size(0) == 0) return;
+#ifdef TANDEM_DPBF16
+  const Problem p{reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()),
+                  reinterpret_cast<const uint16_t*>(panels.data_ptr<c10::BFloat16>()),
+                  out.data_ptr<float>(), bp, x.size(0), panels.size(1), out.size(1), panels.size(0),
+                  x.stride(0), out.stride(0)};
+  const int64_t row_blocks = (p.m + kRowBlock - 1) / kRowBlock;
+  const int64_t total = row_blocks * p.n_panels;
+  tandem_cpu::for_each_chunk(total, tandem_cpu::chunk_for(total, 8),
+                             [&](int64_t begin, int64_t end) { run_items(p, begin, end); });
+#endif
+}
+
+TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
+  m.def("panel_linear_dpbf16(Tensor(a!) out, Tensor x, Tensor panels, Tensor? bias) -> ()");
+  m.def("dpbf16_supported() -> bool", &dpbf16_supported);
+}
+
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("panel_linear_dpbf16", &panel_linear_dpbf16); }
