@@ -340,6 +340,12 @@ class AsyncEngine:
         """The key hand-overs are signed with (needs a KV connector)."""
         return self._engine.kv_transfer.secret
 
+    def take_stale_kv_handshakes(self) -> list[str]:
+        """Prefill engines whose cached handshakes are stale (see
+        ``KVTransferCoordinator.take_stale_handshakes``); empty without a KV connector."""
+        kv_transfer = self._engine.kv_transfer if self._engine is not None else None
+        return kv_transfer.take_stale_handshakes() if kv_transfer is not None else []
+
     def kv_handshake(self) -> dict:
         """What a decode instance needs to read this instance's KV blocks: the connector's
         handshake plus the engine id (needs a KV connector)."""

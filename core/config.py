@@ -21,7 +21,7 @@ import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import (
     BaseModel,
@@ -459,6 +459,48 @@ class DisaggregationConfig(_Section):
         return self.role is not Role.BOTH or any(i.role is not Role.BOTH for i in self.instances)
 
 
+Rate = Annotated[float, Field(ge=0.0, le=1.0)]
+
+
+class FaultInjectionConfig(_Section):
+    """``[fault_injection]``: the faults the "faulty" KV connector injects (tests and chaos runs
+    only: select it with ``disaggregation.kv_connector = "faulty"``). Each rate is the fraction
+    of reads (or notifications) hit; the decisions come from ``seed`` in the order of the calls,
+    and each injected fault is logged and counted (``tandem:kv_connector_events_total``)."""
+
+    inner_connector: str = "nixl"
+    """The KV connector that moves the bytes (any installed one but "faulty")."""
+    seed: int = 0
+    """Seed of the fault decisions (each rank adds its rank)."""
+    read_fail_rate: Rate = 0.0
+    """Reads that run but are reported "error:transfer"."""
+    read_delay_rate: Rate = 0.0
+    """Reads whose "done" is reported late ("error:deadline" then "closed" when that passes the
+    transfer's deadline)."""
+    read_delay_s: float = Field(0.2, ge=0.0, allow_inf_nan=False)
+    """The longest delay of a delayed read (each drawn uniformly up to it)."""
+    truncate_rate: Rate = 0.0
+    """Reads reported "done" with the second half of their last block not written (garbage):
+    the decode instance's block checksums must catch them."""
+    notify_drop_rate: Rate = 0.0
+    """Notifications lost: on the owner side (a reader's "done with these blocks") and the
+    reader side (a release without a read)."""
+    notify_delay_rate: Rate = 0.0
+    """Owner-side notifications held back notify_delay_s."""
+    notify_delay_s: float = Field(0.5, ge=0.0, allow_inf_nan=False)
+    """How long a delayed notification is held back."""
+    restart_every_n: int = Field(0, ge=0)
+    """Owner side: after every n-th notification, the inner connector is closed and a new one (a
+    new agent with new metadata) registers the same pool; 0 never restarts."""
+
+    @field_validator("inner_connector")
+    @classmethod
+    def _not_itself(cls, value: str) -> str:
+        if value == "faulty":
+            raise ValueError('must name the connector that moves the bytes, not "faulty" itself')
+        return value
+
+
 def _check_cluster_secret(secret: str) -> None:
     if len(secret) < MIN_SECRET_LENGTH or not all(33 <= ord(c) <= 126 for c in secret):
         raise ValueError(f"must be at least {MIN_SECRET_LENGTH} printable ASCII characters "
@@ -553,6 +595,7 @@ class TandemConfig(BaseSettings):
     server: ServerConfig = Field(default_factory=ServerConfig)
     disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig)
     kv_events: KVEventsConfig = Field(default_factory=KVEventsConfig)
+    fault_injection: FaultInjectionConfig = Field(default_factory=FaultInjectionConfig)
 
     @classmethod
     def settings_customise_sources(
@@ -590,6 +633,7 @@ SECTIONS: dict[str, type[BaseModel]] = {
     "server": ServerConfig,
     "disaggregation": DisaggregationConfig,
     "kv_events": KVEventsConfig,
+    "fault_injection": FaultInjectionConfig,
 }
 
 

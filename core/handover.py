@@ -83,6 +83,12 @@ class DecodeHandover:
     started_at: float = 0.0
     quarantine_id: str | None = None
     reason: str | None = None
+    remote_checksums: tuple[int, ...] = ()
+    """The prefill instance's checksum of each of ``remote_block_ids`` (empty: none given)."""
+    first_block: int = 0
+    """The logical index of the first block read (the blocks before it were cached here)."""
+    local_block_ids: tuple[int, ...] = ()
+    """The blocks the read writes into."""
 
     @property
     def finished(self) -> bool:

@@ -479,6 +479,12 @@ class KVReadCounters:
     bytes_read: int = 0
 
 
+class KVPeerUnavailable(Exception):
+    """Raised by ``KVConnector.add_peer`` for a compatible peer whose agent cannot be reached
+    (it died, or restarted with new metadata behind the same handshake URL): a failed load, for
+    ``kv_load_failure_policy`` to handle, not a bad hand-over."""
+
+
 class KVConnector(ABC):
     """Moves KV blocks between instances. It knows block ids and bytes, nothing of requests'
     tokens, the scheduler or the runner. Failures are states the engine polls, never exceptions
@@ -511,7 +517,8 @@ class KVConnector(ABC):
     @abstractmethod
     def handshake_info(self) -> dict[str, Any]:
         """What a peer needs to read from this instance (agent metadata, addresses, layout,
-        ``compat_hash``): a JSON-serialisable dict."""
+        ``compat_hash``): a JSON-serialisable dict. It may change while the instance runs (a
+        transport restarted with a new agent): the instance serves the current one."""
 
     @abstractmethod
     def add_peer(self, handshake: dict[str, Any]) -> str:
@@ -520,7 +527,8 @@ class KVConnector(ABC):
         name. ``handshake`` may list an instance's ranks (``"ranks"``). Raises ``ValueError`` with
         a message naming both sides when the peer's ``compat_hash`` differs from this
         instance's, or its ranks' shards cannot give this rank's layers and KV heads: its blocks
-        would be garbage here, so no transfer may start."""
+        would be garbage here, so no transfer may start; ``KVPeerUnavailable`` when the peer is
+        compatible but cannot be reached."""
 
     @abstractmethod
     def start_read(
@@ -556,10 +564,29 @@ class KVConnector(ABC):
         """Reader side: tell ``peer`` that ``transfer_id``'s blocks will not be read (the request
         was aborted, or the prefix cache already held them). Never raises."""
 
+    def configure(self, config: Any) -> None:
+        """Called once, before ``register_pool``, with the instance's whole configuration
+        (``tandem.config.TandemConfig``). Optional: the built-in transports need nothing of it;
+        a wrapper such as "faulty" reads its section there."""
+
     def read_counters(self) -> list[KVReadCounters]:
         """Reader side: the ``KVReadCounters`` of each rank of this instance, in rank order (one
         for a single-process connector). Optional (the default counts nothing); never raises."""
         return [KVReadCounters()]
+
+    def block_checksums(self, block_ids: list[int]) -> list[int] | None:
+        """The checksum of each of ``block_ids`` of this instance's pool, as
+        ``tandem.transport.kv_checksum`` defines it (the same on both sides of a hand-over,
+        however each is split): an owner's goes with a hand-over, and a reader compares its own
+        after a read reported "done" — a read that delivered part of a block is then a failed
+        one. Optional: None (the default) when the connector cannot checksum its pool."""
+        return None
+
+    def event_counts(self) -> dict[str, int]:
+        """Cumulative counts of connector-specific events by name, summed over the ranks (the
+        "faulty" connector: the faults it injected). Optional (the default has none); never
+        raises; may cross to the workers, so callers rate-limit it."""
+        return {}
 
     def remove_peer(self, peer: str) -> None:
         """Forget ``peer`` (it died, or is no longer used): its transfers end as "error:peer"

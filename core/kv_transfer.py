@@ -24,14 +24,14 @@ import hmac
 import logging
 import math
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from tandem import handover
 from tandem.handover import DecodeHandover, DecodeState, PrefillHandover
-from tandem.interfaces import KVConnector
+from tandem.interfaces import KVConnector, KVPeerUnavailable
 from tandem.handover_auth import prompt_digest
 from tandem.sched.scheduler import PinnedKV, RemoteKVLoad, Scheduler, quarantine_holder_id
 
@@ -41,7 +41,10 @@ CONSUMED_IDS = 65536
 """Ended transfer ids remembered (per decode instance) to refuse replays."""
 MAX_PEERS = 256
 """Prefill engines a decode instance keeps connected; the least recently used idle one goes."""
+EVENTS_REFRESH_S = 1.0
+"""How often ``stats`` asks the connector for its event counts (they may cross to the workers)."""
 
+CHECKSUM_HEX_DIGITS = 8
 _REMOTE_PREFILL_FIELDS = ("engine_id", "transfer_id", "block_ids", "num_tokens", "prompt_digest",
                           "compat_hash")
 
@@ -67,6 +70,8 @@ class RemotePrefill:
     prompt_digest: str
     compat_hash: str
     handshake: dict[str, Any] = field(hash=False, compare=False)
+    kv_checksums: tuple[int, ...] = ()
+    """The checksum of each block (``KVConnector.block_checksums``); empty when not given."""
 
     @classmethod
     def from_params(cls, params: dict[str, Any], handshake: dict[str, Any]) -> RemotePrefill:
@@ -80,8 +85,13 @@ class RemotePrefill:
         num_tokens = params["num_tokens"]
         if type(num_tokens) is not int or num_tokens < 1:
             raise ValueError("kv_transfer_params.num_tokens must be a positive integer")
+        checksums = params.get("kv_checksums") or ()
+        if checksums and (len(checksums) != len(block_ids) or not all(
+                isinstance(c, str) and len(c) == CHECKSUM_HEX_DIGITS for c in checksums)):
+            raise ValueError("kv_transfer_params.kv_checksums must hold one 8-digit hex checksum per block")
         return cls(str(params["engine_id"]), str(params["transfer_id"]), tuple(block_ids), num_tokens,
-                   str(params["prompt_digest"]), str(params["compat_hash"]), handshake)
+                   str(params["prompt_digest"]), str(params["compat_hash"]), handshake,
+                   tuple(int(c, 16) for c in checksums))
 
 
 @dataclass(slots=True, frozen=True)
@@ -94,6 +104,8 @@ class KVTransferStats:
     num_pins: int = 0
     num_loads: int = 0
     num_quarantined_blocks: int = 0
+    connector_events: tuple[tuple[str, int], ...] = ()
+    """``KVConnector.event_counts``, at most ``EVENTS_REFRESH_S`` old."""
 
 
 class KVTransferCoordinator:
@@ -123,9 +135,12 @@ class KVTransferCoordinator:
         self._consumed: OrderedDict[str, None] = OrderedDict()  # ended transfer ids
         self._peers: OrderedDict[str, str] = OrderedDict()  # prefill engine id → connector peer
         self._failed: list[tuple[str, str]] = []  # requests to fail, for the next poll
+        self._stale_handshakes: deque[str] = deque()  # engines whose peer died, for the server
         self._bytes_total = 0
         self._failures: Counter[str] = Counter()
         self._durations_s: list[float] = []
+        self._events: tuple[tuple[str, int], ...] = ()
+        self._events_at = -math.inf
 
     # ------------------------------------------------------------------ queries
 
@@ -138,7 +153,15 @@ class KVTransferCoordinator:
             num_pins=len(self._pins),
             num_loads=len(self._loads) - len(quarantined),
             num_quarantined_blocks=sum(h.num_blocks for h in quarantined),
+            connector_events=self._connector_events(),
         )
+
+    def _connector_events(self) -> tuple[tuple[str, int], ...]:
+        now = self._clock()
+        if now - self._events_at >= EVENTS_REFRESH_S:
+            self._events_at = now
+            self._events = tuple(sorted(self.connector.event_counts().items()))
+        return self._events
 
     def has_pins(self) -> bool:
         return bool(self._pins)
@@ -146,6 +169,15 @@ class KVTransferCoordinator:
     def has_loads(self) -> bool:
         """Hand-overs that are not over: admitted, loading, or quarantined."""
         return bool(self._loads)
+
+    def take_stale_handshakes(self) -> list[str]:
+        """Prefill engines whose connector peer was found dead since the last call: their cached
+        handshakes are stale (a restarted agent behind the same handshake URL has new metadata)
+        and must be fetched again. Safe to call from any thread."""
+        stale = []
+        while self._stale_handshakes:
+            stale.append(self._stale_handshakes.popleft())
+        return stale
 
     def take_transfer_durations(self) -> list[float]:
         """Seconds of each read that completed since the last call."""
@@ -174,6 +206,9 @@ class KVTransferCoordinator:
                 "compat_hash": self.compat_hash,
                 "expires_at": expires_at_unix,
             }
+            checksums = self.connector.block_checksums(list(pin.block_ids))
+            if checksums is not None:
+                params[pin.request_id]["kv_checksums"] = [f"{c:08x}" for c in checksums]
         return params
 
     def release(self, transfer_id: str) -> bool:
@@ -209,10 +244,11 @@ class KVTransferCoordinator:
               cache_salt: str | None = None) -> bool:
         """Check the hand-over of ``request_id`` (about to be added to the scheduler, with
         ``cache_salt``) and make it ADMITTED. True: add the request with ``remote_kv`` LOAD.
-        False: no read will be made (a mismatched prompt or salt, a stalled peer) and the policy
-        is "recompute": add it as an ordinary request. Raises ``KVTransferReplayed`` for a used
-        transfer id, ValueError for an incompatible peer (compat hash, layout, a pool of no sane
-        size), ``KVTransferFailed`` where the policy is "fail"."""
+        False: no read will be made (a mismatched prompt or salt, a stalled or unreachable
+        peer) and the policy is "recompute": add it as an ordinary request. Raises
+        ``KVTransferReplayed`` for a used transfer id, ValueError for an incompatible peer
+        (compat hash, layout, a pool of no sane size), ``KVTransferFailed`` where the policy is
+        "fail"."""
         transfer_id = remote.transfer_id
         if transfer_id in self._loads or transfer_id in self._consumed:
             raise KVTransferReplayed(f"kv_transfer_params.transfer_id {transfer_id!r} has already "
@@ -230,8 +266,16 @@ class KVTransferCoordinator:
             reason = "mismatch"  # another prompt (or salt) was prefilled: its KV must not be read
         elif self._stalled(remote.engine_id):
             reason = "peer"
-        peer = self._peer(remote) if reason is None else ""
-        load = DecodeHandover(transfer_id, request_id, peer, remote.engine_id, remote.block_ids)
+        peer = ""
+        if reason is None:
+            try:
+                peer = self._peer(remote)
+            except KVPeerUnavailable as exc:
+                logger.warning("%s", exc)
+                self._stale_handshakes.append(remote.engine_id)
+                reason = "peer"
+        load = DecodeHandover(transfer_id, request_id, peer, remote.engine_id, remote.block_ids,
+                              remote_checksums=remote.kv_checksums)
         if reason is None:
             self._loads[transfer_id] = load
             return True
@@ -274,6 +318,7 @@ class KVTransferCoordinator:
                 logger.warning("KV read %s refused: %s", load.transfer_id, exc)
                 self._refuse_admitted(load, "transfer")
                 continue
+            load.first_block, load.local_block_ids = new.first_block, tuple(new.block_ids)
             handover.start(load, len(new.block_ids), self._clock())
 
     def poll(self) -> list[tuple[str, str]]:
@@ -296,6 +341,8 @@ class KVTransferCoordinator:
 
     def _on_read_ended(self, load: DecodeHandover, state: str) -> None:
         rid = load.request_id
+        if state == "done" and not self._checksums_match(load):
+            state = "error:checksum"
         if state == "done":
             handover.loaded(load)
             self._bytes_total += load.num_blocks * self.block_bytes
@@ -315,6 +362,16 @@ class KVTransferCoordinator:
         self._on_failed(load)
         if reason == "peer":
             self._drop_peer(load.engine_id)
+            self._stale_handshakes.append(load.engine_id)
+
+    def _checksums_match(self, load: DecodeHandover) -> bool:
+        """Whether the blocks read hold what the prefill instance checksummed (True when either
+        side cannot checksum)."""
+        if not load.remote_checksums:
+            return True
+        expected = list(load.remote_checksums[load.first_block:load.first_block + load.num_blocks])
+        found = self.connector.block_checksums(list(load.local_block_ids))
+        return found is None or found == expected
 
     def _refuse_admitted(self, load: DecodeHandover, reason: str) -> None:
         """An admitted load that cannot start: the request waits again (or fails)."""
@@ -335,7 +392,8 @@ class KVTransferCoordinator:
         what = {"mismatch": "the prefill instance prefilled another prompt",
                 "peer": "the prefill instance is gone or stalled",
                 "deadline": f"no answer within kv_transfer_timeout_s ({self.transfer_timeout_s:g} s)",
-                "transfer": "the transport refused the read"}.get(load.reason, load.reason)
+                "transfer": "the transport refused the read",
+                "checksum": "the blocks read differ from the prefill instance's checksums"}.get(load.reason, load.reason)
         return f"loading the prompt's KV cache from the prefill instance failed ({load.reason}: {what})"
 
     def _end(self, load: DecodeHandover) -> None:
@@ -357,7 +415,8 @@ class KVTransferCoordinator:
 
     def _peer(self, remote: RemotePrefill) -> str:
         """The connector peer of ``remote``'s engine, added on first use (raises ValueError for
-        an incompatible one); keeps at most ``MAX_PEERS``."""
+        an incompatible one, ``KVPeerUnavailable`` for one that cannot be reached); keeps at
+        most ``MAX_PEERS``."""
         peer = self._peers.get(remote.engine_id)
         if peer is None:
             peer = self.connector.add_peer(remote.handshake)

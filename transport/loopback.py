@@ -21,6 +21,7 @@ import torch
 
 from tandem.interfaces import KVConnector, KVPoolDescriptor, KVReadCounters
 from tandem.transport.compat import base_handshake, check_pool, check_read, peer_ranks, read_plan
+from tandem.transport.kv_checksum import BlockChecksums
 from tandem.transport.notify import NotificationTally, encode
 from tandem.transport.shard_plan import RankPlan
 
@@ -62,6 +63,7 @@ class LoopbackConnector(KVConnector):
         self._tally = NotificationTally()
         self._counters = KVReadCounters()
         self._paused = False
+        self._checksums: BlockChecksums | None = None
 
     def register_pool(self, pool: Any, descriptor: KVPoolDescriptor) -> None:
         if self._blocks is not None:
@@ -72,6 +74,7 @@ class LoopbackConnector(KVConnector):
         # One row of bytes per block: a block id indexes the pool whatever its dtype and shape.
         self._blocks = pool.view(-1).view(torch.uint8).view(descriptor.num_blocks, descriptor.block_bytes)
         self._descriptor = descriptor
+        self._checksums = BlockChecksums(pool, descriptor) if descriptor.shard is not None else None
         self._handshake = base_handshake(self.name, self.agent_name, descriptor)
         _LIVE[self.agent_name] = self
 
@@ -127,6 +130,10 @@ class LoopbackConnector(KVConnector):
 
     def read_counters(self) -> list[KVReadCounters]:
         return [self._counters]
+
+    def block_checksums(self, block_ids: list[int]) -> list[int] | None:
+        self._require_pool()
+        return self._checksums.of(block_ids) if self._checksums is not None else None
 
     def notify_release(self, peer: str, transfer_id: str) -> None:
         known = self._peers.get(peer)

@@ -42,8 +42,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.interfaces import KVConnector, KVPoolDescriptor, KVReadCounters
+from tandem.interfaces import KVConnector, KVPeerUnavailable, KVPoolDescriptor, KVReadCounters
 from tandem.transport.compat import KVHandshakeError, base_handshake, check_pool, check_read, peer_ranks, read_plan
+from tandem.transport.kv_checksum import BlockChecksums
 from tandem.transport.nixl_agent import NixlAgent, back_with_huge_pages
 from tandem.transport.notify import NotificationTally, encode
 from tandem.transport.shard_plan import RankPlan, transfer_descs
@@ -106,6 +107,7 @@ class NixlConnector(KVConnector):
         self._unreleased: list[int] = []
         self._tally = NotificationTally()
         self._counters = KVReadCounters()
+        self._checksums: BlockChecksums | None = None
 
     # ------------------------------------------------------------------ set-up
 
@@ -122,6 +124,7 @@ class NixlConnector(KVConnector):
             descriptor.base_address, descriptor.num_blocks * descriptor.block_bytes, device_id, mem_type)
         self._agent, self._pool, self._descriptor = agent, pool, descriptor
         self._mem_type, self._device_id = mem_type, device_id
+        self._checksums = BlockChecksums(pool, descriptor) if descriptor.shard is not None else None
         self._handshake = base_handshake(self.name, self.agent_name, descriptor) | {
             "agent_metadata": base64.b64encode(agent.metadata()).decode("ascii"),
             "base_address": descriptor.base_address,
@@ -153,13 +156,16 @@ class NixlConnector(KVConnector):
         agents: list[str] = []
         try:
             for index in sorted({read.remote_rank for read in plan.reads} | plan.notify.keys()):
-                loaded = self._agent.load_peer(base64.b64decode(ranks[index]["agent_metadata"]))
+                try:
+                    loaded = self._agent.load_peer(base64.b64decode(ranks[index]["agent_metadata"]))
+                except Exception as exc:  # its agent is gone: no connection to its address
+                    raise KVPeerUnavailable(f"cannot reach KV peer {name!r}: {type(exc).__name__}: {exc}") from exc
                 agents.append(loaded)
                 if loaded != remote[index].agent:
-                    raise ValueError(f"its metadata names agent {loaded!r}")
-        except Exception as exc:
+                    raise KVHandshakeError(f"cannot load KV peer {name!r}: its metadata names agent {loaded!r}")
+        except Exception:
             self._forget_agents(agents)
-            raise KVHandshakeError(f"cannot load KV peer {name!r}: {type(exc).__name__}: {exc}") from exc
+            raise
         self._peers[name] = _Peer(name, key, min(r["num_blocks"] for r in ranks), remote, plan, agents)
         return name
 
@@ -231,6 +237,10 @@ class NixlConnector(KVConnector):
     def read_counters(self) -> list[KVReadCounters]:
         return [self._counters]
 
+    def block_checksums(self, block_ids: list[int]) -> list[int] | None:
+        self._require_pool()
+        return self._checksums.of(block_ids) if self._checksums is not None else None
+
     def remove_peer(self, peer: str) -> None:
         known = self._peers.get(peer)
         if known is not None:
@@ -268,7 +278,7 @@ class NixlConnector(KVConnector):
             self._drop_peer(peer)
         self._retry_releases()
         self._agent.deregister(self._registration)
-        self._agent = self._registration = self._pool = None
+        self._agent = self._registration = self._pool = self._checksums = None
 
     # ------------------------------------------------------------------ helpers
 

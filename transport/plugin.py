@@ -1,9 +1,11 @@
 """Registers the built-in KV connectors: "nixl" (NIXL over UCX; NIXL is imported only when a pool
-is registered, so listing plugins works without it) and "loopback" (in-process, for tests)."""
+is registered, so listing plugins works without it), "loopback" (in-process, for tests) and
+"faulty" (another connector with injected faults, for tests and chaos runs)."""
 from __future__ import annotations
 
 import tandem
 from tandem.hookspecs import Register
+from tandem.transport.faulty import FaultyConnector
 from tandem.transport.loopback import LoopbackConnector
 from tandem.transport.nixl import NixlConnector
 
@@ -12,3 +14,4 @@ from tandem.transport.nixl import NixlConnector
 def tandem_register_kv_connectors(register: Register) -> None:
     register("nixl", NixlConnector)
     register("loopback", LoopbackConnector)
+    register("faulty", FaultyConnector)

@@ -27,6 +27,9 @@ BENCHMARKS = {
     "multiturn": ("tandem.bench.multiturn", "multi-turn conversations on 1 prefill + 2 decode instances in "
                   "three test hosts (as root): cache-aware routing with in-place decoding vs the same "
                   "cluster without prefix reuse vs two colocated instances behind round robin"),
+    "chaos": ("tandem.bench.chaos", "a prefill/decode cluster under injected KV-transfer faults (the "
+              "\"faulty\" connector over NIXL): requests lost, answers against a colocated instance's, "
+              "blocks left held, faults injected vs observed"),
 }
 PEERS = {"offline": {"vllm": "tandem.bench.peers.vllm_offline", "llamacpp": "tandem.bench.peers.llamacpp_offline"},
          "serve": {"vllm": "tandem.bench.peers.vllm_serve"}}

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import httpx
 import numpy as np
@@ -269,10 +269,11 @@ def start_server(model: str, server_args: list[str],
 
 
 def start_process(cmd: list[str], port: int, timeout_s: float,
-                  stdout: int | None = None) -> tuple[subprocess.Popen, str]:
-    """Starts the server ``cmd`` listening on 127.0.0.1:``port``; returns once its /health
-    answers 200. A server that exits or is not ready within ``timeout_s`` raises."""
-    proc = subprocess.Popen(cmd, stdout=stdout)
+                  stdout: Any = None, **popen: Any) -> tuple[subprocess.Popen, str]:
+    """Starts the server ``cmd`` (``popen``: more arguments of ``subprocess.Popen``) listening
+    on 127.0.0.1:``port``; returns once its /health answers 200. A server that exits or is not
+    ready within ``timeout_s`` raises."""
+    proc = subprocess.Popen(cmd, stdout=stdout, **popen)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

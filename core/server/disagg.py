@@ -84,7 +84,10 @@ class HandshakeCache:
     """Prefill instances' handshakes by engine id, the ``max_entries`` most recently used. A
     restarted prefill instance has a new engine id, so it is fetched again (its old entry ages
     out); a fetch that fails leaves no entry. Fetches send the cluster ``secret``, follow no
-    redirect, read no proxy settings, and give up after ``timeout_s`` or ``max_bytes``."""
+    redirect, read no proxy settings, and give up after ``timeout_s`` or ``max_bytes``. The
+    decode engine names the engines whose peer it found dead (``forget``): a prefill instance
+    whose connector restarted with a new agent keeps its engine id and URL, so only a fresh
+    fetch gives its new metadata."""
 
     def __init__(self, timeout_s: float = HANDSHAKE_TIMEOUT_S, max_bytes: int = HANDSHAKE_MAX_BYTES,
                  max_entries: int = HANDSHAKE_CACHE_SIZE, secret: str | None = None) -> None:
@@ -99,6 +102,10 @@ class HandshakeCache:
 
     def __contains__(self, engine_id: str) -> bool:
         return engine_id in self._handshakes
+
+    def forget(self, engine_id: str) -> None:
+        """Drop ``engine_id``'s handshake: the next ``get`` fetches it again."""
+        self._handshakes.pop(engine_id, None)
 
     async def get(self, engine_id: str, url: str) -> dict[str, Any]:
         """The handshake of ``engine_id``, fetched from ``url`` unless cached. Raises
@@ -180,6 +187,8 @@ async def kv_transfer_args(engine, handshakes: HandshakeCache, body: SamplingFie
                           "(weights) and tokenizer with the same dtype, layer count, KV heads, head "
                           "size and block size (their tensor and pipeline parallel sizes may differ)",
                           _PARAM)
+    for engine_id in engine.take_stale_kv_handshakes():
+        handshakes.forget(engine_id)
     try:
         handshake = await handshakes.get(params.engine_id, params.handshake_url)
     except HandshakeError as exc:

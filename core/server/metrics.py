@@ -66,10 +66,16 @@ def _kv_transfer_metrics(stats: KVTransferStats) -> Iterator[Metric]:
                               value=stats.bytes_total)
     failures = CounterMetricFamily("tandem:kv_transfer_failures",
                                    "KV hand-overs that failed (decode side: peer, deadline, transfer, "
-                                   "mismatch; prefill side: expired).", labels=["reason"])
+                                   "mismatch, checksum; prefill side: expired).", labels=["reason"])
     for reason, count in stats.failures:
         failures.add_metric([reason], count)
     yield failures
+    events = CounterMetricFamily("tandem:kv_connector_events",
+                                 "KV connector events by name (the faulty connector: faults injected).",
+                                 labels=["event"])
+    for event, count in stats.connector_events:
+        events.add_metric([event], count)
+    yield events
     yield GaugeMetricFamily("tandem:kv_blocks_pending_release",
                             "KV blocks pinned for decode instances, not yet released.",
                             value=stats.pending_release_blocks)

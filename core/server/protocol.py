@@ -111,6 +111,10 @@ class KVTransferParams(_Request):
     """Where the decode instance fetches the prefill instance's KV handshake: http(s) only."""
     expires_at: int | None = Field(None, ge=0)
     """Unix time (s) after which the hand-over is refused: its pin expires then."""
+    kv_checksums: list[Annotated[str, Field(pattern=r"^[0-9a-f]{8}$")]] | None = Field(None, max_length=1 << 20)
+    """The prefill instance's checksum of each block (``KVConnector.block_checksums``), which
+    the decode instance compares after its read; absent when its connector has none. Not
+    signed: altered, it can only make the decode instance recompute the prompt."""
     signature: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
     """The prefill instance's HMAC-SHA256 of the other fields (``tandem.handover_auth``);
     absent only when neither instance has a ``kv_transfer_secret``."""
@@ -133,7 +137,8 @@ class KVTransferParams(_Request):
         if self.do_remote_decode == self.do_remote_prefill:
             raise PydanticCustomError("kv_transfer_params", "set exactly one of do_remote_decode and "
                                       "do_remote_prefill to true")
-        given = [name for name in (*self.REMOTE_PREFILL_FIELDS, "signature") if getattr(self, name) is not None]
+        given = [name for name in (*self.REMOTE_PREFILL_FIELDS, "kv_checksums", "signature")
+                 if getattr(self, name) is not None]
         if self.do_remote_decode and given:
             raise PydanticCustomError("kv_transfer_params", "do_remote_decode takes no other field "
                                       "(got {given})", {"given": ", ".join(given)})
@@ -145,7 +150,8 @@ class KVTransferParams(_Request):
 
     def remote_prefill_params(self) -> dict[str, Any]:
         """The prefill answer's fields and signature, of a complete decode form."""
-        return self.model_dump(include={*self.REMOTE_PREFILL_FIELDS, "signature"})
+        return self.model_dump(include={*self.REMOTE_PREFILL_FIELDS, "kv_checksums", "signature"},
+                               exclude_none=True)
 
 
 class KVReleaseRequest(_Request):

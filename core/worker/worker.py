@@ -139,6 +139,7 @@ class Worker:
         """Register this rank's KV pool with a new connector of ``connector_name``."""
         assert self.connector is None, "the KV pool is registered once"
         connector = get_registry().get("kv_connector", connector_name)()
+        connector.configure(self.config)
         par = self.parallel
         shards = kv_shards(self.arch, self.config.engine.block_size, self.dtype, par.tp_size, par.pp_size)
         connector.register_pool(self.kv_cache, KVPoolDescriptor.for_pool(self.kv_cache, compat_hash,

@@ -11,9 +11,12 @@ import time
 import pytest
 import torch
 
+from tandem.config import load_config
+from tandem.executor import kv_proxy
 from tandem.executor.kv_proxy import RankedConnector
 from tandem.interfaces import KVPoolDescriptor
 from tandem.models.config import ModelArchConfig, kv_shards
+from tandem.transport.faulty import FaultyConnector
 from tandem.transport.loopback import LoopbackConnector
 
 BLOCKS, LAYERS, BLOCK_SIZE, HEAD_DIM = 6, 4, 2, 3
@@ -111,3 +114,57 @@ def test_a_peer_of_another_model_is_refused_naming_the_shard():
     single.register_pool(fewer_layers, KVPoolDescriptor.for_pool(fewer_layers, "hash"))
     with pytest.raises(ValueError, match=r"do not hold every layer and KV head of rank 0's shard"):
         reader.add_peer(single.handshake_info())
+
+
+def _faulty_instance(whole: torch.Tensor, tp: int, **faults):
+    """A tp-way instance whose ranks' connectors are "faulty" over loopback ones."""
+    config = load_config(overrides={"fault_injection.inner_connector": "loopback",
+                                    **{f"fault_injection.{k}": v for k, v in faults.items()}}, env={})
+    shards = kv_shards(_arch(4), BLOCK_SIZE, torch.float32, tp, 1)
+    connectors = []
+    for rank, s in enumerate(shards):
+        pool = whole[:, :, :, :, s.head_start:s.head_stop].contiguous()
+        c = FaultyConnector()
+        c.configure(config)
+        c.register_pool(pool, KVPoolDescriptor.for_pool(pool, "hash", shards, rank))
+        connectors.append(c)
+
+    def call(method, args):
+        return [getattr(c, method)(*a) for c, a in zip(connectors, args)]
+
+    return RankedConnector(call, [c.handshake_info() for c in connectors], tp, 1)
+
+
+def test_the_handshake_follows_a_rank_whose_transport_restarted(monkeypatch):
+    """An owner's rank restarted its transport (a new agent): within HANDSHAKE_REFRESH_S the
+    instance serves the new handshake, and a reader that adds it reads again. The block
+    checksums of the reader's copy, a tp=1 pool, equal the sum of the owner ranks' shares."""
+    monkeypatch.setattr(kv_proxy, "HANDSHAKE_REFRESH_S", 0.0)
+    whole = _whole(7)
+    owner = _faulty_instance(whole, 2, restart_every_n=1)
+    reader, _, (reader_pool,), _ = _instance(None, 1, 1)
+    old = owner.handshake_info()
+    reader.start_read("t1", reader.add_peer(old), [1], [2], 5.0)
+    assert _poll_until(reader, "t1") == "done"
+    assert owner.get_notifications() == ["t1"]  # heard by both ranks: each restarts
+    owner.get_notifications()
+    new = owner.handshake_info()
+    assert [r["agent_name"] for r in new["ranks"]] != [r["agent_name"] for r in old["ranks"]]
+    reader.start_read("t2", reader.add_peer(old), [3], [4], 5.0)
+    assert _poll_until(reader, "t2") == "error:peer"
+    reader.start_read("t3", reader.add_peer(new), [3], [4], 5.0)
+    assert _poll_until(reader, "t3") == "done"
+    assert torch.equal(reader_pool[4], whole[3])
+    assert reader.block_checksums([2, 4]) == owner.block_checksums([1, 3])
+
+
+def test_a_read_from_a_peer_removed_meanwhile_ends_as_error_peer():
+    """A load admitted before its peer was removed (another load found it dead) starts its read
+    after: it ends "error:peer", as on a single-rank connector — not as a refused call."""
+    owner, _, _, _ = _instance(_whole(5), 1, 1)
+    reader, ranks, _, _ = _instance(None, 2, 1)
+    for connector in (reader, ranks[0]):
+        peer = connector.add_peer(owner.handshake_info())
+        connector.remove_peer(peer)
+        connector.start_read("t", peer, [1], [2], 5.0)
+        assert connector.poll() == {"t": "error:peer"}

@@ -62,7 +62,7 @@ def test_decode_answer_equals_colocated(server, prefill, decode, length):
     prompt = _prompts(20 + length, [length])[0]
     params = hand_over(prefill.url, prompt)
     assert set(params) == {"engine_id", "handshake_url", "transfer_id", "block_ids", "num_tokens",
-                           "prompt_digest", "compat_hash", "expires_at"}
+                           "prompt_digest", "compat_hash", "expires_at", "kv_checksums"}
     assert params["num_tokens"] == length and len(params["block_ids"]) == -(-length // BLOCK)
     answer = decode_answer(decode.url, prompt, params)
     assert answer.status_code == 200, answer.text

@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from tandem.interfaces import KVPoolDescriptor, compat_hash
+from tandem.interfaces import KVPeerUnavailable, KVPoolDescriptor, compat_hash
 from tandem.transport.compat import KVHandshakeError
 from tandem.transport.nixl import NixlConnector
 from tests.transport.kv_peer import (
@@ -290,6 +290,27 @@ def test_add_peer_is_idempotent():
     finally:
         reader.close()
         owner.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_stale_handshake_of_a_restarted_agent_is_an_unreachable_peer_not_a_bad_one():
+    """An owner whose agent restarted (a new agent on the same pool): its old handshake names
+    an agent nobody listens for. Adding it is a load failure (``KVPeerUnavailable``, which the
+    decode instance recomputes), not an incompatible peer (a 400); the new handshake reads."""
+    pool = torch.randn(SMALL.shape)
+    old, reader = make_connector(pool), make_connector(torch.zeros(SMALL.shape))
+    stale = old.handshake_info()
+    old.close()
+    del old
+    new = make_connector(pool)
+    try:
+        with pytest.raises(KVPeerUnavailable):
+            reader.add_peer(stale)
+        reader.start_read("t", reader.add_peer(new.handshake_info()), [4], [2], 10.0)
+        assert wait_outcomes(reader, {"t"}, 10.0) == {"t": "done"}
+    finally:
+        reader.close()
+        new.close()
 
 
 @pytest.mark.timeout(60)
