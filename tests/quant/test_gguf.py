@@ -63,9 +63,12 @@ def _finite_rows(ggml_type: int, rows: int, in_features: int, seed: int) -> np.n
     return data
 
 
-def _assert_close_f32(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Equal up to float32 summation order (the kernels sum in another order than F.linear)."""
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+def _assert_close_f32(got: torch.Tensor, want: torch.Tensor, layers: int = 1) -> None:
+    """Equal up to float32 summation order (the kernels sum in another order than F.linear, and
+    MKL's own order moves with the threads it takes on a loaded machine), compounded over
+    ``layers`` layers of a model."""
+    tol = 1e-5 * layers
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * float(want.abs().max()))
 
 
 def _layer(input_size: int, shards: list[tuple[int, int]], splits=None) -> tuple[LinearLayer, torch.Tensor]:
@@ -161,7 +164,7 @@ def test_logits_and_greedy_tokens_equal_the_dequantized_model(gguf_dir, kind):
     assert type(packed.model.embed_tokens).__name__ == "QuantizedEmbedding"
     for ids in PROMPTS:
         want = tandem_logits(dense, arch, ids)
-        _assert_close_f32(tandem_logits(packed, arch, ids), want)
+        _assert_close_f32(tandem_logits(packed, arch, ids), want, layers=arch.num_hidden_layers)
     greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = {q: [o.outputs[0].token_ids for o in LLM(model=str(path), num_kv_blocks=32, dtype="float32", num_threads=1,
                                                     quantization=q).generate(PROMPTS, greedy)]
