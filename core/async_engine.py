@@ -62,6 +62,7 @@ from tandem.engine import MAX_FAILED_STEPS_IN_ROW, LLMEngine, StepStats
 from tandem.errors import EngineDeadError
 from tandem.input_processor import ProcessedRequest
 from tandem.interfaces import KVStats
+from tandem.kv_stream import AnnouncementBoard, KVAnnouncement
 from tandem.kv_transfer import KVTransferFailed, KVTransferStats, RemotePrefill
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
@@ -149,6 +150,11 @@ class _Abort:
 class _ReleasePin:
     transfer_id: str
     future: asyncio.Future
+
+
+@dataclass(slots=True)
+class _Announce:
+    announcement: KVAnnouncement
 
 
 @dataclass(slots=True)
@@ -339,6 +345,15 @@ class AsyncEngine:
     def kv_secret(self) -> bytes | None:
         """The key hand-overs are signed with (needs a KV connector)."""
         return self._engine.kv_transfer.secret
+
+    @property
+    def kv_board(self) -> AnnouncementBoard:
+        """Where a prefill engine announces its streamed hand-overs (thread-safe)."""
+        return self._engine.kv_transfer.board
+
+    def announce_kv(self, announcement: KVAnnouncement) -> None:
+        """Hand a streamed load's announcement (its signature checked) to the engine thread."""
+        self._inbox.put(_Announce(announcement))
 
     def kv_handshake(self) -> dict:
         """What a decode instance needs to read this instance's KV blocks: the connector's
@@ -676,7 +691,11 @@ class AsyncEngine:
             except queue.Empty:
                 return cmds
 
-    def _handle(self, engine: LLMEngine, cmd: _Add | _Abort | _ReleasePin) -> None:
+    def _handle(self, engine: LLMEngine, cmd: _Add | _Abort | _ReleasePin | _Announce) -> None:
+        if isinstance(cmd, _Announce):
+            if engine.kv_transfer is not None:
+                engine.kv_transfer.on_announcement(cmd.announcement)
+            return
         if isinstance(cmd, _ReleasePin):
             released = engine.kv_transfer is not None and engine.kv_transfer.release(cmd.transfer_id)
             self._post(_set_result, cmd.future, released)

@@ -14,10 +14,17 @@ Prefill side, one per pinned request::
 Decode side, one per request whose prompt KV comes from a prefill instance::
 
     ADMITTED ──start (read posted into the request's blocks)──► LOADING ──loaded──► LOADED
-       │  └──refuse (no read: replayed, unverified, refused)──► FAILED     │
-       └──cancel (request gone before its read)──► CANCELLED               ├──fail──► FAILED
-                                                                          └──quarantine──► QUARANTINED
+       │  │  └──refuse (no read: replayed, unverified, refused)──► FAILED  │
+       │  └──cancel (request gone before its read)──► CANCELLED            ├──fail──► FAILED
+       │                                          last_announced           └──quarantine──► QUARANTINED
+       └──start_stream (blocks given)──► STREAMING ───────────────► LOADING
+                                           ├──fail──► FAILED
+                                           └──quarantine──► QUARANTINED
                                                       QUARANTINED ──release (read over)──► RELEASED
+
+A streamed hand-over (``tandem.kv_stream``) is STREAMING while the prefill instance still
+announces blocks: each announced run is read as it comes (several reads in flight); the last
+announcement moves it to LOADING, and it is LOADED once every read landed.
 
 ``FAILED``: nothing more lands in the request's blocks; it recomputes its prompt or fails, per
 ``kv_load_failure_policy``. ``QUARANTINED``: the read may still write into the blocks it was
@@ -31,7 +38,7 @@ Pure Python; driven by ``tandem.kv_transfer.KVTransferCoordinator`` on the engin
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class IllegalTransition(AssertionError):
@@ -46,6 +53,7 @@ class PrefillState(enum.Enum):
 
 class DecodeState(enum.Enum):
     ADMITTED = "admitted"
+    STREAMING = "streaming"
     LOADING = "loading"
     LOADED = "loaded"
     FAILED = "failed"
@@ -71,18 +79,32 @@ class PrefillHandover:
 @dataclass(slots=True)
 class DecodeHandover:
     """One request's load of its prompt KV from ``peer``. ``quarantine_id`` holds the blocks a
-    quarantined read may still write into; ``reason`` says why it failed or was quarantined."""
+    quarantined read may still write into; ``reason`` says why it failed or was quarantined.
+
+    The load's local blocks receive the remote blocks of logical indices ``first_block ..
+    first_block + len(local_block_ids) - 1``; ``num_posted`` of them have a read posted,
+    ``reads`` are the connector's ids of the reads not yet over. ``stream``: the remote blocks
+    are announced as they are computed (``remote_block_ids`` grows; ``announced_failed``: the
+    prefill side gave up)."""
 
     transfer_id: str
     request_id: str
     peer: str
     engine_id: str
     remote_block_ids: tuple[int, ...]
+    stream: bool = False
     state: DecodeState = DecodeState.ADMITTED
     num_blocks: int = 0
     started_at: float = 0.0
     quarantine_id: str | None = None
     reason: str | None = None
+    first_block: int = 0
+    local_block_ids: tuple[int, ...] = ()
+    num_posted: int = 0
+    reads: set[str] = field(default_factory=set)
+    num_reads: int = 0
+    last_announced: bool = False
+    announced_failed: bool = False
 
     @property
     def finished(self) -> bool:
@@ -117,6 +139,18 @@ def start(handover: DecodeHandover, num_blocks: int, now: float) -> None:
     handover.num_blocks, handover.started_at = num_blocks, now
 
 
+def start_stream(handover: DecodeHandover, num_blocks: int, now: float) -> None:
+    """ADMITTED → STREAMING: the request's ``num_blocks`` blocks wait for the announced runs."""
+    _move(handover, {DecodeState.ADMITTED}, DecodeState.STREAMING)
+    handover.num_blocks, handover.started_at = num_blocks, now
+
+
+def last_announced(handover: DecodeHandover) -> None:
+    """STREAMING → LOADING: the prefill instance announced its last blocks."""
+    _move(handover, {DecodeState.STREAMING}, DecodeState.LOADING)
+    handover.last_announced = True
+
+
 def refuse(handover: DecodeHandover, reason: str) -> None:
     """ADMITTED → FAILED: no read will be made (the request's blocks are its own)."""
     _move(handover, {DecodeState.ADMITTED}, DecodeState.FAILED)
@@ -134,16 +168,16 @@ def loaded(handover: DecodeHandover) -> None:
 
 
 def fail(handover: DecodeHandover, reason: str) -> None:
-    """LOADING → FAILED: the read ended and nothing more can land (the peer is gone, a transport
+    """LOADING or STREAMING → FAILED: the read ended and nothing more can land (the peer is gone, a transport
     error): the request's blocks are its own again."""
-    _move(handover, {DecodeState.LOADING}, DecodeState.FAILED)
+    _move(handover, {DecodeState.LOADING, DecodeState.STREAMING}, DecodeState.FAILED)
     handover.reason = reason
 
 
 def quarantine(handover: DecodeHandover, quarantine_id: str, reason: str) -> None:
-    """LOADING → QUARANTINED: the read may still land; its blocks are held under
+    """LOADING or STREAMING → QUARANTINED: the read may still land; its blocks are held under
     ``quarantine_id`` until ``release_quarantine``."""
-    _move(handover, {DecodeState.LOADING}, DecodeState.QUARANTINED)
+    _move(handover, {DecodeState.LOADING, DecodeState.STREAMING}, DecodeState.QUARANTINED)
     handover.quarantine_id, handover.reason = quarantine_id, reason
 
 

@@ -33,6 +33,7 @@ from tandem import handover
 from tandem.handover import DecodeHandover, DecodeState, PrefillHandover
 from tandem.interfaces import KVConnector
 from tandem.handover_auth import prompt_digest
+from tandem.kv_stream import AnnouncementBoard, KVAnnouncement
 from tandem.sched.scheduler import PinnedKV, RemoteKVLoad, Scheduler, quarantine_holder_id
 
 logger = logging.getLogger("tandem")
@@ -67,6 +68,9 @@ class RemotePrefill:
     prompt_digest: str
     compat_hash: str
     handshake: dict[str, Any] = field(hash=False, compare=False)
+    stream: bool = False
+    """The blocks are announced as they are computed (``tandem.kv_stream``); ``block_ids`` is
+    empty."""
 
     @classmethod
     def from_params(cls, params: dict[str, Any], handshake: dict[str, Any]) -> RemotePrefill:
@@ -81,7 +85,8 @@ class RemotePrefill:
         if type(num_tokens) is not int or num_tokens < 1:
             raise ValueError("kv_transfer_params.num_tokens must be a positive integer")
         return cls(str(params["engine_id"]), str(params["transfer_id"]), tuple(block_ids), num_tokens,
-                   str(params["prompt_digest"]), str(params["compat_hash"]), handshake)
+                   str(params["prompt_digest"]), str(params["compat_hash"]), handshake,
+                   params.get("stream") is True)
 
 
 @dataclass(slots=True, frozen=True)
@@ -89,6 +94,7 @@ class KVTransferStats:
     """Cumulative counters and gauges of one instance's KV hand-overs, for /metrics."""
 
     bytes_total: int = 0
+    reads_total: int = 0
     failures: tuple[tuple[str, int], ...] = ()
     pending_release_blocks: int = 0
     num_pins: int = 0
@@ -123,7 +129,12 @@ class KVTransferCoordinator:
         self._consumed: OrderedDict[str, None] = OrderedDict()  # ended transfer ids
         self._peers: OrderedDict[str, str] = OrderedDict()  # prefill engine id → connector peer
         self._failed: list[tuple[str, str]] = []  # requests to fail, for the next poll
+        self._chunks: dict[str, str] = {}  # connector read id → transfer id, of streamed loads
+        self._streams: dict[str, int] = {}  # streamed transfer id → blocks announced, prefill side
+        self._unwanted: set[str] = set()  # streamed transfers their reader gave up before the pin
+        self.board = AnnouncementBoard()
         self._bytes_total = 0
+        self._reads_total = 0
         self._failures: Counter[str] = Counter()
         self._durations_s: list[float] = []
 
@@ -133,6 +144,7 @@ class KVTransferCoordinator:
         quarantined = [h for h in self._loads.values() if h.state is DecodeState.QUARANTINED]
         return KVTransferStats(
             bytes_total=self._bytes_total,
+            reads_total=self._reads_total,
             failures=tuple(sorted(self._failures.items())),
             pending_release_blocks=sum(p.num_blocks for p in self._pins.values()),
             num_pins=len(self._pins),
@@ -161,20 +173,53 @@ class KVTransferCoordinator:
         instance refuses the hand-over before its blocks can be handed to another request."""
         params = {}
         expires_at = self._clock() + self.expiry_s
-        expires_at_unix = math.floor(self._wall_clock() + self.expiry_s)
         for pin in pins:
-            transfer_id = f"{self.engine_id}/{pin.request_id}"
-            self._pins[transfer_id] = PrefillHandover(transfer_id, pin.pin_id, len(pin.block_ids), expires_at)
-            params[pin.request_id] = {
-                "engine_id": self.engine_id,
-                "transfer_id": transfer_id,
-                "block_ids": list(pin.block_ids),
-                "num_tokens": pin.num_tokens,
-                "prompt_digest": prompt_digest(pin.token_ids, pin.cache_salt, self.secret),
-                "compat_hash": self.compat_hash,
-                "expires_at": expires_at_unix,
-            }
+            transfer_id = self._transfer_id(pin.request_id)
+            if transfer_id in self._streams:
+                del self._streams[transfer_id]
+                self.board.take_params(pin.request_id)
+                self.board.publish(KVAnnouncement(transfer_id, tuple(pin.block_ids) if pin.complete else (),
+                                                  "done" if pin.complete else "failed"))
+            pinned = PrefillHandover(transfer_id, pin.pin_id, len(pin.block_ids), expires_at)
+            self._pins[transfer_id] = pinned
+            if transfer_id in self._unwanted or not pin.block_ids:
+                self._unwanted.discard(transfer_id)
+                self.release(transfer_id)
+            elif pin.complete:
+                params[pin.request_id] = self._hand_over(pin.request_id, pin.token_ids, pin.cache_salt,
+                                                         list(pin.block_ids))
         return params
+
+    def open_stream(self, request_id: str, token_ids: Sequence[int], cache_salt: str | None) -> None:
+        """A streamed hand-over for ``request_id`` (about to be added with ``RemoteKV.STREAM``):
+        its ``kv_transfer_params`` (``block_ids: []``, ``stream: true``) wait on the board for the
+        server (``AnnouncementBoard.take_params``), and its first announcement lists no block."""
+        transfer_id = self._transfer_id(request_id)
+        self._streams[transfer_id] = 0
+        self.board.open(request_id, self._hand_over(request_id, token_ids, cache_salt, []) | {"stream": True})
+
+    def announce(self, progress: list[tuple[str, list[int]]]) -> None:
+        """Publish the blocks of streamed transfers that became final (``Scheduler.stream_progress``)."""
+        for request_id, block_ids in progress:
+            transfer_id = self._transfer_id(request_id)
+            if len(block_ids) > self._streams.get(transfer_id, len(block_ids)):
+                self._streams[transfer_id] = len(block_ids)
+                self.board.publish(KVAnnouncement(transfer_id, tuple(block_ids)))
+
+    def _transfer_id(self, request_id: str) -> str:
+        return f"{self.engine_id}/{request_id}"
+
+    def _hand_over(self, request_id: str, token_ids: Sequence[int], cache_salt: str | None,
+                   block_ids: list[int]) -> dict[str, Any]:
+        return {
+            "engine_id": self.engine_id,
+            "transfer_id": self._transfer_id(request_id),
+            "block_ids": block_ids,
+            "num_tokens": len(token_ids),
+            "prompt_digest": prompt_digest(token_ids, cache_salt, self.secret),
+            "compat_hash": self.compat_hash,
+            "expires_at": math.floor(self._wall_clock() + self.expiry_s),
+        }
 
     def release(self, transfer_id: str) -> bool:
         """Release the pin of ``transfer_id`` now: no decode instance will read it (the router
@@ -182,10 +227,18 @@ class KVTransferCoordinator:
         later notification or expiry of it finds nothing."""
         pin = self._pins.pop(transfer_id, None)
         if pin is None:
-            return False
+            return self._give_up_stream(transfer_id)
         logger.info("KV blocks of %s released unread: the hand-over was given up", transfer_id)
         handover.release(pin)
         self.scheduler.release_blocks(pin.pin_id)
+        return True
+
+    def _give_up_stream(self, transfer_id: str) -> bool:
+        """A streamed transfer whose reader is done before its prompt is: its pin is released
+        as soon as it is made. False when no such transfer runs."""
+        if transfer_id not in self._streams:
+            return False
+        self._unwanted.add(transfer_id)
         return True
 
     def _release_pins(self) -> None:
@@ -194,6 +247,8 @@ class KVTransferCoordinator:
             if pin is not None:
                 handover.release(pin)
                 self.scheduler.release_blocks(pin.pin_id)
+            else:
+                self._give_up_stream(transfer_id)
         now = self._clock()
         for transfer_id, pin in list(self._pins.items()):
             if now >= pin.expires_at:
@@ -231,7 +286,8 @@ class KVTransferCoordinator:
         elif self._stalled(remote.engine_id):
             reason = "peer"
         peer = self._peer(remote) if reason is None else ""
-        load = DecodeHandover(transfer_id, request_id, peer, remote.engine_id, remote.block_ids)
+        load = DecodeHandover(transfer_id, request_id, peer, remote.engine_id, remote.block_ids,
+                              stream=remote.stream)
         if reason is None:
             self._loads[transfer_id] = load
             return True
@@ -248,6 +304,7 @@ class KVTransferCoordinator:
         """``request_id`` ends (aborted, rejected): before its read, the prefill instance learns
         its blocks will not be read; during it, the blocks the read writes into stay quarantined
         (under ``quarantine_holder_id``) until the read is over."""
+        self._forget_stream(request_id)
         load = self._load_of(request_id)
         if load is None:
             return
@@ -258,10 +315,23 @@ class KVTransferCoordinator:
         else:
             handover.quarantine(load, quarantine_holder_id(request_id), "aborted")
 
+    def _forget_stream(self, request_id: str) -> None:
+        """Prefill side: a streamed transfer whose request never made it into the scheduler."""
+        transfer_id = self._transfer_id(request_id)
+        if transfer_id in self._streams and self.scheduler.get_request(request_id) is None:
+            del self._streams[transfer_id]
+            self._unwanted.discard(transfer_id)
+            self.board.take_params(request_id)
+            self.board.publish(KVAnnouncement(transfer_id, (), "failed"))
+
     def start_loads(self, loads: list[RemoteKVLoad]) -> None:
         """LOADING: one read per load, of the remote blocks with the same logical indices."""
         for new in loads:
             load = self._load_of(new.request_id)
+            load.first_block, load.local_block_ids = new.first_block, tuple(new.block_ids)
+            if load.stream:
+                self._start_stream(load)
+                continue
             end = new.first_block + len(new.block_ids)
             remote_ids = list(load.remote_block_ids[new.first_block:end])
             if len(remote_ids) != len(new.block_ids):  # the prefill instance holds too few blocks
@@ -275,36 +345,126 @@ class KVTransferCoordinator:
                 self._refuse_admitted(load, "transfer")
                 continue
             handover.start(load, len(new.block_ids), self._clock())
+            self._reads_total += 1
+            load.reads.add(load.transfer_id)
+            load.num_posted = len(new.block_ids)
+
+    def _start_stream(self, load: DecodeHandover) -> None:
+        """STREAMING: read what is announced already; LOADING at once if the last came."""
+        if load.announced_failed:
+            self._refuse_admitted(load, "peer")
+            return
+        if load.last_announced and not self._covers(load):
+            self._refuse_admitted(load, "mismatch")
+            return
+        handover.start_stream(load, len(load.local_block_ids), self._clock())
+        if load.last_announced:
+            handover.last_announced(load)
+        self._read_announced(load)
+
+    def on_announcement(self, announcement: KVAnnouncement) -> None:
+        """Decode side: the prefill instance's latest word on a streamed load (checked for its
+        signature by the server); blocks newly final are read at once. An announcement that
+        does not extend the blocks known so far is a mismatch; one of a load that is over or
+        not streamed is ignored."""
+        load = self._loads.get(announcement.transfer_id)
+        if load is None or not load.stream or load.state not in (DecodeState.ADMITTED, DecodeState.STREAMING):
+            return
+        known = load.remote_block_ids
+        reason = None
+        if announcement.state == "failed":
+            reason = "peer"
+        elif announcement.block_ids[:len(known)] != known:
+            reason = "mismatch"
+        else:
+            load.remote_block_ids = announcement.block_ids
+            load.last_announced = announcement.state == "done"
+            if load.last_announced and load.state is DecodeState.STREAMING and not self._covers(load):
+                reason = "mismatch"
+        if load.state is DecodeState.ADMITTED:
+            load.announced_failed = reason is not None
+            return
+        if reason is not None:
+            self._give_up(load, reason)
+            return
+        if load.last_announced:
+            handover.last_announced(load)
+        self._read_announced(load)
+
+    @staticmethod
+    def _covers(load: DecodeHandover) -> bool:
+        return len(load.remote_block_ids) >= load.first_block + len(load.local_block_ids)
+
+    def _read_announced(self, load: DecodeHandover) -> None:
+        """Post one read of the announced blocks not yet read (logical ``first_block +
+        num_posted`` up to what is announced or needed); LOADED when all have landed."""
+        stop = min(len(load.remote_block_ids) - load.first_block, len(load.local_block_ids))
+        if stop > load.num_posted:
+            read_id = f"{load.transfer_id}@{load.num_reads}"
+            start = load.first_block + load.num_posted
+            remote_ids = list(load.remote_block_ids[start:load.first_block + stop])
+            try:
+                self.connector.start_read(read_id, load.peer, remote_ids,
+                                          list(load.local_block_ids[load.num_posted:stop]),
+                                          self.transfer_timeout_s)
+            except ValueError as exc:
+                logger.warning("KV read %s refused: %s", read_id, exc)
+                self._give_up(load, "transfer")
+                return
+            load.num_reads += 1
+            self._reads_total += 1
+            load.reads.add(read_id)
+            self._chunks[read_id] = load.transfer_id
+            load.num_posted = stop
+        if load.state is DecodeState.LOADING and not load.reads and load.num_posted == len(load.local_block_ids):
+            self._loaded(load)
 
     def poll(self) -> list[tuple[str, str]]:
         """Release notified and expired pins; advance the loads the connector reports on.
         Returns (request id, message) of the requests to fail (policy "fail"); under
         "recompute" they wait again instead."""
         self._release_pins()
-        for transfer_id, state in self.connector.poll().items():
+        for read_id, state in self.connector.poll().items():
+            transfer_id = self._chunks.get(read_id, read_id)
+            if state != "error:deadline":  # the read is over: nothing more lands from it
+                self._chunks.pop(read_id, None)
             load = self._loads.get(transfer_id)
             if load is None:
                 continue
-            if load.state is DecodeState.LOADING:
+            if state != "error:deadline":
+                load.reads.discard(read_id)
+            if load.state in (DecodeState.LOADING, DecodeState.STREAMING):
                 self._on_read_ended(load, state)
-            elif load.state is DecodeState.QUARANTINED and state != "error:deadline":
-                handover.release_quarantine(load)  # "closed", or the read ended: nothing more lands
-                self.scheduler.release_blocks(load.quarantine_id)
-                self._end(load)
+        for load in [h for h in self._loads.values() if h.state is DecodeState.QUARANTINED]:
+            self._release_quarantine_if_over(load)  # an aborted stream may have had no read in flight
         failed, self._failed = self._failed, []
         return failed
 
     def _on_read_ended(self, load: DecodeHandover, state: str) -> None:
-        rid = load.request_id
         if state == "done":
-            handover.loaded(load)
-            self._bytes_total += load.num_blocks * self.block_bytes
-            self._durations_s.append(self._clock() - load.started_at)
-            self.scheduler.finish_remote_load(rid, ok=True)
-            self._end(load)
+            if load.state is DecodeState.LOADING and not load.reads and load.num_posted == len(load.local_block_ids):
+                self._loaded(load)
             return
         reason = state.removeprefix("error:")
-        if reason == "deadline":  # the read may still land: keep its blocks apart until "closed"
+        self._give_up(load, reason)
+        if reason == "peer":
+            self._drop_peer(load.engine_id)
+
+    def _loaded(self, load: DecodeHandover) -> None:
+        handover.loaded(load)
+        self._bytes_total += load.num_blocks * self.block_bytes
+        self._durations_s.append(self._clock() - load.started_at)
+        self.scheduler.finish_remote_load(load.request_id, ok=True)
+        if load.stream:  # its reads notified under their own ids: the pin is released here
+            self.connector.notify_release(load.peer, load.transfer_id)
+        self._end(load)
+
+    def _give_up(self, load: DecodeHandover, reason: str) -> None:
+        """A started load that cannot complete: its request recomputes (or fails). Its blocks
+        stay quarantined while any of its reads may still land (one past its deadline, or
+        others in flight)."""
+        rid = load.request_id
+        if load.reads:
             handover.quarantine(load, quarantine_holder_id(rid), reason)
             self.scheduler.finish_remote_load(rid, ok=False, quarantine=True)
         else:
@@ -313,8 +473,16 @@ class KVTransferCoordinator:
             self._end(load)
         self.connector.notify_release(load.peer, load.transfer_id)
         self._on_failed(load)
-        if reason == "peer":
-            self._drop_peer(load.engine_id)
+
+    def _release_quarantine_if_over(self, load: DecodeHandover) -> None:
+        """QUARANTINED → RELEASED once none of its reads can land any more."""
+        if load.reads:
+            return
+        handover.release_quarantine(load)
+        self.scheduler.release_blocks(load.quarantine_id)
+        if load.stream and load.reason == "aborted":
+            self.connector.notify_release(load.peer, load.transfer_id)
+        self._end(load)
 
     def _refuse_admitted(self, load: DecodeHandover, reason: str) -> None:
         """An admitted load that cannot start: the request waits again (or fails)."""
@@ -347,9 +515,10 @@ class KVTransferCoordinator:
             self._consumed.popitem(last=False)
 
     def _load_of(self, request_id: str) -> DecodeHandover | None:
-        """The ADMITTED or LOADING hand-over of a live request."""
+        """The ADMITTED, STREAMING or LOADING hand-over of a live request."""
         for load in self._loads.values():
-            if load.request_id == request_id and load.state in (DecodeState.ADMITTED, DecodeState.LOADING):
+            if load.request_id == request_id and load.state in (DecodeState.ADMITTED, DecodeState.STREAMING,
+                                                                 DecodeState.LOADING):
                 return load
         return None
 

@@ -1,0 +1,129 @@
+"""Streamed hand-overs (``disaggregation.stream_kv``) end to end: a prefill ``tandem serve``
+subprocess that answers at admission and announces its blocks chunk by chunk
+(``--max-num-batched-tokens 2``: 8 steps per block), a decode subprocess reading them over
+real NIXL/UCX (TCP) as they are announced, the router in this process, and a colocated instance
+as the oracle — greedy answers must equal its answers token for token. Faults stop and kill the
+prefill instance mid-stream; blocks are counted through /metrics.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from tests.engine.test_greedy_vs_hf import _prompts
+from tests.router.instances import (
+    KV_SECRET,
+    InstanceProcess,
+    dispatched,
+    role_env,
+    running_router,
+    scrape,
+    wait_for,
+)
+from tests.router.test_disaggregated_flow import answer_tokens, body
+
+pytest.importorskip("nixl_cu12", reason="the nixl KV connector needs nixl-cu12")
+
+BLOCK = 16
+FLAGS = ("--num-kv-blocks", "160", "--max-num-batched-tokens", str(BLOCK))
+PREFILL_FLAGS = ("--num-kv-blocks", "160", "--max-num-batched-tokens", "2")
+"""An eighth of a block per step: the prefill of a 25-block prompt outlasts the decode
+instance's set-up (handshake, admission) on any machine."""
+TCP = {"UCX_TLS": "tcp"}
+
+
+@dataclass
+class Cluster:
+    oracle: InstanceProcess
+    prefill: InstanceProcess
+    decode: InstanceProcess
+    router_url: str
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, log_dir) -> Iterator[Cluster]:
+    stream = {"TANDEM_DISAGGREGATION__STREAM_KV": "true"}
+    procs = [InstanceProcess(model_dir, log_dir, flags=FLAGS),
+             InstanceProcess(model_dir, log_dir, flags=PREFILL_FLAGS, **role_env("prefill", 5.0, **TCP, **stream)),
+             InstanceProcess(model_dir, log_dir, flags=FLAGS, **role_env("decode", 5.0, **TCP))]
+    try:
+        for proc in procs:
+            proc.start()
+        oracle, prefill, decode = (proc.wait_ready() for proc in procs)
+        with running_router([(prefill.url, "prefill"), (decode.url, "decode")]) as router:
+            yield Cluster(oracle, prefill, decode, router.url)
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+def blocks_held(url: str) -> tuple[float, float, float]:
+    metrics = scrape(url)
+    return (metrics["tandem:kv_blocks_used"], metrics["tandem:kv_blocks_pending_release"],
+            metrics["tandem:kv_blocks_quarantined"])
+
+
+def all_free(*urls: str, timeout_s: float = 15.0) -> bool:
+    return wait_for(lambda: all(blocks_held(u) == (0, 0, 0) for u in urls), timeout_s)
+
+
+def early_hand_over(prefill_url: str, prompt: list[int]) -> dict:
+    reduced = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+               "kv_transfer_params": {"do_remote_decode": True}}
+    response = httpx.post(f"{prefill_url}/v1/completions", json=reduced, headers=KV_SECRET, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["kv_transfer_params"]
+
+
+@pytest.mark.timeout(240)
+def test_streamed_answers_equal_colocated_and_read_chunk_by_chunk(cluster):
+    prompt = _prompts(60, [12 * BLOCK + 5])[0]
+    params = early_hand_over(cluster.prefill.url, prompt)
+    assert params["stream"] is True and params["block_ids"] == [] and params["num_tokens"] == len(prompt)
+    assert httpx.post(f"{cluster.prefill.url}/kv/release", json={"transfer_id": params["transfer_id"]},
+                      headers=KV_SECRET, timeout=10).json()["released"] is True
+    reads = scrape(cluster.decode.url)["tandem:kv_transfer_reads_total"]
+    before = dispatched(cluster.router_url, "disaggregated")
+    long_prompt = _prompts(61, [25 * BLOCK + 9])[0]
+    for prompt in [_prompts(62, [5])[0], _prompts(63, [BLOCK + 1])[0], long_prompt]:
+        assert answer_tokens(cluster.router_url, prompt) == answer_tokens(cluster.oracle.url, prompt)
+    assert dispatched(cluster.router_url, "disaggregated") - before == 3
+    # 25 blocks announced over 205 steps: read in more than one run while the prompt was computed
+    assert scrape(cluster.decode.url)["tandem:kv_transfer_reads_total"] - reads > 3
+    # the decode instance caches the long prompt's blocks: a prompt sharing 20 of them reads the rest
+    shared = long_prompt[:20 * BLOCK] + _prompts(64, [3 * BLOCK + 7])[0]
+    assert answer_tokens(cluster.router_url, shared) == answer_tokens(cluster.oracle.url, shared)
+    assert all_free(cluster.prefill.url, cluster.decode.url)
+
+
+@pytest.mark.timeout(240)
+def test_prefill_killed_mid_stream_recomputes_without_leaks(cluster, model_dir, log_dir):
+    """The decode instance starts reading the announced blocks, then the prefill instance is
+    frozen and killed before its prompt is done: the decode instance recomputes the prompt
+    (policy "recompute") and answers like the oracle, every block of its own free."""
+    prompt = _prompts(70, [29 * BLOCK + 3])[0]
+    reads = scrape(cluster.decode.url)["tandem:kv_transfer_reads_total"]
+    params = early_hand_over(cluster.prefill.url, prompt)
+    answer: dict = {}
+
+    def decode() -> None:
+        answer["response"] = httpx.post(
+            f"{cluster.decode.url}/v1/completions", timeout=120, headers=KV_SECRET,
+            json=body(prompt, kv_transfer_params={**params, "do_remote_prefill": True}))
+
+    thread = threading.Thread(target=decode)
+    thread.start()
+    assert wait_for(lambda: scrape(cluster.decode.url)["tandem:kv_transfer_reads_total"] > reads, 30)
+    cluster.prefill.send_signal(signal.SIGSTOP)
+    cluster.prefill.kill()
+    thread.join(120)
+    response = answer["response"]
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["logprobs"]["tokens"] == answer_tokens(cluster.oracle.url, prompt)
+    assert scrape(cluster.decode.url)["tandem:kv_transfer_failures_total{reason=peer}"] >= 1
+    assert all_free(cluster.decode.url)
