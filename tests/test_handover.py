@@ -12,18 +12,20 @@ from tandem.handover import DecodeHandover, DecodeState, IllegalTransition, Pref
 # transition → (the states it leaves, the state it reaches), as the module's diagram draws them
 DECODE = {
     "start": ({DecodeState.ADMITTED}, DecodeState.LOADING),
+    "start_stream": ({DecodeState.ADMITTED}, DecodeState.STREAMING),
+    "last_announced": ({DecodeState.STREAMING}, DecodeState.LOADING),
     "refuse": ({DecodeState.ADMITTED}, DecodeState.FAILED),
     "cancel": ({DecodeState.ADMITTED}, DecodeState.CANCELLED),
     "loaded": ({DecodeState.LOADING}, DecodeState.LOADED),
-    "fail": ({DecodeState.LOADING}, DecodeState.FAILED),
-    "quarantine": ({DecodeState.LOADING}, DecodeState.QUARANTINED),
+    "fail": ({DecodeState.LOADING, DecodeState.STREAMING}, DecodeState.FAILED),
+    "quarantine": ({DecodeState.LOADING, DecodeState.STREAMING}, DecodeState.QUARANTINED),
     "release_quarantine": ({DecodeState.QUARANTINED}, DecodeState.RELEASED),
 }
 PREFILL = {
     "release": ({PrefillState.PINNED}, PrefillState.RELEASED),
     "expire": ({PrefillState.PINNED}, PrefillState.EXPIRED),
 }
-ARGS = {"start": (3, 1.0), "refuse": ("mismatch",), "fail": ("peer",), "quarantine": ("q", "deadline")}
+ARGS = {"start": (3, 1.0), "start_stream": (3, 1.0), "refuse": ("mismatch",), "fail": ("peer",), "quarantine": ("q", "deadline")}
 
 
 def _decode(state: DecodeState) -> DecodeHandover:
