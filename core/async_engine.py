@@ -75,6 +75,10 @@ _PIN_POLL_S = 0.05
 """While KV blocks are pinned for decode instances, the idle loop wakes this often to see their
 release notifications and expiries."""
 _LOAD_WAIT_S = 0.002
+_STREAM_WAIT_S = 0.05
+"""A step that computed nothing while every load waits for its prefill instance's next
+announcement (a command, which ends the wait at once): the reads posted meanwhile are looked at
+this often, so a decode instance does not spin while the prompt is computed elsewhere."""
 """A step that computed nothing (every request waits for remote KV) waits this long for
 commands before polling the transfers again, instead of spinning."""
 
@@ -671,7 +675,9 @@ class AsyncEngine:
         """How long to wait for commands before the next iteration (None: do not wait)."""
         if engine.has_unfinished_requests():
             last = engine.last_step
-            return _LOAD_WAIT_S if last is not None and last.num_tokens == 0 else None
+            if last is None or last.num_tokens > 0:
+                return None
+            return _STREAM_WAIT_S if engine.awaits_kv_announcements() else _LOAD_WAIT_S
         return _PIN_POLL_S if engine.has_kv_pins() else _IDLE_WAIT_S
 
     def _fail_transfers(self, engine: LLMEngine) -> None:

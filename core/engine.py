@@ -366,6 +366,10 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests() or (
             self.kv_transfer is not None and self.kv_transfer.has_loads())
 
+    def awaits_kv_announcements(self) -> bool:
+        """Every KV load in progress waits for announcements of a streamed hand-over."""
+        return self.kv_transfer is not None and self.kv_transfer.awaits_announcements()
+
     def has_kv_pins(self) -> bool:
         """Blocks pinned for decode instances: ``poll_kv_transfers`` must run now and then."""
         return self.kv_transfer is not None and self.kv_transfer.has_pins()

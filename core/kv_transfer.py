@@ -159,6 +159,12 @@ class KVTransferCoordinator:
         """Hand-overs that are not over: admitted, loading, or quarantined."""
         return bool(self._loads)
 
+    def awaits_announcements(self) -> bool:
+        """Some load streams and none is admitted or loading: nothing here is urgent until the
+        next announcement."""
+        states = {h.state for h in self._loads.values()}
+        return DecodeState.STREAMING in states and not states & {DecodeState.ADMITTED, DecodeState.LOADING}
+
     def take_transfer_durations(self) -> list[float]:
         """Seconds of each read that completed since the last call."""
         durations, self._durations_s = self._durations_s, []

@@ -24,6 +24,9 @@ BENCHMARKS = {
                    "bitmask time per step"),
     "disagg": ("tandem.bench.disagg", "colocated vs disaggregated serving on the same cores: TTFT and "
                "TPOT of steady decoding streams under bursts of long prompts"),
+    "disagg-ttft": ("tandem.bench.disagg_ttft", "TTFT of disaggregated requests by prompt length: "
+                    "whole-request KV hand-overs vs streamed ones (disaggregation.stream_kv), prefill "
+                    "and decode on two network namespaces over UCX/TCP (as root)"),
 }
 PEERS = {"offline": {"vllm": "tandem.bench.peers.vllm_offline", "llamacpp": "tandem.bench.peers.llamacpp_offline"},
          "serve": {"vllm": "tandem.bench.peers.vllm_serve"}}
