@@ -8,6 +8,9 @@ read. Both MACs are written so that anyone holding the secret can recompute them
     signature     = HMAC-SHA256(secret, b"tandem-handover-v1\\n" + json({field: value for field
                                         in SIGNED_FIELDS}, sort_keys, separators (",", ":"))).hexdigest()
 
+A streamed hand-over's ``stream: true`` is signed with the other fields (only when present, so a
+whole hand-over signs as before), and each of its announcements (``tandem.kv_stream``) carries
+``HMAC-SHA256(secret, b"tandem-kv-announcement-v1\n" + json(announcement))`` written the same way.
 ``json`` is Python's ``json.dumps`` (so ``json(None)`` is ``null``); ``cache_salt`` is the
 request's as the engine keys its prefix cache (``tandem.sched.request.request_cache_salt``: the
 client's salt and the engine's KV variant, or None when neither is set). The digest is keyed, so a
