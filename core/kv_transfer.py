@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import math
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
@@ -30,9 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem import handover
-from tandem.handover import DecodeHandover, DecodeState, PrefillHandover
+from tandem.handover import DecodeHandover, DecodeState
 from tandem.interfaces import KVConnector
 from tandem.handover_auth import prompt_digest
+from tandem.kv_pins import PrefillPins
 from tandem.kv_stream import AnnouncementBoard, KVAnnouncement
 from tandem.sched.scheduler import PinnedKV, RemoteKVLoad, Scheduler, quarantine_holder_id
 
@@ -123,16 +123,13 @@ class KVTransferCoordinator:
         self.failure_policy = failure_policy
         self.secret = secret
         self._clock = clock
-        self._wall_clock = wall_clock
-        self._pins: dict[str, PrefillHandover] = {}  # PINNED, by transfer id
         self._loads: dict[str, DecodeHandover] = {}  # not yet final, by transfer id
         self._consumed: OrderedDict[str, None] = OrderedDict()  # ended transfer ids
         self._peers: OrderedDict[str, str] = OrderedDict()  # prefill engine id → connector peer
         self._failed: list[tuple[str, str]] = []  # requests to fail, for the next poll
         self._chunks: dict[str, str] = {}  # connector read id → transfer id, of streamed loads
-        self._streams: dict[str, int] = {}  # streamed transfer id → blocks announced, prefill side
-        self._unwanted: set[str] = set()  # streamed transfers their reader gave up before the pin
-        self.board = AnnouncementBoard()
+        self.prefill = PrefillPins(scheduler, engine_id=engine_id, compat_hash=compat_hash,
+                                   expiry_s=expiry_s, secret=secret, clock=clock, wall_clock=wall_clock)
         self._bytes_total = 0
         self._reads_total = 0
         self._failures: Counter[str] = Counter()
@@ -146,14 +143,14 @@ class KVTransferCoordinator:
             bytes_total=self._bytes_total,
             reads_total=self._reads_total,
             failures=tuple(sorted(self._failures.items())),
-            pending_release_blocks=sum(p.num_blocks for p in self._pins.values()),
-            num_pins=len(self._pins),
+            pending_release_blocks=self.prefill.num_pinned_blocks,
+            num_pins=self.prefill.num_pins,
             num_loads=len(self._loads) - len(quarantined),
             num_quarantined_blocks=sum(h.num_blocks for h in quarantined),
         )
 
     def has_pins(self) -> bool:
-        return bool(self._pins)
+        return self.prefill.num_pins > 0
 
     def has_loads(self) -> bool:
         """Hand-overs that are not over: admitted, loading, or quarantined."""
@@ -173,96 +170,28 @@ class KVTransferCoordinator:
     # ------------------------------------------------------------------ prefill side
 
     def on_new_pins(self, pins: list[PinnedKV]) -> dict[str, dict[str, Any]]:
-        """PINNED for each of the scheduler's new pins; returns each pinned request's
-        ``kv_transfer_params`` (without ``handshake_url`` and ``signature``, which the server
-        adds). ``expires_at`` is in whole Unix seconds, no later than the pin's expiry: a decode
-        instance refuses the hand-over before its blocks can be handed to another request."""
-        params = {}
-        expires_at = self._clock() + self.expiry_s
-        for pin in pins:
-            transfer_id = self._transfer_id(pin.request_id)
-            if transfer_id in self._streams:
-                del self._streams[transfer_id]
-                self.board.take_params(pin.request_id)
-                self.board.publish(KVAnnouncement(transfer_id, tuple(pin.block_ids) if pin.complete else (),
-                                                  "done" if pin.complete else "failed"))
-            pinned = PrefillHandover(transfer_id, pin.pin_id, len(pin.block_ids), expires_at)
-            self._pins[transfer_id] = pinned
-            if transfer_id in self._unwanted or not pin.block_ids:
-                self._unwanted.discard(transfer_id)
-                self.release(transfer_id)
-            elif pin.complete:
-                params[pin.request_id] = self._hand_over(pin.request_id, pin.token_ids, pin.cache_salt,
-                                                         list(pin.block_ids))
-        return params
+        """See ``PrefillPins.on_new_pins``."""
+        return self.prefill.on_new_pins(pins)
 
     def open_stream(self, request_id: str, token_ids: Sequence[int], cache_salt: str | None) -> None:
-        """A streamed hand-over for ``request_id`` (about to be added with ``RemoteKV.STREAM``):
-        its ``kv_transfer_params`` (``block_ids: []``, ``stream: true``) wait on the board for the
-        server (``AnnouncementBoard.take_params``), and its first announcement lists no block."""
-        transfer_id = self._transfer_id(request_id)
-        self._streams[transfer_id] = 0
-        self.board.open(request_id, self._hand_over(request_id, token_ids, cache_salt, []) | {"stream": True})
+        """See ``PrefillPins.open_stream``."""
+        self.prefill.open_stream(request_id, token_ids, cache_salt)
 
     def announce(self, progress: list[tuple[str, list[int]]]) -> None:
-        """Publish the blocks of streamed transfers that became final (``Scheduler.stream_progress``)."""
-        for request_id, block_ids in progress:
-            transfer_id = self._transfer_id(request_id)
-            if len(block_ids) > self._streams.get(transfer_id, len(block_ids)):
-                self._streams[transfer_id] = len(block_ids)
-                self.board.publish(KVAnnouncement(transfer_id, tuple(block_ids)))
-
-    def _transfer_id(self, request_id: str) -> str:
-        return f"{self.engine_id}/{request_id}"
-
-    def _hand_over(self, request_id: str, token_ids: Sequence[int], cache_salt: str | None,
-                   block_ids: list[int]) -> dict[str, Any]:
-        return {
-            "engine_id": self.engine_id,
-            "transfer_id": self._transfer_id(request_id),
-            "block_ids": block_ids,
-            "num_tokens": len(token_ids),
-            "prompt_digest": prompt_digest(token_ids, cache_salt, self.secret),
-            "compat_hash": self.compat_hash,
-            "expires_at": math.floor(self._wall_clock() + self.expiry_s),
-        }
+        """See ``PrefillPins.announce``."""
+        self.prefill.announce(progress)
 
     def release(self, transfer_id: str) -> bool:
-        """Release the pin of ``transfer_id`` now: no decode instance will read it (the router
-        gave the hand-over up). False when no such pin is held; a pin is released once, so a
-        later notification or expiry of it finds nothing."""
-        pin = self._pins.pop(transfer_id, None)
-        if pin is None:
-            return self._give_up_stream(transfer_id)
-        logger.info("KV blocks of %s released unread: the hand-over was given up", transfer_id)
-        handover.release(pin)
-        self.scheduler.release_blocks(pin.pin_id)
-        return True
+        """See ``PrefillPins.release``."""
+        return self.prefill.release(transfer_id)
 
-    def _give_up_stream(self, transfer_id: str) -> bool:
-        """A streamed transfer whose reader is done before its prompt is: its pin is released
-        as soon as it is made. False when no such transfer runs."""
-        if transfer_id not in self._streams:
-            return False
-        self._unwanted.add(transfer_id)
-        return True
+    @property
+    def board(self) -> AnnouncementBoard:
+        return self.prefill.board
 
     def _release_pins(self) -> None:
-        for transfer_id in self.connector.get_notifications():
-            pin = self._pins.pop(transfer_id, None)
-            if pin is not None:
-                handover.release(pin)
-                self.scheduler.release_blocks(pin.pin_id)
-            else:
-                self._give_up_stream(transfer_id)
-        now = self._clock()
-        for transfer_id, pin in list(self._pins.items()):
-            if now >= pin.expires_at:
-                logger.info("KV blocks of %s expired unclaimed after %.0f s", transfer_id, self.expiry_s)
-                del self._pins[transfer_id]
-                handover.expire(pin)
-                self.scheduler.release_blocks(pin.pin_id)
-                self._failures["expired"] += 1
+        self.prefill.on_notified(self.connector.get_notifications())
+        self._failures["expired"] += self.prefill.expire()
 
     # ------------------------------------------------------------------ decode side
 
@@ -310,7 +239,7 @@ class KVTransferCoordinator:
         """``request_id`` ends (aborted, rejected): before its read, the prefill instance learns
         its blocks will not be read; during it, the blocks the read writes into stay quarantined
         (under ``quarantine_holder_id``) until the read is over."""
-        self._forget_stream(request_id)
+        self.prefill.forget_stream(request_id)
         load = self._load_of(request_id)
         if load is None:
             return
@@ -320,15 +249,6 @@ class KVTransferCoordinator:
             self._end(load)
         else:
             handover.quarantine(load, quarantine_holder_id(request_id), "aborted")
-
-    def _forget_stream(self, request_id: str) -> None:
-        """Prefill side: a streamed transfer whose request never made it into the scheduler."""
-        transfer_id = self._transfer_id(request_id)
-        if transfer_id in self._streams and self.scheduler.get_request(request_id) is None:
-            del self._streams[transfer_id]
-            self._unwanted.discard(transfer_id)
-            self.board.take_params(request_id)
-            self.board.publish(KVAnnouncement(transfer_id, (), "failed"))
 
     def start_loads(self, loads: list[RemoteKVLoad]) -> None:
         """LOADING: one read per load, of the remote blocks with the same logical indices."""

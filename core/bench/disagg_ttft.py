@@ -13,7 +13,10 @@ Every instance has ``--instance-threads`` torch threads and ``--chunk`` tokens p
 and each ``--lengths`` entry, one request of fresh random token ids (no prefix-cache hit
 anywhere) goes through each router, whole first or streamed first in turn, one at a time, streamed
 to the client, ``max_tokens`` 2; TTFT is the time to its first token event. Reported: the median
-TTFT of each (length, mode), and streamed / whole.
+TTFT of each (length, mode), and streamed / whole; then the same for TTFT less the prefill
+instance's own TTFT of that request (its prefill time, from its /metrics): what the hand-over
+adds, the part streaming can hide. On a machine where prefill compute dominates (a CPU) the
+first ratio cannot go far below 1: only the hand-over's part overlaps.
 """
 from __future__ import annotations
 
@@ -75,11 +78,13 @@ def run(args: argparse.Namespace) -> int:
         stack.callback(_stop_all, procs)
         for proc in procs:
             _wait_ready(proc)
-        routers = {mode: procs[-2 + i].url for i, mode in enumerate(MODES)}
-        ttfts = _measure(routers, path, lengths, args.repeats)
-    _report(ttfts, lengths, args)
+        routers = {mode: (procs[-2 + i].url, procs[i].url) for i, mode in enumerate(MODES)}
+        ttfts, overheads = _measure(routers, path, lengths, args.repeats)
+    _report(ttfts, overheads, lengths, args)
     if args.json:
-        Path(args.json).write_text(json.dumps({f"{m}:{n}": v for (m, n), v in ttfts.items()}, indent=1))
+        Path(args.json).write_text(json.dumps({f"{kind}:{m}:{n}": v for kind, table in
+                                               (("ttft", ttfts), ("overhead", overheads))
+                                               for (m, n), v in table.items()}, indent=1))
     return 0
 
 
@@ -150,41 +155,63 @@ def _stop_all(procs: list[_Proc]) -> None:
             proc.proc.kill()
 
 
-def _measure(routers: dict[str, str], path: str, lengths: list[int], repeats: int) -> dict:
+def _measure(routers: dict[str, tuple[str, str]], path: str, lengths: list[int], repeats: int):
+    """TTFTs through each mode's router, and the same less its prefill instance's own TTFT (what
+    the hand-over adds to the prefill: router hops, KV reads, the decode step)."""
     ttfts: dict[tuple[str, int], list[float]] = {(m, n): [] for m in MODES for n in lengths}
+    overheads: dict[tuple[str, int], list[float]] = {(m, n): [] for m in MODES for n in lengths}
     prompts = {n: [r.prompt for r in random_requests(path, repeats * len(MODES), (n, n), (2, 2), seed=n)]
                for n in [64, *lengths]}
     with httpx.Client(timeout=600, trust_env=False) as client:
         for i, mode in enumerate(MODES):  # warm-up: the first hand-over pays the handshake and set-up
-            _ttft(client, routers[mode], prompts[64][i])
+            _ttft(client, routers[mode][0], prompts[64][i])
         for repeat in range(repeats):
             for n in lengths:
                 order = MODES if (repeat + n) % 2 == 0 else MODES[::-1]
                 for i, mode in enumerate(order):
-                    ttft = _ttft(client, routers[mode], prompts[n][repeat * len(MODES) + i])
+                    router, prefill = routers[mode]
+                    before = _prefill_seconds(client, prefill)
+                    ttft = _ttft(client, router, prompts[n][repeat * len(MODES) + i])
                     ttfts[(mode, n)].append(ttft)
+                    overheads[(mode, n)].append(ttft - (_prefill_seconds(client, prefill) - before))
             print(f"repeat {repeat + 1}/{repeats} done", file=sys.stderr)
-    return ttfts
+    return ttfts, overheads
+
+
+def _prefill_seconds(client: httpx.Client, url: str) -> float:
+    """The sum of the prefill instance's TTFTs so far (its requests' prefill times)."""
+    for line in client.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("tandem:time_to_first_token_seconds_sum "):
+            return float(line.split()[1])
+    raise RuntimeError(f"{url}/metrics has no tandem:time_to_first_token_seconds_sum")
 
 
 def _ttft(client: httpx.Client, url: str, prompt: list[int]) -> float:
+    """Seconds to the first token event; the stream is read to its end."""
     body = {"prompt": prompt, "max_tokens": 2, "temperature": 0.0, "ignore_eos": True, "stream": True}
     start = time.perf_counter()
+    ttft = None
     with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"{url} answered {response.status_code}: {response.read()[:500]!r}")
         for line in response.iter_lines():
-            if line.startswith("data: {") and json.loads(line[6:]).get("choices"):
-                return time.perf_counter() - start
-    raise RuntimeError(f"{url} streamed no token")
+            if ttft is None and line.startswith("data: {") and json.loads(line[6:]).get("choices"):
+                ttft = time.perf_counter() - start
+    if ttft is None:
+        raise RuntimeError(f"{url} streamed no token")
+    return ttft
 
 
-def _report(ttfts: dict, lengths: list[int], args: argparse.Namespace) -> None:
-    where = "two network namespaces, UCX_TLS=tcp over a veth bridge" if args.hosts == "netns" else "127.0.0.1, UCX_TLS=tcp"
-    print(f"\nTTFT medians over {args.repeats} requests each; {where}; chunk {args.chunk} tokens; "
+def _report(ttfts: dict, overheads: dict, lengths: list[int], args: argparse.Namespace) -> None:
+    where = ("two network namespaces, UCX_TLS=tcp over a veth bridge" if args.hosts == "netns"
+             else "127.0.0.1, UCX_TLS=tcp")
+    print(f"\nmedians over {args.repeats} requests each; {where}; chunk {args.chunk} tokens; "
           f"{args.instance_threads} thread(s) per instance; {os.cpu_count()} CPUs")
-    print("| prompt tokens | whole (s) | streamed (s) | streamed / whole |")
-    print("|---|---|---|---|")
+    print("| prompt tokens | TTFT whole (s) | TTFT streamed (s) | streamed / whole "
+          "| TTFT − prefill, whole (s) | TTFT − prefill, streamed (s) | streamed / whole |")
+    print("|---|---|---|---|---|---|---|")
     for n in lengths:
         whole, streamed = (statistics.median(ttfts[(m, n)]) for m in MODES)
-        print(f"| {n} | {whole:.3f} | {streamed:.3f} | {streamed / whole:.2f} |")
+        extra_whole, extra_streamed = (statistics.median(overheads[(m, n)]) for m in MODES)
+        print(f"| {n} | {whole:.3f} | {streamed:.3f} | {streamed / whole:.2f} | {extra_whole:.3f} "
+              f"| {extra_streamed:.3f} | {extra_streamed / extra_whole:.2f} |")

@@ -28,6 +28,7 @@ from tandem.json_bounds import loads_bounded
 from tandem.kv_stream import KVAnnouncement
 from tandem.server.disagg import KV_SECRET_HEADER, KVTransferArgs, signed_hand_over
 from tandem.server.errors import APIError
+from tandem.server.metrics import RequestTimer
 
 logger = logging.getLogger("tandem.server")
 
@@ -45,17 +46,17 @@ def early_hand_over(ctx, stream: RequestStream, request: Request) -> JSONRespons
     params = ctx.engine.kv_board.take_params(stream.request_id)
     if params is None:
         return None
-    task = asyncio.ensure_future(_drain(stream))
+    task = asyncio.ensure_future(_drain(stream, RequestTimer(ctx.metrics, stream.arrival_time)))
     ctx.kv_tasks.add(task)
     task.add_done_callback(ctx.kv_tasks.discard)
     return JSONResponse({"id": stream.request_id, "object": "kv_hand_over",
                          "kv_transfer_params": signed_hand_over(params, request)})
 
 
-async def _drain(stream: RequestStream) -> None:
+async def _drain(stream: RequestStream, timer: RequestTimer) -> None:
     try:
-        async for _ in stream:
-            pass
+        async for out in stream:
+            timer.on_output(out)
     except Exception as exc:  # noqa: BLE001 - its announcement says "failed"; nobody else waits
         logger.info("streamed prefill %s ended: %s", stream.request_id, exc)
     finally:
