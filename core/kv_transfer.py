@@ -14,6 +14,12 @@ deadline that may still land is "stalled": hand-overs from it are refused ("peer
 read is over; a peer that died is removed from the connector; at most ``MAX_PEERS`` peers are
 kept.
 
+A load reads its blocks in one read, or — a streamed hand-over (``tandem.kv_stream``) — one read
+per announced run of blocks, each under its own connector id (``<transfer_id>@<n>``); such a
+load notifies the prefill instance itself once every read landed, and its blocks stay
+quarantined while any of its reads may still land. The prefill side (pins, announcements) is
+``tandem.kv_pins.PrefillPins``.
+
 Called only from the engine thread (``LLMEngine`` owns one coordinator when its role is prefill or
 decode); ``poll`` runs every engine iteration, also while idle, so notifications, expiries and
 late reads are seen without traffic. Transport failures are states, never exceptions out of here.
@@ -191,7 +197,9 @@ class KVTransferCoordinator:
 
     def _release_pins(self) -> None:
         self.prefill.on_notified(self.connector.get_notifications())
-        self._failures["expired"] += self.prefill.expire()
+        expired = self.prefill.expire()
+        if expired:
+            self._failures["expired"] += expired
 
     # ------------------------------------------------------------------ decode side
 

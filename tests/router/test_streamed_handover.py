@@ -127,3 +127,33 @@ def test_prefill_killed_mid_stream_recomputes_without_leaks(cluster, model_dir, 
     assert response.json()["choices"][0]["logprobs"]["tokens"] == answer_tokens(cluster.oracle.url, prompt)
     assert scrape(cluster.decode.url)["tandem:kv_transfer_failures_total{reason=peer}"] >= 1
     assert all_free(cluster.decode.url)
+
+
+@pytest.mark.timeout(240)
+def test_prefill_frozen_mid_stream_recomputes_and_holds_nothing_once_it_resumes(cluster):
+    """The prefill instance freezes (SIGSTOP) while the decode instance reads its blocks: after
+    kv_transfer_timeout_s without an announcement the decode instance recomputes (blocks a read
+    may still write into held apart); once the prefill instance resumes, its request ends, the
+    pin the decode instance gave up is released, and nothing stays held on either side."""
+    prompt = _prompts(80, [29 * BLOCK + 3])[0]
+    reads = scrape(cluster.decode.url)["tandem:kv_transfer_reads_total"]
+    params = early_hand_over(cluster.prefill.url, prompt)
+    answer: dict = {}
+
+    def decode() -> None:
+        answer["response"] = httpx.post(
+            f"{cluster.decode.url}/v1/completions", timeout=120, headers=KV_SECRET,
+            json=body(prompt, kv_transfer_params={**params, "do_remote_prefill": True}))
+
+    thread = threading.Thread(target=decode)
+    thread.start()
+    assert wait_for(lambda: scrape(cluster.decode.url)["tandem:kv_transfer_reads_total"] > reads, 30)
+    cluster.prefill.send_signal(signal.SIGSTOP)
+    try:
+        thread.join(120)
+        response = answer["response"]
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["logprobs"]["tokens"] == answer_tokens(cluster.oracle.url, prompt)
+    finally:
+        cluster.prefill.send_signal(signal.SIGCONT)
+    assert all_free(cluster.prefill.url, cluster.decode.url, timeout_s=30)
