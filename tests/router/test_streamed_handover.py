@@ -62,6 +62,10 @@ def cluster(model_dir, log_dir) -> Iterator[Cluster]:
             proc.stop()
 
 
+def peer_failures(url: str) -> float:
+    return scrape(url).get("tandem:kv_transfer_failures_total{reason=peer}", 0.0)
+
+
 def blocks_held(url: str) -> tuple[float, float, float]:
     metrics = scrape(url)
     return (metrics["tandem:kv_blocks_used"], metrics["tandem:kv_blocks_pending_release"],
@@ -102,34 +106,6 @@ def test_streamed_answers_equal_colocated_and_read_chunk_by_chunk(cluster):
 
 
 @pytest.mark.timeout(240)
-def test_prefill_killed_mid_stream_recomputes_without_leaks(cluster, model_dir, log_dir):
-    """The decode instance starts reading the announced blocks, then the prefill instance is
-    frozen and killed before its prompt is done: the decode instance recomputes the prompt
-    (policy "recompute") and answers like the oracle, every block of its own free."""
-    prompt = _prompts(70, [29 * BLOCK + 3])[0]
-    reads = scrape(cluster.decode.url)["tandem:kv_transfer_reads_total"]
-    params = early_hand_over(cluster.prefill.url, prompt)
-    answer: dict = {}
-
-    def decode() -> None:
-        answer["response"] = httpx.post(
-            f"{cluster.decode.url}/v1/completions", timeout=120, headers=KV_SECRET,
-            json=body(prompt, kv_transfer_params={**params, "do_remote_prefill": True}))
-
-    thread = threading.Thread(target=decode)
-    thread.start()
-    assert wait_for(lambda: scrape(cluster.decode.url)["tandem:kv_transfer_reads_total"] > reads, 30)
-    cluster.prefill.send_signal(signal.SIGSTOP)
-    cluster.prefill.kill()
-    thread.join(120)
-    response = answer["response"]
-    assert response.status_code == 200, response.text
-    assert response.json()["choices"][0]["logprobs"]["tokens"] == answer_tokens(cluster.oracle.url, prompt)
-    assert scrape(cluster.decode.url)["tandem:kv_transfer_failures_total{reason=peer}"] >= 1
-    assert all_free(cluster.decode.url)
-
-
-@pytest.mark.timeout(240)
 def test_prefill_frozen_mid_stream_recomputes_and_holds_nothing_once_it_resumes(cluster):
     """The prefill instance freezes (SIGSTOP) while the decode instance reads its blocks: after
     kv_transfer_timeout_s without an announcement the decode instance recomputes (blocks a read
@@ -137,6 +113,7 @@ def test_prefill_frozen_mid_stream_recomputes_and_holds_nothing_once_it_resumes(
     pin the decode instance gave up is released, and nothing stays held on either side."""
     prompt = _prompts(80, [29 * BLOCK + 3])[0]
     reads = scrape(cluster.decode.url)["tandem:kv_transfer_reads_total"]
+    failures = peer_failures(cluster.decode.url)
     params = early_hand_over(cluster.prefill.url, prompt)
     answer: dict = {}
 
@@ -154,6 +131,37 @@ def test_prefill_frozen_mid_stream_recomputes_and_holds_nothing_once_it_resumes(
         response = answer["response"]
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["logprobs"]["tokens"] == answer_tokens(cluster.oracle.url, prompt)
+        assert peer_failures(cluster.decode.url) == failures + 1
     finally:
         cluster.prefill.send_signal(signal.SIGCONT)
     assert all_free(cluster.prefill.url, cluster.decode.url, timeout_s=30)
+
+
+@pytest.mark.timeout(240)
+def test_prefill_killed_mid_stream_recomputes_without_leaks(cluster, model_dir, log_dir):
+    """(Last in this file: it leaves the cluster without its prefill instance.) The decode
+    instance starts reading the announced blocks, then the prefill instance is frozen and killed
+    before its prompt is done: the decode instance recomputes the prompt
+    (policy "recompute") and answers like the oracle, every block of its own free."""
+    prompt = _prompts(70, [29 * BLOCK + 3])[0]
+    reads = scrape(cluster.decode.url)["tandem:kv_transfer_reads_total"]
+    failures = peer_failures(cluster.decode.url)
+    params = early_hand_over(cluster.prefill.url, prompt)
+    answer: dict = {}
+
+    def decode() -> None:
+        answer["response"] = httpx.post(
+            f"{cluster.decode.url}/v1/completions", timeout=120, headers=KV_SECRET,
+            json=body(prompt, kv_transfer_params={**params, "do_remote_prefill": True}))
+
+    thread = threading.Thread(target=decode)
+    thread.start()
+    assert wait_for(lambda: scrape(cluster.decode.url)["tandem:kv_transfer_reads_total"] > reads, 30)
+    cluster.prefill.send_signal(signal.SIGSTOP)
+    cluster.prefill.kill()
+    thread.join(120)
+    response = answer["response"]
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["logprobs"]["tokens"] == answer_tokens(cluster.oracle.url, prompt)
+    assert peer_failures(cluster.decode.url) == failures + 1
+    assert all_free(cluster.decode.url)
