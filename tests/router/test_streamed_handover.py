@@ -1,14 +1,18 @@
 """Streamed hand-overs (``disaggregation.stream_kv``) end to end: a prefill ``tandem serve``
 subprocess that answers at admission and announces its blocks chunk by chunk
-(``--max-num-batched-tokens 2``: 8 steps per block), a decode subprocess reading them over
+(``--max-num-batched-tokens 1``: 16 steps per block), a decode subprocess reading them over
 real NIXL/UCX (TCP) as they are announced, the router in this process, and a colocated instance
 as the oracle — greedy answers must equal its answers token for token. Faults stop and kill the
 prefill instance mid-stream; blocks are counted through /metrics.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -17,6 +21,7 @@ import pytest
 
 from tests.engine.test_greedy_vs_hf import _prompts
 from tests.router.instances import (
+    CLUSTER_SECRET,
     KV_SECRET,
     InstanceProcess,
     dispatched,
@@ -26,14 +31,15 @@ from tests.router.instances import (
     wait_for,
 )
 from tests.router.test_disaggregated_flow import answer_tokens, body
+from tests.server.handover_oracle import SIGNED_FIELDS, prompt_digest
 
 pytest.importorskip("nixl_cu12", reason="the nixl KV connector needs nixl-cu12")
 
 BLOCK = 16
 FLAGS = ("--num-kv-blocks", "160", "--max-num-batched-tokens", str(BLOCK))
-PREFILL_FLAGS = ("--num-kv-blocks", "160", "--max-num-batched-tokens", "2")
-"""An eighth of a block per step: the prefill of a 25-block prompt outlasts the decode
-instance's set-up (handshake, admission) on any machine."""
+PREFILL_FLAGS = ("--num-kv-blocks", "160", "--max-num-batched-tokens", "1")
+"""One token per step: the prefill of a 25-block prompt (400 steps) outlasts the decode
+instance's set-up (handshake, admission), and a fault test stops it well before its end."""
 TCP = {"UCX_TLS": "tcp"}
 
 
@@ -60,6 +66,16 @@ def cluster(model_dir, log_dir) -> Iterator[Cluster]:
     finally:
         for proc in procs:
             proc.stop()
+
+
+def until_read(decode_url: str, reads: float, timeout_s: float = 30.0) -> bool:
+    """Until the decode instance posted a read after ``reads`` (asked without pause: the
+    prefill instance must be stopped long before its prompt is done)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if scrape(decode_url)["tandem:kv_transfer_reads_total"] > reads:
+            return True
+    return False
 
 
 def peer_failures(url: str) -> float:
@@ -97,12 +113,38 @@ def test_streamed_answers_equal_colocated_and_read_chunk_by_chunk(cluster):
     for prompt in [_prompts(62, [5])[0], _prompts(63, [BLOCK + 1])[0], long_prompt]:
         assert answer_tokens(cluster.router_url, prompt) == answer_tokens(cluster.oracle.url, prompt)
     assert dispatched(cluster.router_url, "disaggregated") - before == 3
-    # 25 blocks announced over 205 steps: read in more than one run while the prompt was computed
+    # 25 blocks announced over 409 steps: read in more than one run while the prompt was computed
     assert scrape(cluster.decode.url)["tandem:kv_transfer_reads_total"] - reads > 3
     # the decode instance caches the long prompt's blocks: a prompt sharing 20 of them reads the rest
     shared = long_prompt[:20 * BLOCK] + _prompts(64, [3 * BLOCK + 7])[0]
     assert answer_tokens(cluster.router_url, shared) == answer_tokens(cluster.oracle.url, shared)
     assert all_free(cluster.prefill.url, cluster.decode.url)
+
+
+@pytest.mark.timeout(120)
+def test_the_early_hand_over_and_its_announcements_are_signed_as_documented(cluster):
+    """Oracle: the MACs of tandem.handover_auth's docstring, recomputed with Python's hmac."""
+    prompt = _prompts(66, [6 * BLOCK + 1])[0]
+    params = early_hand_over(cluster.prefill.url, prompt)
+    fields = {k: params[k] for k in (*SIGNED_FIELDS, "stream")}
+    assert params["signature"] == _mac(b"tandem-handover-v1\n", fields)
+    assert params["prompt_digest"] == prompt_digest(CLUSTER_SECRET, prompt)
+    progress = f"{cluster.prefill.url}/kv/progress"
+    query = {"transfer_id": params["transfer_id"], "known": 0}
+    assert httpx.get(progress, params=query, timeout=10).status_code == 401
+    while (announced := httpx.get(progress, params=query, headers=KV_SECRET, timeout=10).json())["state"] == "running":
+        query["known"] = len(announced["block_ids"])
+    assert announced["state"] == "done" and len(announced["block_ids"]) == 7
+    assert announced["signature"] == _mac(b"tandem-kv-announcement-v1\n",
+                                          {k: announced[k] for k in ("transfer_id", "block_ids", "state")})
+    assert httpx.post(f"{cluster.prefill.url}/kv/release", json={"transfer_id": params["transfer_id"]},
+                      headers=KV_SECRET, timeout=10).json()["released"] is True
+    assert all_free(cluster.prefill.url)
+
+
+def _mac(domain: bytes, fields: dict) -> str:
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(CLUSTER_SECRET.encode(), domain + canonical, hashlib.sha256).hexdigest()
 
 
 @pytest.mark.timeout(240)
@@ -124,7 +166,7 @@ def test_prefill_frozen_mid_stream_recomputes_and_holds_nothing_once_it_resumes(
 
     thread = threading.Thread(target=decode)
     thread.start()
-    assert wait_for(lambda: scrape(cluster.decode.url)["tandem:kv_transfer_reads_total"] > reads, 30)
+    assert until_read(cluster.decode.url, reads)
     cluster.prefill.send_signal(signal.SIGSTOP)
     try:
         thread.join(120)
@@ -156,7 +198,7 @@ def test_prefill_killed_mid_stream_recomputes_without_leaks(cluster, model_dir, 
 
     thread = threading.Thread(target=decode)
     thread.start()
-    assert wait_for(lambda: scrape(cluster.decode.url)["tandem:kv_transfer_reads_total"] > reads, 30)
+    assert until_read(cluster.decode.url, reads)
     cluster.prefill.send_signal(signal.SIGSTOP)
     cluster.prefill.kill()
     thread.join(120)
