@@ -48,6 +48,8 @@ class Cluster:
     oracle: InstanceProcess
     prefill: InstanceProcess
     decode: InstanceProcess
+    strict: InstanceProcess
+    """A decode instance with kv_load_failure_policy "fail" (the router does not know it)."""
     router_url: str
 
 
@@ -56,13 +58,15 @@ def cluster(model_dir, log_dir) -> Iterator[Cluster]:
     stream = {"TANDEM_DISAGGREGATION__STREAM_KV": "true"}
     procs = [InstanceProcess(model_dir, log_dir, flags=FLAGS),
              InstanceProcess(model_dir, log_dir, flags=PREFILL_FLAGS, **role_env("prefill", 5.0, **TCP, **stream)),
-             InstanceProcess(model_dir, log_dir, flags=FLAGS, **role_env("decode", 5.0, **TCP))]
+             InstanceProcess(model_dir, log_dir, flags=FLAGS, **role_env("decode", 5.0, **TCP)),
+             InstanceProcess(model_dir, log_dir, flags=FLAGS, **role_env(
+                 "decode", 5.0, **TCP, TANDEM_DISAGGREGATION__KV_LOAD_FAILURE_POLICY="fail"))]
     try:
         for proc in procs:
             proc.start()
-        oracle, prefill, decode = (proc.wait_ready() for proc in procs)
+        oracle, prefill, decode, strict = (proc.wait_ready() for proc in procs)
         with running_router([(prefill.url, "prefill"), (decode.url, "decode")]) as router:
-            yield Cluster(oracle, prefill, decode, router.url)
+            yield Cluster(oracle, prefill, decode, strict, router.url)
     finally:
         for proc in procs:
             proc.stop()
@@ -147,36 +151,54 @@ def _mac(domain: bytes, fields: dict) -> str:
     return hmac.new(CLUSTER_SECRET.encode(), domain + canonical, hashlib.sha256).hexdigest()
 
 
-@pytest.mark.timeout(240)
-def test_prefill_frozen_mid_stream_recomputes_and_holds_nothing_once_it_resumes(cluster):
-    """The prefill instance freezes (SIGSTOP) while the decode instance reads its blocks: after
-    kv_transfer_timeout_s without an announcement the decode instance recomputes (blocks a read
-    may still write into held apart); once the prefill instance resumes, its request ends, the
-    pin the decode instance gave up is released, and nothing stays held on either side."""
-    prompt = _prompts(80, [29 * BLOCK + 3])[0]
-    reads = scrape(cluster.decode.url)["tandem:kv_transfer_reads_total"]
-    failures = peer_failures(cluster.decode.url)
+def frozen_mid_stream(cluster: Cluster, decode: InstanceProcess, prompt: list[int]) -> httpx.Response:
+    """``decode``'s answer to a streamed hand-over of ``prompt`` whose prefill instance froze
+    (SIGSTOP) once ``decode`` started reading; the prefill instance is resumed afterwards. The
+    decode instance must count exactly one peer failure for it."""
+    reads = scrape(decode.url)["tandem:kv_transfer_reads_total"]
+    failures = peer_failures(decode.url)
     params = early_hand_over(cluster.prefill.url, prompt)
     answer: dict = {}
 
-    def decode() -> None:
+    def ask() -> None:
         answer["response"] = httpx.post(
-            f"{cluster.decode.url}/v1/completions", timeout=120, headers=KV_SECRET,
+            f"{decode.url}/v1/completions", timeout=120, headers=KV_SECRET,
             json=body(prompt, kv_transfer_params={**params, "do_remote_prefill": True}))
 
-    thread = threading.Thread(target=decode)
+    thread = threading.Thread(target=ask)
     thread.start()
-    assert until_read(cluster.decode.url, reads)
+    assert until_read(decode.url, reads)
     cluster.prefill.send_signal(signal.SIGSTOP)
     try:
         thread.join(120)
-        response = answer["response"]
-        assert response.status_code == 200, response.text
-        assert response.json()["choices"][0]["logprobs"]["tokens"] == answer_tokens(cluster.oracle.url, prompt)
-        assert peer_failures(cluster.decode.url) == failures + 1
+        assert peer_failures(decode.url) == failures + 1
     finally:
         cluster.prefill.send_signal(signal.SIGCONT)
+    return answer["response"]
+
+
+@pytest.mark.timeout(240)
+def test_prefill_frozen_mid_stream_recomputes_and_holds_nothing_once_it_resumes(cluster):
+    """After kv_transfer_timeout_s without an announcement the decode instance recomputes
+    (blocks a read may still write into held apart); once the prefill instance resumes, its
+    request ends, the pin the decode instance gave up is released, nothing stays held."""
+    prompt = _prompts(80, [29 * BLOCK + 3])[0]
+    response = frozen_mid_stream(cluster, cluster.decode, prompt)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["logprobs"]["tokens"] == answer_tokens(cluster.oracle.url, prompt)
     assert all_free(cluster.prefill.url, cluster.decode.url, timeout_s=30)
+
+
+@pytest.mark.timeout(240)
+def test_prefill_frozen_mid_stream_is_a_502_under_the_fail_policy(cluster):
+    warm = _prompts(82, [BLOCK + 3])[0]  # the handshake and NIXL peer first: the stream is not raced
+    params = early_hand_over(cluster.prefill.url, warm)
+    first = httpx.post(f"{cluster.strict.url}/v1/completions", timeout=120, headers=KV_SECRET,
+                       json=body(warm, kv_transfer_params={**params, "do_remote_prefill": True}))
+    assert first.json()["choices"][0]["logprobs"]["tokens"] == answer_tokens(cluster.oracle.url, warm)
+    response = frozen_mid_stream(cluster, cluster.strict, _prompts(81, [29 * BLOCK + 3])[0])
+    assert response.status_code == 502 and response.json()["error"]["code"] == "kv_transfer_failed", response.text
+    assert all_free(cluster.prefill.url, cluster.strict.url, timeout_s=30)
 
 
 @pytest.mark.timeout(240)
