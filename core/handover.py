@@ -6,10 +6,15 @@ finished request's blocks and the decode instance echoes back. Each side keeps o
 live hand-over with an enum state, and changes it only through the functions below, one per
 transition; any other transition is a bug (``IllegalTransition``).
 
-Prefill side, one per pinned request::
+Prefill side, one per pinned request (a streamed one, ``tandem.kv_stream``: from admission)::
 
+    STREAMING ──pin (the request ended: its blocks kept)──► PINNED
+       └──abandon (refused before it ran: nothing kept)──► RELEASED
     PINNED ──release (the reader notified: read, or will not read)──► RELEASED
        └─────expire (kv_expiry_s passed without a notification)─────► EXPIRED
+
+A STREAMING hand-over's reader may give it up before the pin exists (``given_up``): the pin is
+then released as soon as it is made.
 
 Decode side, one per request whose prompt KV comes from a prefill instance::
 
@@ -46,6 +51,7 @@ class IllegalTransition(AssertionError):
 
 
 class PrefillState(enum.Enum):
+    STREAMING = "streaming"
     PINNED = "pinned"
     RELEASED = "released"
     EXPIRED = "expired"
@@ -67,13 +73,16 @@ _DECODE_FINAL = {DecodeState.LOADED, DecodeState.FAILED, DecodeState.CANCELLED, 
 
 @dataclass(slots=True)
 class PrefillHandover:
-    """Blocks of a finished request, pinned under ``pin_id`` for the decode instance to read."""
+    """Blocks of a finished request, pinned under ``pin_id`` for the decode instance to read; a
+    streamed one's while it runs too (``num_announced`` of them announced so far)."""
 
     transfer_id: str
     pin_id: str
     num_blocks: int
     expires_at: float
     state: PrefillState = PrefillState.PINNED
+    num_announced: int = 0
+    given_up: bool = False
 
 
 @dataclass(slots=True)
@@ -118,6 +127,17 @@ def _move(handover, expected, new) -> None:
 
 
 # ------------------------------------------------------------------------------------ prefill
+
+
+def pin(handover: PrefillHandover, num_blocks: int, expires_at: float) -> None:
+    """STREAMING → PINNED: the streamed request ended; ``num_blocks`` blocks are kept."""
+    _move(handover, {PrefillState.STREAMING}, PrefillState.PINNED)
+    handover.num_blocks, handover.expires_at = num_blocks, expires_at
+
+
+def abandon(handover: PrefillHandover) -> None:
+    """STREAMING → RELEASED: the request was refused before it ran; nothing was kept."""
+    _move(handover, {PrefillState.STREAMING}, PrefillState.RELEASED)
 
 
 def release(handover: PrefillHandover) -> None:

@@ -22,6 +22,8 @@ DECODE = {
     "release_quarantine": ({DecodeState.QUARANTINED}, DecodeState.RELEASED),
 }
 PREFILL = {
+    "pin": ({PrefillState.STREAMING}, PrefillState.PINNED),
+    "abandon": ({PrefillState.STREAMING}, PrefillState.RELEASED),
     "release": ({PrefillState.PINNED}, PrefillState.RELEASED),
     "expire": ({PrefillState.PINNED}, PrefillState.EXPIRED),
 }
@@ -50,12 +52,13 @@ def test_decode_transitions_follow_the_diagram(name, state):
 def test_prefill_transitions_follow_the_diagram(name, state):
     sources, target = PREFILL[name]
     h = PrefillHandover("t", "t#kv-pin", 4, 10.0, state=state)
+    args = (3, 20.0) if name == "pin" else ()
     if state in sources:
-        getattr(handover, name)(h)
+        getattr(handover, name)(h, *args)
         assert h.state is target
     else:
         with pytest.raises(IllegalTransition):
-            getattr(handover, name)(h)
+            getattr(handover, name)(h, *args)
 
 
 def test_a_pin_is_released_once_whether_by_notification_or_expiry():
