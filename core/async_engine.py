@@ -62,6 +62,7 @@ from tandem.engine import MAX_FAILED_STEPS_IN_ROW, LLMEngine, StepStats
 from tandem.errors import EngineDeadError
 from tandem.input_processor import ProcessedRequest
 from tandem.interfaces import KVStats
+from tandem.kv_stream import AnnouncementBoard, KVAnnouncement
 from tandem.kv_transfer import KVTransferFailed, KVTransferStats, RemotePrefill
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
@@ -74,6 +75,10 @@ _PIN_POLL_S = 0.05
 """While KV blocks are pinned for decode instances, the idle loop wakes this often to see their
 release notifications and expiries."""
 _LOAD_WAIT_S = 0.002
+_STREAM_WAIT_S = 0.05
+"""A step that computed nothing while every load waits for its prefill instance's next
+announcement (a command, which ends the wait at once): the reads posted meanwhile are looked at
+this often, so a decode instance does not spin while the prompt is computed elsewhere."""
 """A step that computed nothing (every request waits for remote KV) waits this long for
 commands before polling the transfers again, instead of spinning."""
 
@@ -149,6 +154,11 @@ class _Abort:
 class _ReleasePin:
     transfer_id: str
     future: asyncio.Future
+
+
+@dataclass(slots=True)
+class _Announce:
+    announcement: KVAnnouncement
 
 
 @dataclass(slots=True)
@@ -345,6 +355,15 @@ class AsyncEngine:
         ``KVTransferCoordinator.take_stale_handshakes``); empty without a KV connector."""
         kv_transfer = self._engine.kv_transfer if self._engine is not None else None
         return kv_transfer.take_stale_handshakes() if kv_transfer is not None else []
+
+    @property
+    def kv_board(self) -> AnnouncementBoard:
+        """Where a prefill engine announces its streamed hand-overs (thread-safe)."""
+        return self._engine.kv_transfer.board
+
+    def announce_kv(self, announcement: KVAnnouncement) -> None:
+        """Hand a streamed load's announcement (its signature checked) to the engine thread."""
+        self._inbox.put(_Announce(announcement))
 
     def kv_handshake(self) -> dict:
         """What a decode instance needs to read this instance's KV blocks: the connector's
@@ -671,7 +690,9 @@ class AsyncEngine:
         """How long to wait for commands before the next iteration (None: do not wait)."""
         if engine.has_unfinished_requests():
             last = engine.last_step
-            return _LOAD_WAIT_S if last is not None and last.num_tokens == 0 else None
+            if last is None or last.num_tokens > 0:
+                return None
+            return _STREAM_WAIT_S if engine.awaits_kv_announcements() else _LOAD_WAIT_S
         return _PIN_POLL_S if engine.has_kv_pins() else _IDLE_WAIT_S
 
     def _fail_transfers(self, engine: LLMEngine) -> None:
@@ -691,7 +712,11 @@ class AsyncEngine:
             except queue.Empty:
                 return cmds
 
-    def _handle(self, engine: LLMEngine, cmd: _Add | _Abort | _ReleasePin) -> None:
+    def _handle(self, engine: LLMEngine, cmd: _Add | _Abort | _ReleasePin | _Announce) -> None:
+        if isinstance(cmd, _Announce):
+            if engine.kv_transfer is not None:
+                engine.kv_transfer.on_announcement(cmd.announcement)
+            return
         if isinstance(cmd, _ReleasePin):
             released = engine.kv_transfer is not None and engine.kv_transfer.release(cmd.transfer_id)
             self._post(_set_result, cmd.future, released)

@@ -399,6 +399,10 @@ class DisaggregationConfig(_Section):
     """A prefill instance frees unclaimed KV blocks after this long."""
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
     """On a failed KV transfer: recompute the prompt locally, or fail the request."""
+    stream_kv: bool = False
+    """A prefill instance: answer a hand-over as soon as the request is admitted and announce its
+    KV blocks as its prefill chunks complete (GET /kv/progress), so the decode instance reads
+    them while the prompt is still being computed; false: answer once the whole prompt is done."""
     min_disaggregated_prompt_tokens: int = Field(0, ge=0)
     """Shorter prompts skip the prefill instance and go straight to a decode instance."""
     min_uncached_prefill_tokens: int = Field(0, ge=0)

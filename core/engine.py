@@ -308,8 +308,10 @@ class LLMEngine:
             cache_salt=request_cache_salt(processed.cache_salt, self._kv_variant(len(token_ids))),
         )
         if remote_decode:
-            request.remote_kv = RemoteKV.SEND
+            request.remote_kv = RemoteKV.STREAM if self.config.disaggregation.stream_kv else RemoteKV.SEND
         try:  # all or nothing: a plugin or tokenizer that raises leaves no trace of the request
+            if request.remote_kv is RemoteKV.STREAM:
+                self.kv_transfer.open_stream(request_id, token_ids, request.cache_salt)
             if remote_prefill is not None and self.kv_transfer.admit(request_id, remote_prefill,
                                                                      token_ids, request.cache_salt):
                 request.remote_kv = RemoteKV.LOAD
@@ -395,6 +397,10 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests() or (
             self.kv_transfer is not None and self.kv_transfer.has_loads())
 
+    def awaits_kv_announcements(self) -> bool:
+        """Every KV load in progress waits for announcements of a streamed hand-over."""
+        return self.kv_transfer is not None and self.kv_transfer.awaits_announcements()
+
     def has_kv_pins(self) -> bool:
         """Blocks pinned for decode instances: ``poll_kv_transfers`` must run now and then."""
         return self.kv_transfer is not None and self.kv_transfer.has_pins()
@@ -409,6 +415,7 @@ class LLMEngine:
         call it while idle). Requests failed by the "fail" policy: ``take_failed_requests``."""
         if self.kv_transfer is None:
             return
+        self.kv_transfer.on_new_pins(self.scheduler.take_new_pins())  # of aborted streams: no params
         for request_id, message in self.kv_transfer.poll():
             for request in self.scheduler.abort_requests([request_id]):
                 self._on_finished(request)
@@ -456,6 +463,7 @@ class LLMEngine:
         outputs += [self._fail(rid, exc, "post-processing its tokens") for rid, exc in failed.items()]
         outputs += started
         if self.kv_transfer is not None:
+            self.kv_transfer.announce(self.scheduler.stream_progress())
             params = self.kv_transfer.on_new_pins(self.scheduler.take_new_pins())
             for out in outputs:
                 if out.request_id in params:

@@ -8,6 +8,9 @@ read. Both MACs are written so that anyone holding the secret can recompute them
     signature     = HMAC-SHA256(secret, b"tandem-handover-v1\\n" + json({field: value for field
                                         in SIGNED_FIELDS}, sort_keys, separators (",", ":"))).hexdigest()
 
+A streamed hand-over's ``stream: true`` is signed with the other fields (only when present, so a
+whole hand-over signs as before), and each of its announcements (``tandem.kv_stream``) carries
+``HMAC-SHA256(secret, b"tandem-kv-announcement-v1\n" + json(announcement))`` written the same way.
 ``json`` is Python's ``json.dumps`` (so ``json(None)`` is ``null``); ``cache_salt`` is the
 request's as the engine keys its prefix cache (``tandem.sched.request.request_cache_salt``: the
 client's salt and the engine's KV variant, or None when neither is set). The digest is keyed, so a
@@ -33,8 +36,11 @@ from typing import Any
 
 SIGNED_FIELDS = ("engine_id", "transfer_id", "block_ids", "num_tokens", "prompt_digest",
                  "compat_hash", "handshake_url", "expires_at")
+OPTIONAL_SIGNED_FIELDS = ("stream",)
+"""Signed when present: a streamed hand-over's ``stream: true`` (its blocks are announced)."""
 _PROMPT_DOMAIN = b"tandem-prompt-v1\n"
 _HANDOVER_DOMAIN = b"tandem-handover-v1\n"
+_ANNOUNCEMENT_DOMAIN = b"tandem-kv-announcement-v1\n"
 
 
 class HandOverRefused(ValueError):
@@ -57,8 +63,33 @@ def prompt_digest(token_ids: Sequence[int], cache_salt: str | None, secret: byte
 def signature(params: Mapping[str, Any], secret: bytes) -> str:
     """The HMAC of ``params``' ``SIGNED_FIELDS`` (each must be present)."""
     signed = {name: params[name] for name in SIGNED_FIELDS}
-    canonical = json.dumps(signed, sort_keys=True, separators=(",", ":")).encode()
-    return hmac.new(secret, _HANDOVER_DOMAIN + canonical, hashlib.sha256).hexdigest()
+    signed |= {name: params[name] for name in OPTIONAL_SIGNED_FIELDS if params.get(name) is not None}
+    return _mac(secret, _HANDOVER_DOMAIN, signed)
+
+
+def announcement_signature(announcement: Mapping[str, Any], secret: bytes) -> str:
+    """The HMAC of a streamed hand-over's announcement (``tandem.kv_stream.KVAnnouncement.to_json``),
+    under the domain ``tandem-kv-announcement-v1``, written like ``signature``."""
+    return _mac(secret, _ANNOUNCEMENT_DOMAIN, dict(announcement))
+
+
+def check_announcement(announcement: Mapping[str, Any], secret: bytes | None) -> None:
+    """Raise ``HandOverRefused`` unless ``announcement`` carries the ``signature`` this instance
+    expects (none without a secret), compared in constant time."""
+    fields = {k: v for k, v in announcement.items() if k != "signature"}
+    given = announcement.get("signature")
+    if secret is None:
+        if given is not None:
+            raise HandOverRefused("the announcement is signed but this instance has no kv_transfer_secret")
+        return
+    if not isinstance(given, str) or not hmac.compare_digest(
+            given.encode(), announcement_signature(fields, secret).encode()):
+        raise HandOverRefused("the announcement's signature is missing or does not match")
+
+
+def _mac(secret: bytes, domain: bytes, fields: Mapping[str, Any]) -> str:
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(secret, domain + canonical, hashlib.sha256).hexdigest()
 
 
 def sign(params: dict[str, Any], secret: bytes | None) -> dict[str, Any]:

@@ -14,6 +14,12 @@ deadline that may still land is "stalled": hand-overs from it are refused ("peer
 read is over; a peer that died is removed from the connector; at most ``MAX_PEERS`` peers are
 kept.
 
+A load reads its blocks in one read, or — a streamed hand-over (``tandem.kv_stream``) — one read
+per announced run of blocks, each under its own connector id (``<transfer_id>@<n>``); such a
+load notifies the prefill instance itself once every read landed, and its blocks stay
+quarantined while any of its reads may still land. The prefill side (pins, announcements) is
+``tandem.kv_pins.PrefillPins``.
+
 Called only from the engine thread (``LLMEngine`` owns one coordinator when its role is prefill or
 decode); ``poll`` runs every engine iteration, also while idle, so notifications, expiries and
 late reads are seen without traffic. Transport failures are states, never exceptions out of here.
@@ -30,9 +36,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem import handover
-from tandem.handover import DecodeHandover, DecodeState, PrefillHandover
+from tandem.handover import DecodeHandover, DecodeState
 from tandem.interfaces import KVConnector, KVPeerUnavailable
 from tandem.handover_auth import prompt_digest
+from tandem.kv_pins import PrefillPins
+from tandem.kv_stream import AnnouncementBoard, KVAnnouncement
 from tandem.sched.scheduler import PinnedKV, RemoteKVLoad, Scheduler, quarantine_holder_id
 
 logger = logging.getLogger("tandem")
@@ -72,6 +80,9 @@ class RemotePrefill:
     handshake: dict[str, Any] = field(hash=False, compare=False)
     kv_checksums: tuple[int, ...] = ()
     """The checksum of each block (``KVConnector.block_checksums``); empty when not given."""
+    stream: bool = False
+    """The blocks are announced as they are computed (``tandem.kv_stream``); ``block_ids`` is
+    empty."""
 
     @classmethod
     def from_params(cls, params: dict[str, Any], handshake: dict[str, Any]) -> RemotePrefill:
@@ -91,7 +102,7 @@ class RemotePrefill:
             raise ValueError("kv_transfer_params.kv_checksums must hold one 8-digit hex checksum per block")
         return cls(str(params["engine_id"]), str(params["transfer_id"]), tuple(block_ids), num_tokens,
                    str(params["prompt_digest"]), str(params["compat_hash"]), handshake,
-                   tuple(int(c, 16) for c in checksums))
+                   tuple(int(c, 16) for c in checksums), params.get("stream") is True)
 
 
 @dataclass(slots=True, frozen=True)
@@ -99,6 +110,7 @@ class KVTransferStats:
     """Cumulative counters and gauges of one instance's KV hand-overs, for /metrics."""
 
     bytes_total: int = 0
+    reads_total: int = 0
     failures: tuple[tuple[str, int], ...] = ()
     pending_release_blocks: int = 0
     num_pins: int = 0
@@ -129,14 +141,16 @@ class KVTransferCoordinator:
         self.failure_policy = failure_policy
         self.secret = secret
         self._clock = clock
-        self._wall_clock = wall_clock
-        self._pins: dict[str, PrefillHandover] = {}  # PINNED, by transfer id
         self._loads: dict[str, DecodeHandover] = {}  # not yet final, by transfer id
         self._consumed: OrderedDict[str, None] = OrderedDict()  # ended transfer ids
         self._peers: OrderedDict[str, str] = OrderedDict()  # prefill engine id → connector peer
         self._failed: list[tuple[str, str]] = []  # requests to fail, for the next poll
         self._stale_handshakes: deque[str] = deque()  # engines whose peer died, for the server
+        self._chunks: dict[str, str] = {}  # connector read id → transfer id, of streamed loads
+        self.prefill = PrefillPins(scheduler, engine_id=engine_id, compat_hash=compat_hash,
+                                   expiry_s=expiry_s, secret=secret, clock=clock, wall_clock=wall_clock)
         self._bytes_total = 0
+        self._reads_total = 0
         self._failures: Counter[str] = Counter()
         self._durations_s: list[float] = []
         self._events: tuple[tuple[str, int], ...] = ()
@@ -148,9 +162,10 @@ class KVTransferCoordinator:
         quarantined = [h for h in self._loads.values() if h.state is DecodeState.QUARANTINED]
         return KVTransferStats(
             bytes_total=self._bytes_total,
+            reads_total=self._reads_total,
             failures=tuple(sorted(self._failures.items())),
-            pending_release_blocks=sum(p.num_blocks for p in self._pins.values()),
-            num_pins=len(self._pins),
+            pending_release_blocks=self.prefill.num_pinned_blocks,
+            num_pins=self.prefill.num_pins,
             num_loads=len(self._loads) - len(quarantined),
             num_quarantined_blocks=sum(h.num_blocks for h in quarantined),
             connector_events=self._connector_events(),
@@ -164,7 +179,7 @@ class KVTransferCoordinator:
         return self._events
 
     def has_pins(self) -> bool:
-        return bool(self._pins)
+        return self.prefill.num_pins > 0
 
     def has_loads(self) -> bool:
         """Hand-overs that are not over: admitted, loading, or quarantined."""
@@ -178,6 +193,11 @@ class KVTransferCoordinator:
         while self._stale_handshakes:
             stale.append(self._stale_handshakes.popleft())
         return stale
+    def awaits_announcements(self) -> bool:
+        """Some load streams and none is admitted or loading: nothing here is urgent until the
+        next announcement."""
+        states = {h.state for h in self._loads.values()}
+        return DecodeState.STREAMING in states and not states & {DecodeState.ADMITTED, DecodeState.LOADING}
 
     def take_transfer_durations(self) -> list[float]:
         """Seconds of each read that completed since the last call."""
@@ -187,56 +207,36 @@ class KVTransferCoordinator:
     # ------------------------------------------------------------------ prefill side
 
     def on_new_pins(self, pins: list[PinnedKV]) -> dict[str, dict[str, Any]]:
-        """PINNED for each of the scheduler's new pins; returns each pinned request's
-        ``kv_transfer_params`` (without ``handshake_url`` and ``signature``, which the server
-        adds). ``expires_at`` is in whole Unix seconds, no later than the pin's expiry: a decode
-        instance refuses the hand-over before its blocks can be handed to another request."""
-        params = {}
-        expires_at = self._clock() + self.expiry_s
-        expires_at_unix = math.floor(self._wall_clock() + self.expiry_s)
-        for pin in pins:
-            transfer_id = f"{self.engine_id}/{pin.request_id}"
-            self._pins[transfer_id] = PrefillHandover(transfer_id, pin.pin_id, len(pin.block_ids), expires_at)
-            params[pin.request_id] = {
-                "engine_id": self.engine_id,
-                "transfer_id": transfer_id,
-                "block_ids": list(pin.block_ids),
-                "num_tokens": pin.num_tokens,
-                "prompt_digest": prompt_digest(pin.token_ids, pin.cache_salt, self.secret),
-                "compat_hash": self.compat_hash,
-                "expires_at": expires_at_unix,
-            }
-            checksums = self.connector.block_checksums(list(pin.block_ids))
+        """See ``PrefillPins.on_new_pins``; the params of a hand-over also carry the checksum of
+        each of its blocks (``kv_checksums``) where the connector computes them."""
+        params = self.prefill.on_new_pins(pins)
+        for request_params in params.values():
+            checksums = self.connector.block_checksums(list(request_params["block_ids"]))
             if checksums is not None:
-                params[pin.request_id]["kv_checksums"] = [f"{c:08x}" for c in checksums]
+                request_params["kv_checksums"] = [f"{c:08x}" for c in checksums]
         return params
 
+    def open_stream(self, request_id: str, token_ids: Sequence[int], cache_salt: str | None) -> None:
+        """See ``PrefillPins.open_stream``."""
+        self.prefill.open_stream(request_id, token_ids, cache_salt)
+
+    def announce(self, progress: list[tuple[str, list[int]]]) -> None:
+        """See ``PrefillPins.announce``."""
+        self.prefill.announce(progress)
+
     def release(self, transfer_id: str) -> bool:
-        """Release the pin of ``transfer_id`` now: no decode instance will read it (the router
-        gave the hand-over up). False when no such pin is held; a pin is released once, so a
-        later notification or expiry of it finds nothing."""
-        pin = self._pins.pop(transfer_id, None)
-        if pin is None:
-            return False
-        logger.info("KV blocks of %s released unread: the hand-over was given up", transfer_id)
-        handover.release(pin)
-        self.scheduler.release_blocks(pin.pin_id)
-        return True
+        """See ``PrefillPins.release``."""
+        return self.prefill.release(transfer_id)
+
+    @property
+    def board(self) -> AnnouncementBoard:
+        return self.prefill.board
 
     def _release_pins(self) -> None:
-        for transfer_id in self.connector.get_notifications():
-            pin = self._pins.pop(transfer_id, None)
-            if pin is not None:
-                handover.release(pin)
-                self.scheduler.release_blocks(pin.pin_id)
-        now = self._clock()
-        for transfer_id, pin in list(self._pins.items()):
-            if now >= pin.expires_at:
-                logger.info("KV blocks of %s expired unclaimed after %.0f s", transfer_id, self.expiry_s)
-                del self._pins[transfer_id]
-                handover.expire(pin)
-                self.scheduler.release_blocks(pin.pin_id)
-                self._failures["expired"] += 1
+        self.prefill.on_notified(self.connector.get_notifications())
+        expired = self.prefill.expire()
+        if expired:
+            self._failures["expired"] += expired
 
     # ------------------------------------------------------------------ decode side
 
@@ -275,7 +275,7 @@ class KVTransferCoordinator:
                 self._stale_handshakes.append(remote.engine_id)
                 reason = "peer"
         load = DecodeHandover(transfer_id, request_id, peer, remote.engine_id, remote.block_ids,
-                              remote_checksums=remote.kv_checksums)
+                              remote_checksums=remote.kv_checksums, stream=remote.stream)
         if reason is None:
             self._loads[transfer_id] = load
             return True
@@ -292,6 +292,7 @@ class KVTransferCoordinator:
         """``request_id`` ends (aborted, rejected): before its read, the prefill instance learns
         its blocks will not be read; during it, the blocks the read writes into stay quarantined
         (under ``quarantine_holder_id``) until the read is over."""
+        self.prefill.forget_stream(request_id)
         load = self._load_of(request_id)
         if load is None:
             return
@@ -306,6 +307,10 @@ class KVTransferCoordinator:
         """LOADING: one read per load, of the remote blocks with the same logical indices."""
         for new in loads:
             load = self._load_of(new.request_id)
+            load.first_block, load.local_block_ids = new.first_block, tuple(new.block_ids)
+            if load.stream:
+                self._start_stream(load)
+                continue
             end = new.first_block + len(new.block_ids)
             remote_ids = list(load.remote_block_ids[new.first_block:end])
             if len(remote_ids) != len(new.block_ids):  # the prefill instance holds too few blocks
@@ -318,40 +323,136 @@ class KVTransferCoordinator:
                 logger.warning("KV read %s refused: %s", load.transfer_id, exc)
                 self._refuse_admitted(load, "transfer")
                 continue
-            load.first_block, load.local_block_ids = new.first_block, tuple(new.block_ids)
             handover.start(load, len(new.block_ids), self._clock())
+            self._reads_total += 1
+            load.reads.add(load.transfer_id)
+            load.num_posted = len(new.block_ids)
+
+    def _start_stream(self, load: DecodeHandover) -> None:
+        """STREAMING: read what is announced already; LOADING at once if the last came."""
+        if load.announced_failed:
+            self._refuse_admitted(load, "peer")
+            return
+        if load.last_announced and not self._covers(load):
+            self._refuse_admitted(load, "mismatch")
+            return
+        handover.start_stream(load, len(load.local_block_ids), self._clock())
+        if load.last_announced:
+            handover.last_announced(load)
+        self._read_announced(load)
+
+    def on_announcement(self, announcement: KVAnnouncement) -> None:
+        """Decode side: the prefill instance's latest word on a streamed load (checked for its
+        signature by the server); blocks newly final are read at once. An announcement that
+        does not extend the blocks known so far is a mismatch; one of a load that is over or
+        not streamed is ignored."""
+        load = self._loads.get(announcement.transfer_id)
+        if load is None or not load.stream or load.state not in (DecodeState.ADMITTED, DecodeState.STREAMING):
+            return
+        known = load.remote_block_ids
+        reason = None
+        if announcement.state == "failed":
+            reason = "peer"
+        elif announcement.block_ids[:len(known)] != known:
+            reason = "mismatch"
+        else:
+            load.remote_block_ids = announcement.block_ids
+            load.last_announced = announcement.state == "done"
+            if load.last_announced and load.state is DecodeState.STREAMING and not self._covers(load):
+                reason = "mismatch"
+        if load.state is DecodeState.ADMITTED:
+            load.announced_failed = reason is not None
+            return
+        if reason is not None:
+            self._give_up(load, reason)
+            return
+        if load.last_announced:
+            handover.last_announced(load)
+        self._read_announced(load)
+
+    @staticmethod
+    def _covers(load: DecodeHandover) -> bool:
+        return len(load.remote_block_ids) >= load.first_block + len(load.local_block_ids)
+
+    def _read_announced(self, load: DecodeHandover) -> None:
+        """Post one read of the announced blocks not yet read (logical ``first_block +
+        num_posted`` up to what is announced or needed); LOADED when all have landed."""
+        stop = min(len(load.remote_block_ids) - load.first_block, len(load.local_block_ids))
+        if stop > load.num_posted:
+            read_id = f"{load.transfer_id}@{load.num_reads}"
+            start = load.first_block + load.num_posted
+            remote_ids = list(load.remote_block_ids[start:load.first_block + stop])
+            try:
+                self.connector.start_read(read_id, load.peer, remote_ids,
+                                          list(load.local_block_ids[load.num_posted:stop]),
+                                          self.transfer_timeout_s)
+            except ValueError as exc:
+                logger.warning("KV read %s refused: %s", read_id, exc)
+                self._give_up(load, "transfer")
+                return
+            load.num_reads += 1
+            self._reads_total += 1
+            load.reads.add(read_id)
+            self._chunks[read_id] = load.transfer_id
+            load.num_posted = stop
+        self._complete(load)
 
     def poll(self) -> list[tuple[str, str]]:
         """Release notified and expired pins; advance the loads the connector reports on.
         Returns (request id, message) of the requests to fail (policy "fail"); under
         "recompute" they wait again instead."""
         self._release_pins()
-        for transfer_id, state in self.connector.poll().items():
+        for read_id, state in self.connector.poll().items():
+            transfer_id = self._chunks.get(read_id, read_id)
+            if state != "error:deadline":  # the read is over: nothing more lands from it
+                self._chunks.pop(read_id, None)
             load = self._loads.get(transfer_id)
             if load is None:
                 continue
-            if load.state is DecodeState.LOADING:
+            if state != "error:deadline":
+                load.reads.discard(read_id)
+            if load.state in (DecodeState.LOADING, DecodeState.STREAMING):
                 self._on_read_ended(load, state)
-            elif load.state is DecodeState.QUARANTINED and state != "error:deadline":
-                handover.release_quarantine(load)  # "closed", or the read ended: nothing more lands
-                self.scheduler.release_blocks(load.quarantine_id)
-                self._end(load)
+        for load in [h for h in self._loads.values() if h.state is DecodeState.QUARANTINED]:
+            self._release_quarantine_if_over(load)  # an aborted stream may have had no read in flight
         failed, self._failed = self._failed, []
         return failed
 
     def _on_read_ended(self, load: DecodeHandover, state: str) -> None:
-        rid = load.request_id
-        if state == "done" and not self._checksums_match(load):
-            state = "error:checksum"
         if state == "done":
-            handover.loaded(load)
-            self._bytes_total += load.num_blocks * self.block_bytes
-            self._durations_s.append(self._clock() - load.started_at)
-            self.scheduler.finish_remote_load(rid, ok=True)
-            self._end(load)
+            self._complete(load)
             return
         reason = state.removeprefix("error:")
-        if reason == "deadline":  # the read may still land: keep its blocks apart until "closed"
+        self._give_up(load, reason)
+        if reason == "peer":
+            self._drop_peer(load.engine_id)
+            self._stale_handshakes.append(load.engine_id)
+
+    def _complete(self, load: DecodeHandover) -> None:
+        """LOADED once every block is read and landed and holds what the prefill instance
+        checksummed; a checksum that differs gives the load up ("checksum")."""
+        if load.state is not DecodeState.LOADING or load.reads or load.num_posted != len(load.local_block_ids):
+            return
+        if self._checksums_match(load):
+            self._loaded(load)
+        else:
+            self._give_up(load, "checksum")
+
+    def _loaded(self, load: DecodeHandover) -> None:
+        handover.loaded(load)
+        self._bytes_total += load.num_blocks * self.block_bytes
+        self._durations_s.append(self._clock() - load.started_at)
+        self.scheduler.finish_remote_load(load.request_id, ok=True)
+        if load.stream:  # its reads notified under their own ids: the pin is released here
+            self.connector.notify_release(load.peer, load.transfer_id)
+        self._end(load)
+
+    def _give_up(self, load: DecodeHandover, reason: str) -> None:
+        """A started load that cannot complete: its request recomputes (or fails). Its blocks
+        stay quarantined while any of its reads may still land (one past its deadline, or
+        others in flight)."""
+        rid = load.request_id
+        if load.reads:
             handover.quarantine(load, quarantine_holder_id(rid), reason)
             self.scheduler.finish_remote_load(rid, ok=False, quarantine=True)
         else:
@@ -360,9 +461,6 @@ class KVTransferCoordinator:
             self._end(load)
         self.connector.notify_release(load.peer, load.transfer_id)
         self._on_failed(load)
-        if reason == "peer":
-            self._drop_peer(load.engine_id)
-            self._stale_handshakes.append(load.engine_id)
 
     def _checksums_match(self, load: DecodeHandover) -> bool:
         """Whether the blocks read hold what the prefill instance checksummed (True when either
@@ -372,6 +470,16 @@ class KVTransferCoordinator:
         expected = list(load.remote_checksums[load.first_block:load.first_block + load.num_blocks])
         found = self.connector.block_checksums(list(load.local_block_ids))
         return found is None or found == expected
+
+    def _release_quarantine_if_over(self, load: DecodeHandover) -> None:
+        """QUARANTINED → RELEASED once none of its reads can land any more."""
+        if load.reads:
+            return
+        handover.release_quarantine(load)
+        self.scheduler.release_blocks(load.quarantine_id)
+        if load.stream and load.reason == "aborted":
+            self.connector.notify_release(load.peer, load.transfer_id)
+        self._end(load)
 
     def _refuse_admitted(self, load: DecodeHandover, reason: str) -> None:
         """An admitted load that cannot start: the request waits again (or fails)."""
@@ -405,9 +513,10 @@ class KVTransferCoordinator:
             self._consumed.popitem(last=False)
 
     def _load_of(self, request_id: str) -> DecodeHandover | None:
-        """The ADMITTED or LOADING hand-over of a live request."""
+        """The ADMITTED, STREAMING or LOADING hand-over of a live request."""
         for load in self._loads.values():
-            if load.request_id == request_id and load.state in (DecodeState.ADMITTED, DecodeState.LOADING):
+            if load.request_id == request_id and load.state in (DecodeState.ADMITTED, DecodeState.STREAMING,
+                                                                 DecodeState.LOADING):
                 return load
         return None
 

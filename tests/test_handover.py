@@ -12,18 +12,22 @@ from tandem.handover import DecodeHandover, DecodeState, IllegalTransition, Pref
 # transition → (the states it leaves, the state it reaches), as the module's diagram draws them
 DECODE = {
     "start": ({DecodeState.ADMITTED}, DecodeState.LOADING),
+    "start_stream": ({DecodeState.ADMITTED}, DecodeState.STREAMING),
+    "last_announced": ({DecodeState.STREAMING}, DecodeState.LOADING),
     "refuse": ({DecodeState.ADMITTED}, DecodeState.FAILED),
     "cancel": ({DecodeState.ADMITTED}, DecodeState.CANCELLED),
     "loaded": ({DecodeState.LOADING}, DecodeState.LOADED),
-    "fail": ({DecodeState.LOADING}, DecodeState.FAILED),
-    "quarantine": ({DecodeState.LOADING}, DecodeState.QUARANTINED),
+    "fail": ({DecodeState.LOADING, DecodeState.STREAMING}, DecodeState.FAILED),
+    "quarantine": ({DecodeState.LOADING, DecodeState.STREAMING}, DecodeState.QUARANTINED),
     "release_quarantine": ({DecodeState.QUARANTINED}, DecodeState.RELEASED),
 }
 PREFILL = {
+    "pin": ({PrefillState.STREAMING}, PrefillState.PINNED),
+    "abandon": ({PrefillState.STREAMING}, PrefillState.RELEASED),
     "release": ({PrefillState.PINNED}, PrefillState.RELEASED),
     "expire": ({PrefillState.PINNED}, PrefillState.EXPIRED),
 }
-ARGS = {"start": (3, 1.0), "refuse": ("mismatch",), "fail": ("peer",), "quarantine": ("q", "deadline")}
+ARGS = {"start": (3, 1.0), "start_stream": (3, 1.0), "refuse": ("mismatch",), "fail": ("peer",), "quarantine": ("q", "deadline")}
 
 
 def _decode(state: DecodeState) -> DecodeHandover:
@@ -48,12 +52,13 @@ def test_decode_transitions_follow_the_diagram(name, state):
 def test_prefill_transitions_follow_the_diagram(name, state):
     sources, target = PREFILL[name]
     h = PrefillHandover("t", "t#kv-pin", 4, 10.0, state=state)
+    args = (3, 20.0) if name == "pin" else ()
     if state in sources:
-        getattr(handover, name)(h)
+        getattr(handover, name)(h, *args)
         assert h.state is target
     else:
         with pytest.raises(IllegalTransition):
-            getattr(handover, name)(h)
+            getattr(handover, name)(h, *args)
 
 
 def test_a_pin_is_released_once_whether_by_notification_or_expiry():

@@ -30,6 +30,9 @@ BENCHMARKS = {
     "chaos": ("tandem.bench.chaos", "a prefill/decode cluster under injected KV-transfer faults (the "
               "\"faulty\" connector over NIXL): requests lost, answers against a colocated instance's, "
               "blocks left held, faults injected vs observed"),
+    "disagg-ttft": ("tandem.bench.disagg_ttft", "TTFT of disaggregated requests by prompt length: "
+                    "whole-request KV hand-overs vs streamed ones (disaggregation.stream_kv), prefill "
+                    "and decode on two network namespaces over UCX/TCP (as root)"),
 }
 PEERS = {"offline": {"vllm": "tandem.bench.peers.vllm_offline", "llamacpp": "tandem.bench.peers.llamacpp_offline"},
          "serve": {"vllm": "tandem.bench.peers.vllm_serve"}}

@@ -82,6 +82,11 @@ class RemoteKV(enum.Enum):
     SEND = "send"
     """Prefill side: when it finishes normally its blocks are pinned for a decode instance to
     read (``Scheduler.take_new_pins``)."""
+    STREAM = "stream"
+    """Prefill side, a streamed hand-over: like SEND, and its full computed blocks are announced
+    while it runs (``Scheduler.stream_progress``); when it ends any other way (aborted,
+    preempted, isolated) the blocks it holds are pinned too, so a read already posted never
+    lands in blocks another request reuses. After a preemption it is an ordinary request."""
 
 
 @dataclass(slots=True)

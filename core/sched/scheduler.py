@@ -76,6 +76,9 @@ class PinnedKV:
     block_ids: list[int]
     token_ids: tuple[int, ...]
     cache_salt: str | None
+    complete: bool = True
+    """False: a streamed hand-over that ended before its prompt was computed (aborted,
+    preempted); its blocks are pinned only until the reader is done with them."""
 
     @property
     def num_tokens(self) -> int:
@@ -358,14 +361,31 @@ class Scheduler:
         request.status = status
         request.metrics.finished_time = time.monotonic()
         finished_normally = status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
-        if request.remote_kv is RemoteKV.SEND and was_running and finished_normally:
-            pin_id = pin_holder_id(rid)
-            tokens = tuple(request.all_token_ids[:request.num_computed_tokens])
-            self._new_pins.append(PinnedKV(rid, pin_id, self._keep_blocks(rid, pin_id), tokens,
-                                           request.cache_salt))
+        if request.remote_kv in (RemoteKV.SEND, RemoteKV.STREAM) and was_running and finished_normally:
+            self._pin(request, complete=True)
+        elif request.remote_kv is RemoteKV.STREAM:
+            self._pin(request, complete=False)
         self.kv.free(rid)
         del self._requests[rid]
         self._notices.finished.add(rid)
+
+    def _pin(self, request: Request, complete: bool) -> None:
+        """Keep the blocks of a sender (SEND or STREAM) for its reader; after that it sends
+        nothing more."""
+        rid = request.request_id
+        pin_id = pin_holder_id(rid)
+        tokens = tuple(request.all_token_ids[:request.num_computed_tokens])
+        self._new_pins.append(PinnedKV(rid, pin_id, self._keep_blocks(rid, pin_id), tokens,
+                                       request.cache_salt, complete))
+        request.remote_kv = RemoteKV.NONE
+
+    def stream_progress(self) -> list[tuple[str, list[int]]]:
+        """(request id, the blocks whose every token's KV is computed) of each running STREAM
+        request, in logical order; call after ``update_from_output``. Full blocks are never
+        replaced, so each list extends the one before it."""
+        size = self.kv.block_size
+        return [(r.request_id, self.kv.get_block_ids(r.request_id)[:r.num_computed_tokens // size])
+                for r in self._running if r.remote_kv is RemoteKV.STREAM]
 
     def _enqueue(self, request: Request) -> None:
         heapq.heappush(self._waiting, (self.policy.sort_key(request), next(self._queue_seq), request))
@@ -613,7 +633,10 @@ class Scheduler:
         self._enqueue(request)
 
     def _reset(self, request: Request) -> None:
-        """Nothing computed, nothing sent: its computed full blocks stay cached."""
+        """Nothing computed, nothing sent: its computed full blocks stay cached (a STREAM
+        request's stay pinned: a reader may be reading them)."""
+        if request.remote_kv is RemoteKV.STREAM:
+            self._pin(request, complete=False)
         self.kv.free(request.request_id)
         request.num_tokens_sent = 0
         request.num_computed_tokens = 0

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import SecretStr
@@ -36,7 +36,9 @@ from tandem.plugin_manager import get_registry
 from tandem.server.bounds import RequestBounds
 from tandem.server.chat import create_chat_completion
 from tandem.server.completions import create_completion
-from tandem.server.disagg import HANDSHAKE_PATH, KV_EVENTS_PATH, RELEASE_PATH, HandshakeCache, check_kv_secret
+from tandem.server.disagg import (HANDSHAKE_PATH, KV_EVENTS_PATH, PROGRESS_PATH, RELEASE_PATH, HandshakeCache,
+                                  check_kv_secret)
+from tandem.server.kv_progress import progress_answer
 from tandem.server.errors import APIError, api_error_from, internal_error
 from tandem.http_limits import BodyLimitMiddleware
 from tandem.server.metrics import ServerMetrics
@@ -223,6 +225,15 @@ def _add_kv_routes(app: FastAPI, ctx: ServingContext) -> None:
             raise APIError(404, "this instance publishes no KV events (kv_events.enabled = false)",
                            code="not_found")
         return JSONResponse(info)
+
+    @app.get(PROGRESS_PATH, dependencies=[Depends(check)], responses=_KV_ERRORS)
+    async def kv_progress(transfer_id: str = Query(min_length=1, max_length=512),
+                          known: int = Query(0, ge=0, le=1 << 20)) -> JSONResponse:
+        """A streamed hand-over's latest announcement (``tandem.server.kv_progress``): once it
+        lists more than ``known`` blocks or has ended, else after a second as it is. 404 for
+        a transfer this instance does not stream, or when colocated."""
+        require_connector()
+        return await progress_answer(ctx, transfer_id, known)
 
     @app.post(RELEASE_PATH, dependencies=[Depends(check)], responses=_KV_ERRORS,
               response_model=KVReleaseResponse)

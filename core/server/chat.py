@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from tandem.chat_template import NoChatTemplate, apply_chat_template, content_text
 from tandem.outputs import CompletionOutput, Logprob, RequestOutput
 from tandem.server.disagg import check_kv_secret, dump, hand_over, kv_transfer_args
+from tandem.server.kv_progress import early_hand_over
 from tandem.server.errors import APIError, bad_request
 from tandem.server.protocol import (
     AssistantMessage,
@@ -80,6 +81,8 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     streams = await admit(ctx, [token_ids], params, body, view.request_id, kv_transfer,
                           {"prompt": "messages", "logprobs": "top_logprobs",
                            "max_tokens": max_tokens_name, "structured_outputs": grammar_name})
+    if kv_transfer.remote_decode and (early := early_hand_over(ctx, streams[0], request)) is not None:
+        return early
     if body.stream:
         return SSEResponse(view.stream(streams), ctx, streams)
     final = await until_disconnect(request, lambda: view.collect(streams))

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from tandem.async_engine import RequestStream
 from tandem.outputs import CompletionOutput, Logprob, RequestOutput
 from tandem.server.disagg import check_kv_secret, dump, hand_over, kv_transfer_args
+from tandem.server.kv_progress import early_hand_over
 from tandem.server.errors import APIError, bad_request
 from tandem.server.protocol import (
     CompletionChoice,
@@ -57,6 +58,8 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = await admit(ctx, prompts, params, body, request_id, kv_transfer,
                           {"prompt_logprobs": prompt_logprobs_name, "structured_outputs": grammar_name})
+    if kv_transfer.remote_decode and (early := early_hand_over(ctx, streams[0], request)) is not None:
+        return early
     try:
         view = await _view(ctx, body, request_id, streams)
     except BaseException:

@@ -39,6 +39,7 @@ logger = logging.getLogger("tandem.server")
 HANDSHAKE_PATH = "/kv/handshake"
 RELEASE_PATH = "/kv/release"
 KV_EVENTS_PATH = "/kv/events"
+PROGRESS_PATH = "/kv/progress"
 KV_SECRET_HEADER = "X-Tandem-KV-Secret"
 HANDSHAKE_TIMEOUT_S = 10.0
 """The whole fetch of one handshake, connection to last byte."""
@@ -57,6 +58,8 @@ class KVTransferArgs:
 
     remote_decode: bool = False
     remote_prefill: RemotePrefill | None = None
+    progress_url: str | None = None
+    """A streamed hand-over's: where the prefill instance announces its blocks."""
 
     @property
     def active(self) -> bool:
@@ -194,9 +197,15 @@ async def kv_transfer_args(engine, handshakes: HandshakeCache, body: SamplingFie
     except HandshakeError as exc:
         return _load_failure(engine, f"cannot fetch the KV handshake of the prefill instance: {exc}", exc)
     try:
-        return KVTransferArgs(remote_prefill=RemotePrefill.from_params(remote, handshake))
+        remote_prefill = RemotePrefill.from_params(remote, handshake)
     except ValueError as exc:
         raise bad_request(str(exc), _PARAM) from exc
+    progress_url = None
+    if remote_prefill.stream:
+        _require(params.handshake_url.endswith(HANDSHAKE_PATH),
+                 f"a streamed hand-over's handshake_url must end with {HANDSHAKE_PATH}")
+        progress_url = params.handshake_url.removesuffix(HANDSHAKE_PATH) + PROGRESS_PATH
+    return KVTransferArgs(remote_prefill=remote_prefill, progress_url=progress_url)
 
 
 def _load_failure(engine, message: str, cause: Exception) -> KVTransferArgs:
@@ -219,9 +228,14 @@ def hand_over(out: RequestOutput, request: Request) -> dict[str, Any] | None:
     None when nothing was pinned."""
     if out.kv_transfer_params is None:
         return None
+    return signed_hand_over(out.kv_transfer_params, request)
+
+
+def signed_hand_over(params: dict[str, Any], request: Request) -> dict[str, Any]:
+    """The engine's hand-over ``params`` plus where to fetch the handshake (this server, at the
+    address the caller reached it by), signed under the cluster secret."""
     secret = request.app.state.tandem.kv_secret
-    return sign({**out.kv_transfer_params,
-                 "handshake_url": str(request.base_url).rstrip("/") + HANDSHAKE_PATH},
+    return sign({**params, "handshake_url": str(request.base_url).rstrip("/") + HANDSHAKE_PATH},
                 secret.encode() if secret is not None else None)
 
 

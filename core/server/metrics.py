@@ -64,6 +64,9 @@ class _EngineCollector(Collector):
 def _kv_transfer_metrics(stats: KVTransferStats) -> Iterator[Metric]:
     yield CounterMetricFamily("tandem:kv_transfer_bytes", "KV bytes read from prefill instances.",
                               value=stats.bytes_total)
+    yield CounterMetricFamily("tandem:kv_transfer_reads", "KV reads posted to prefill instances (a "
+                              "streamed hand-over posts one per announced run of blocks).",
+                              value=stats.reads_total)
     failures = CounterMetricFamily("tandem:kv_transfer_failures",
                                    "KV hand-overs that failed (decode side: peer, deadline, transfer, "
                                    "mismatch, checksum; prefill side: expired).", labels=["reason"])

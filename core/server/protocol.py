@@ -118,6 +118,9 @@ class KVTransferParams(_Request):
     signature: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
     """The prefill instance's HMAC-SHA256 of the other fields (``tandem.handover_auth``);
     absent only when neither instance has a ``kv_transfer_secret``."""
+    stream: bool | None = None
+    """True: a streamed hand-over (``tandem.kv_stream``): ``block_ids`` is empty and the blocks
+    are announced at the prefill instance's ``/kv/progress`` as its prompt is computed."""
 
     REMOTE_PREFILL_FIELDS: ClassVar[tuple[str, ...]] = (
         "engine_id", "transfer_id", "block_ids", "num_tokens", "prompt_digest", "compat_hash",
@@ -137,7 +140,7 @@ class KVTransferParams(_Request):
         if self.do_remote_decode == self.do_remote_prefill:
             raise PydanticCustomError("kv_transfer_params", "set exactly one of do_remote_decode and "
                                       "do_remote_prefill to true")
-        given = [name for name in (*self.REMOTE_PREFILL_FIELDS, "kv_checksums", "signature")
+        given = [name for name in (*self.REMOTE_PREFILL_FIELDS, "kv_checksums", "signature", "stream")
                  if getattr(self, name) is not None]
         if self.do_remote_decode and given:
             raise PydanticCustomError("kv_transfer_params", "do_remote_decode takes no other field "
@@ -150,7 +153,7 @@ class KVTransferParams(_Request):
 
     def remote_prefill_params(self) -> dict[str, Any]:
         """The prefill answer's fields and signature, of a complete decode form."""
-        return self.model_dump(include={*self.REMOTE_PREFILL_FIELDS, "kv_checksums", "signature"},
+        return self.model_dump(include={*self.REMOTE_PREFILL_FIELDS, "kv_checksums", "signature", "stream"},
                                exclude_none=True)
 
 

@@ -20,6 +20,7 @@ from tandem.async_engine import AsyncEngine, RequestBatch, RequestStream, Stream
 from tandem.errors import EngineUnavailable, InvalidRequest
 from tandem.interfaces import ToolParser
 from tandem.server.disagg import HandshakeCache, KVTransferArgs
+from tandem.server.kv_progress import follow_in_background
 from tandem.outputs import Logprob, RequestOutput
 from tandem.sampling_params import SamplingParams
 from tandem.server.bounds import RequestBounds
@@ -51,6 +52,8 @@ class ServingContext:
     """The parser of tool_choice "auto" (``server.tool_call_parser``); None unless
     ``server.enable_auto_tool_choice``."""
     bounds: RequestBounds = field(default_factory=RequestBounds)
+    kv_tasks: set = field(default_factory=set)
+    """Background tasks of streamed hand-overs (``tandem.server.kv_progress``), kept referenced."""
 
     @property
     def tokenizer(self):
@@ -171,6 +174,7 @@ async def admit(ctx: ServingContext, prompts: list[str | list[int]], params: Sam
                        code=getattr(exc, "code", "invalid_request")) from exc
     except Exception as exc:
         raise api_error_from(exc) from exc
+    follow_in_background(ctx, kv_transfer, streams[0])
     if ctx.log_requests:
         logger.info("%s: admitted %d prompt(s) of %s tokens, priority %d, %s", request_id, len(streams),
                     [s.num_prompt_tokens for s in streams], body.priority, params)

@@ -143,3 +143,53 @@ def test_a_prompt_the_decode_instance_holds_whole_needs_an_empty_read():
     s.finish_remote_load("r", ok=True)
     out, _ = run_step(s)
     assert out.num_scheduled_tokens == {"r": 1}
+
+
+def test_a_streamed_request_announces_its_full_computed_blocks_then_pins_them():
+    """Prompt of 10 tokens in chunks of 3 (block size 4): after each step the blocks whose 4
+    tokens are all computed, then the whole prompt's 3 blocks pinned as complete."""
+    s = make_scheduler(num_blocks=16, max_num_batched_tokens=3)
+    s.add_request(make_request("p", list(range(1, 11)), max_tokens=1, remote_kv=RemoteKV.STREAM))
+    announced = []
+    for _ in range(3):
+        run_step(s)
+        (progress,) = s.stream_progress()
+        announced.append(progress[1])
+    table = s.kv.get_block_ids("p")
+    assert announced == [[], table[:1], table[:2]]
+    run_step(s)
+    assert s.stream_progress() == [] and s.get_request("p") is None
+    (pin,) = s.take_new_pins()
+    assert pin.complete and pin.block_ids == table and pin.num_tokens == 10
+
+
+def test_an_aborted_streamed_request_pins_what_it_holds_as_incomplete():
+    """A reader may be reading the announced blocks: they stay held until it is done."""
+    s = make_scheduler(num_blocks=16, max_num_batched_tokens=5)
+    s.add_request(make_request("p", list(range(1, 11)), max_tokens=1, remote_kv=RemoteKV.STREAM))
+    run_step(s)
+    table = s.kv.get_block_ids("p")
+    s.abort_requests(["p"])
+    (pin,) = s.take_new_pins()
+    assert not pin.complete and pin.block_ids == table and s.kv.stats().num_used_blocks == 2
+    assert s.release_blocks(pin.pin_id) and s.kv.stats().num_used_blocks == 0
+
+
+def test_a_preempted_streamed_request_pins_its_blocks_and_goes_on_as_an_ordinary_one():
+    """5 usable blocks of 4 tokens, 5 tokens a step: "a" (4 + 12 tokens) and the streamed "s"
+    (14 prompt tokens) fill the pool in three steps; "a" needs a sixth block, preempting "s",
+    whose 3 blocks stay pinned (incomplete) for a reader that may be reading them."""
+    s = make_scheduler(num_blocks=6, max_num_batched_tokens=5)
+    s.add_request(make_request("a", [1, 2, 3, 4], max_tokens=12, arrival=0.0))
+    s.add_request(make_request("p", list(range(10, 24)), max_tokens=1, arrival=1.0, remote_kv=RemoteKV.STREAM))
+    for _ in range(3):
+        run_step(s)
+    table = s.kv.get_block_ids("p")
+    assert s.stream_progress() == [("p", table[:2])] and s.take_new_pins() == []
+    out, _ = run_step(s)
+    assert out.preempted_req_ids == {"p"}
+    (pin,) = s.take_new_pins()
+    assert not pin.complete and pin.block_ids == table
+    p = s.get_request("p")
+    assert p.status is RequestStatus.PREEMPTED and p.remote_kv is RemoteKV.NONE
+    assert s.kv.get_block_ids(pin.pin_id) == table and s.stream_progress() == []

@@ -26,11 +26,11 @@ LENGTHS = (5, 16, 67)
 TINY_BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4
 
 
-def _role(model_dir, role: str, tp: int = 1, pp: int = 1):
+def _role(model_dir, role: str, tp: int = 1, pp: int = 1, **overrides):
     return server_config(model_dir, served_model_name="tiny", **{
         "disaggregation.role": role, "disaggregation.kv_connector": "nixl",
         "disaggregation.allow_insecure_no_secret": True, "parallel.tensor_parallel_size": tp,
-        "parallel.pipeline_parallel_size": pp, "engine.worker_timeout_s": 120})
+        "parallel.pipeline_parallel_size": pp, "engine.worker_timeout_s": 120, **overrides})
 
 
 class Instances:
@@ -40,11 +40,11 @@ class Instances:
     def __init__(self, stack: ExitStack) -> None:
         self._stack, self._running = stack, {}
 
-    def get(self, model, role: str, tp: int = 1, pp: int = 1):
-        key = (str(model), role, tp, pp)
+    def get(self, model, role: str, tp: int = 1, pp: int = 1, **overrides):
+        key = (str(model), role, tp, pp, *sorted(overrides.items()))
         if key not in self._running:
             config = server_config(model, served_model_name="tiny") if role == "both" else \
-                _role(model, role, tp, pp)
+                _role(model, role, tp, pp, **overrides)
             self._running[key] = self._stack.enter_context(running_server(config))
         return self._running[key]
 
@@ -118,6 +118,22 @@ def test_tp1_prefill_hands_over_to_a_tp2_decode_each_rank_reading_its_head(serve
     prefill_tp1 = instances.get(model_dir, "prefill")
     before = _counters(decode_tp2)
     blocks = sum(_assert_hand_overs_equal_colocated(server.url, prefill_tp1, decode_tp2, 60))
+    for was, now in zip(before, _counters(decode_tp2)):
+        assert now.descriptors - was.descriptors == blocks * 2 * 2 * 16
+        assert now.bytes_read - was.bytes_read == blocks * TINY_BLOCK_BYTES // 2  # its head only
+
+
+def test_a_streamed_tp1_prefill_hands_over_to_a_tp2_decode(server, model_dir, instances, decode_tp2):
+    """disaggregation.stream_kv, a prefill step of 8 tokens: each decode rank reads its head
+    from each announced run of blocks, the same bytes as a whole hand-over."""
+    prefill_tp1 = instances.get(model_dir, "prefill", **{"disaggregation.stream_kv": True,
+                                                         "engine.max_num_batched_tokens": 8})
+    given_up = hand_over(prefill_tp1.url, [5, 6, 7])
+    assert given_up["stream"] is True and given_up["block_ids"] == []
+    assert httpx.post(f"{prefill_tp1.url}/kv/release", json={"transfer_id": given_up["transfer_id"]},
+                      timeout=10).json()["released"] is True
+    before = _counters(decode_tp2)
+    blocks = sum(_assert_hand_overs_equal_colocated(server.url, prefill_tp1, decode_tp2, 65))
     for was, now in zip(before, _counters(decode_tp2)):
         assert now.descriptors - was.descriptors == blocks * 2 * 2 * 16
         assert now.bytes_read - was.bytes_read == blocks * TINY_BLOCK_BYTES // 2  # its head only
