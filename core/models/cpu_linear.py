@@ -82,20 +82,16 @@ class PackedLinear:
         if self.kind == "torch":
             out = F.linear(x2 if x2.dtype == self.weight.dtype else x2.to(self.weight.dtype), self.weight,
                            None if bias is None else bias.to(self.weight.dtype))
-        elif self.kind == "tandem":
-            if x2.dtype != torch.float32 or x2.stride(-1) != 1:
-                x2 = x2.to(torch.float32).contiguous()
+        elif self.kind in ("tandem", "dpbf16"):
+            # tandem's panels read float32 rows; dpbf16's bfloat16 rows at an even stride
+            want = torch.float32 if self.kind == "tandem" else torch.bfloat16
+            if x2.dtype != want or x2.stride(-1) != 1 or (want == torch.bfloat16 and x2.stride(0) % 2):
+                x2 = x2.to(want).contiguous()
             out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
             if bias is not None and bias.dtype != torch.float32:
                 bias = bias.float()
-            cpu_ops.panel_linear(out, x2, self.weight, bias)
-        elif self.kind == "dpbf16":
-            if x2.dtype != torch.bfloat16 or x2.stride(-1) != 1 or x2.stride(0) % 2:
-                x2 = x2.to(torch.bfloat16).contiguous()
-            out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
-            if bias is not None and bias.dtype != torch.float32:
-                bias = bias.float()
-            cpu_ops.panel_linear_dpbf16(out, x2, self.weight, bias)
+            kernel = cpu_ops.panel_linear if self.kind == "tandem" else cpu_ops.panel_linear_dpbf16
+            kernel(out, x2, self.weight, bias)
         else:
             compute = self.weight.dtype
             out = torch.ops.mkldnn._linear_pointwise(
