@@ -22,6 +22,7 @@ import logging
 import multiprocessing.connection
 import pickle
 import socket
+import threading
 import time
 from tandem.config import ConfigError, TandemConfig
 from tandem.executor.messages import STOP, Fatal, KVCall, KVDone, Ready, Reply, StartFailed, StepDone, StepFailed
@@ -61,6 +62,9 @@ class MultiprocExecutor(Executor):
         self.nnodes = par.nnodes
         self._last_ping = time.monotonic()
         self.procs, self.conn = start_ranks(config, eos_token_ids, 0, key, with_pipe=True)
+        self._channel = threading.Lock()
+        """Held from a request's send to its reply: rank 0 answers in order, so a caller on
+        another thread (a KV connector call beside a step) must not read the other's reply."""
         self._closed = False
         self.step_seconds = 0.0
         """Round trip of the last step, in the engine process."""
@@ -93,11 +97,7 @@ class MultiprocExecutor(Executor):
         if self._closed:
             raise EngineDeadError("the mp executor's workers are stopped")
         t0 = time.perf_counter()
-        try:
-            self.conn.send_bytes(pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL))
-        except OSError as exc:
-            self._die(f"rank 0's pipe is closed: {exc}")
-        reply = self._wait(self.timeout_s, "a step")
+        reply = self._request(scheduler_output, "a step")
         self.step_seconds = time.perf_counter() - t0
         match reply:
             case StepDone(output, worker_seconds):
@@ -125,7 +125,8 @@ class MultiprocExecutor(Executor):
             return
         dead = [p for p in self.procs if not p.is_alive()]
         if dead:
-            self._wait(0, "an idle period")  # names them and raises EngineDeadError
+            with self._channel:
+                self._wait(0, "an idle period")  # names them and raises EngineDeadError
         if self.nnodes > 1 and time.monotonic() - self._last_ping >= HEALTH_PING_S:
             self._last_ping = time.monotonic()
             self.call_ranks("ping", [()] * self.world_size)
@@ -135,11 +136,7 @@ class MultiprocExecutor(Executor):
         exception of a rank is raised here; a dead or hung rank is an ``EngineDeadError``."""
         if self._closed:
             self._die("the mp executor's workers are stopped")
-        try:
-            self.conn.send_bytes(pickle.dumps(KVCall(method, args), protocol=pickle.HIGHEST_PROTOCOL))
-        except OSError as exc:
-            self._die(f"rank 0's pipe is closed: {exc}")
-        reply = self._wait(self.timeout_s, f"a KV connector call ({method})")
+        reply = self._request(KVCall(method, args), f"a KV connector call ({method})")
         match reply:
             case KVDone(results):
                 return results
@@ -164,6 +161,16 @@ class MultiprocExecutor(Executor):
         self.conn.close()
 
     # ------------------------------------------------------------------ helpers
+
+    def _request(self, message: object, what: str) -> Reply:
+        """Sends ``message`` to rank 0 and returns its reply; one request at a time, from any
+        thread."""
+        with self._channel:
+            try:
+                self.conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+            except OSError as exc:
+                self._die(f"rank 0's pipe is closed: {exc}")
+            return self._wait(self.timeout_s, what)
 
     def _wait(self, timeout: float | None, what: str) -> Reply:
         """Rank 0's next reply; EngineDeadError when a local rank exits first or none comes

@@ -83,7 +83,12 @@ def until_read(decode_url: str, reads: float, timeout_s: float = 30.0) -> bool:
 
 
 def peer_failures(url: str) -> float:
-    return scrape(url).get("tandem:kv_transfer_failures_total{reason=peer}", 0.0)
+    """Hand-overs failed because of their prefill instance: gone or silent ("peer"), or a read
+    in flight when it froze that ran past its deadline ("deadline"): which one depends on
+    whether a read was under way at that moment."""
+    metrics = scrape(url)
+    return sum(metrics.get(f"tandem:kv_transfer_failures_total{{reason={reason}}}", 0.0)
+               for reason in ("peer", "deadline"))
 
 
 def blocks_held(url: str) -> tuple[float, float, float]:

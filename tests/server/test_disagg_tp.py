@@ -128,7 +128,9 @@ def test_a_streamed_tp1_prefill_hands_over_to_a_tp2_decode(server, model_dir, in
     from each announced run of blocks, the same bytes as a whole hand-over."""
     prefill_tp1 = instances.get(model_dir, "prefill", **{"disaggregation.stream_kv": True,
                                                          "engine.max_num_batched_tokens": 8})
-    given_up = hand_over(prefill_tp1.url, [5, 6, 7])
+    # 12 prefill steps: the server answers at admission, before the prompt is done (a prompt
+    # done before the server takes its answer is handed over whole, without "stream")
+    given_up = hand_over(prefill_tp1.url, _prompts(64, [96])[0])
     assert given_up["stream"] is True and given_up["block_ids"] == []
     assert httpx.post(f"{prefill_tp1.url}/kv/release", json={"transfer_id": given_up["transfer_id"]},
                       timeout=10).json()["released"] is True
