@@ -157,6 +157,11 @@ class _ReleasePin:
 
 
 @dataclass(slots=True)
+class _ResetPrefixCache:
+    future: asyncio.Future
+
+
+@dataclass(slots=True)
 class _Announce:
     announcement: KVAnnouncement
 
@@ -287,7 +292,8 @@ class AsyncEngine:
         self.died = asyncio.Event()
         """Set on the loop when the engine thread ends with an error after loading."""
         self._streams: dict[str, RequestStream] = {}
-        self._releases: set[asyncio.Future] = set()  # release_kv_transfer calls not yet answered
+        self._releases: set[asyncio.Future] = set()
+        """Engine-thread calls not yet answered (release_kv_transfer, reset_prefix_cache)."""
 
     # ------------------------------------------------------------------ lifecycle (event loop)
 
@@ -497,6 +503,16 @@ class AsyncEngine:
         self._releases.add(future)
         future.add_done_callback(self._releases.discard)
         self._inbox.put(_ReleasePin(transfer_id, future))
+        return await future
+
+    async def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request holds, on the engine thread (``LLMEngine.
+        reset_prefix_cache``); returns how many. Raises ``EngineUnavailable`` unless serving."""
+        self.check_admitting()
+        future = self._loop.create_future()
+        self._releases.add(future)
+        future.add_done_callback(self._releases.discard)
+        self._inbox.put(_ResetPrefixCache(future))
         return await future
 
     def check_admitting(self) -> None:
@@ -712,7 +728,10 @@ class AsyncEngine:
             except queue.Empty:
                 return cmds
 
-    def _handle(self, engine: LLMEngine, cmd: _Add | _Abort | _ReleasePin | _Announce) -> None:
+    def _handle(self, engine: LLMEngine, cmd: _Add | _Abort | _ReleasePin | _Announce | _ResetPrefixCache) -> None:
+        if isinstance(cmd, _ResetPrefixCache):
+            self._post(_set_result, cmd.future, engine.reset_prefix_cache())
+            return
         if isinstance(cmd, _Announce):
             if engine.kv_transfer is not None:
                 engine.kv_transfer.on_announcement(cmd.announcement)

@@ -232,10 +232,12 @@ class LLMEngine:
             self.kv_events.close()
         self.executor.close()
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached block no request holds (published as a KV event at once)."""
-        self.scheduler.kv.reset_prefix_cache()
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request holds (published as a KV event at once); returns
+        how many."""
+        forgotten = self.scheduler.kv.reset_prefix_cache()
         self._publish_kv_events()
+        return forgotten
 
     def _publish_kv_events(self) -> None:
         if self.kv_events is not None and (events := self.scheduler.kv.take_events()):

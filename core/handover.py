@@ -83,6 +83,9 @@ class PrefillHandover:
     state: PrefillState = PrefillState.PINNED
     num_announced: int = 0
     given_up: bool = False
+    checksums: list[int] | None = field(default_factory=list)
+    """A streamed one's: the checksum of each block announced so far (None: the connector
+    cannot checksum)."""
 
 
 @dataclass(slots=True)

@@ -160,8 +160,9 @@ class KVAllocator(ABC):
     @abstractmethod
     def stats(self) -> KVStats: ...
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached block that no request holds (optional)."""
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block that no request holds; returns how many (optional: 0)."""
+        return 0
 
     def record_events(self) -> None:
         """From now on, record what enters and leaves the prefix cache for ``take_events``

@@ -31,8 +31,12 @@ class PrefillPins:
     same names."""
 
     def __init__(self, scheduler: Scheduler, *, engine_id: str, compat_hash: str, expiry_s: float,
-                 secret: bytes | None, clock: Callable[[], float], wall_clock: Callable[[], float]) -> None:
+                 secret: bytes | None, clock: Callable[[], float], wall_clock: Callable[[], float],
+                 block_checksums: Callable[[list[int]], list[int] | None] = lambda block_ids: None) -> None:
+        """``block_checksums``: the connector's (``KVConnector.block_checksums``), for the
+        announcements of streamed transfers."""
         self.scheduler = scheduler
+        self.block_checksums = block_checksums
         self.engine_id = engine_id
         self.compat_hash = compat_hash
         self.expiry_s = expiry_s
@@ -73,8 +77,10 @@ class PrefillPins:
             else:
                 handover.pin(pinned, len(new.block_ids), expires_at)
                 self.board.take_params(new.request_id)
-                self.board.publish(KVAnnouncement(transfer_id, tuple(new.block_ids) if new.complete else (),
-                                                  "done" if new.complete else "failed"))
+                if new.complete:
+                    self.board.publish(self._announcement(pinned, list(new.block_ids), "done"))
+                else:
+                    self.board.publish(KVAnnouncement(transfer_id, (), "failed"))
             if pinned.given_up or not new.block_ids:
                 self.release(transfer_id)
             elif new.complete:
@@ -97,7 +103,18 @@ class PrefillPins:
             streaming = self._streaming(self.transfer_id(request_id))
             if streaming is not None and len(block_ids) > streaming.num_announced:
                 streaming.num_announced = len(block_ids)
-                self.board.publish(KVAnnouncement(streaming.transfer_id, tuple(block_ids)))
+                self.board.publish(self._announcement(streaming, block_ids))
+
+    def _announcement(self, streamed: PrefillHandover, block_ids: list[int], state: str = "running") -> KVAnnouncement:
+        """``block_ids`` announced for ``streamed``, with their checksums: those of blocks
+        announced before are kept (announced blocks are final), the new ones computed."""
+        known = streamed.checksums
+        if known is not None and len(known) < len(block_ids):
+            new = self.block_checksums(block_ids[len(known):])
+            streamed.checksums = None if new is None else known + new
+        checksums = tuple(streamed.checksums or ())
+        return KVAnnouncement(streamed.transfer_id, tuple(block_ids), state,
+                              checksums if len(checksums) == len(block_ids) else ())
 
     def forget_stream(self, request_id: str) -> None:
         """A streamed transfer whose request never made it into the scheduler (refused at

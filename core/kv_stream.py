@@ -10,6 +10,11 @@ extending the one before it::
     done      the prompt is computed; ``block_ids`` cover all ``num_tokens`` tokens
     failed    the prefill request ended early (aborted, preempted); read nothing more
 
+Where the prefill instance's connector checksums blocks (``KVConnector.block_checksums``), each
+announcement also carries the checksum of each of its blocks (``kv_checksums``, one per block id,
+extending the previous announcement's like the ids do): the decode instance checks every block it
+read against them before the request decodes, as it does for a whole hand-over.
+
 The engine thread publishes to an ``AnnouncementBoard``; the server answers
 ``GET /kv/progress`` from it (``tandem.server.kv_progress``), signed under the cluster secret
 (``tandem.handover_auth.announcement_signature``). The decode instance follows the announcements
@@ -22,6 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+CHECKSUM_HEX_DIGITS = 8
 STATES = ("running", "done", "failed")
 MAX_ENDED = 4096
 """Ended transfers whose last announcement is kept for late readers (the oldest go first)."""
@@ -34,16 +40,22 @@ class KVAnnouncement:
     transfer_id: str
     block_ids: tuple[int, ...]
     state: str = "running"
+    checksums: tuple[int, ...] = ()
+    """One per block id, or none (the prefill instance's connector cannot checksum)."""
 
     def __post_init__(self) -> None:
         assert self.state in STATES, self.state
+        assert not self.checksums or len(self.checksums) == len(self.block_ids)
 
     @property
     def ended(self) -> bool:
         return self.state != "running"
 
     def to_json(self) -> dict[str, Any]:
-        return {"transfer_id": self.transfer_id, "block_ids": list(self.block_ids), "state": self.state}
+        body = {"transfer_id": self.transfer_id, "block_ids": list(self.block_ids), "state": self.state}
+        if self.checksums:
+            body["kv_checksums"] = [f"{c:0{CHECKSUM_HEX_DIGITS}x}" for c in self.checksums]
+        return body
 
     @classmethod
     def from_json(cls, data: Any) -> KVAnnouncement:
@@ -55,7 +67,16 @@ class KVAnnouncement:
             raise ValueError("announcement.block_ids must be a list of block ids")
         if state not in STATES or not isinstance(data.get("transfer_id"), str):
             raise ValueError(f"announcement.state must be one of {STATES}, with a transfer_id")
-        return cls(data["transfer_id"], tuple(block_ids), state)
+        checksums = data.get("kv_checksums", [])
+        if not (isinstance(checksums, list) and len(checksums) in (0, len(block_ids)) and all(
+                isinstance(c, str) and len(c) == CHECKSUM_HEX_DIGITS and _is_hex(c) for c in checksums)):
+            raise ValueError(f"announcement.kv_checksums must hold one {CHECKSUM_HEX_DIGITS}-digit hex "
+                             "checksum per block id")
+        return cls(data["transfer_id"], tuple(block_ids), state, tuple(int(c, 16) for c in checksums))
+
+
+def _is_hex(text: str) -> bool:
+    return all(c in "0123456789abcdef" for c in text)
 
 
 class AnnouncementBoard:

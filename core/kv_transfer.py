@@ -148,7 +148,8 @@ class KVTransferCoordinator:
         self._stale_handshakes: deque[str] = deque()  # engines whose peer died, for the server
         self._chunks: dict[str, str] = {}  # connector read id → transfer id, of streamed loads
         self.prefill = PrefillPins(scheduler, engine_id=engine_id, compat_hash=compat_hash,
-                                   expiry_s=expiry_s, secret=secret, clock=clock, wall_clock=wall_clock)
+                                   expiry_s=expiry_s, secret=secret, clock=clock, wall_clock=wall_clock,
+                                   block_checksums=connector.block_checksums)
         self._bytes_total = 0
         self._reads_total = 0
         self._failures: Counter[str] = Counter()
@@ -353,10 +354,11 @@ class KVTransferCoordinator:
         reason = None
         if announcement.state == "failed":
             reason = "peer"
-        elif announcement.block_ids[:len(known)] != known:
+        elif announcement.block_ids[:len(known)] != known or not self._extends_checksums(load, announcement):
             reason = "mismatch"
         else:
             load.remote_block_ids = announcement.block_ids
+            load.remote_checksums = announcement.checksums
             load.last_announced = announcement.state == "done"
             if load.last_announced and load.state is DecodeState.STREAMING and not self._covers(load):
                 reason = "mismatch"
@@ -369,6 +371,13 @@ class KVTransferCoordinator:
         if load.last_announced:
             handover.last_announced(load)
         self._read_announced(load)
+
+    @staticmethod
+    def _extends_checksums(load: DecodeHandover, announcement: KVAnnouncement) -> bool:
+        """The checksums of blocks announced before do not change (and once given, are always
+        given)."""
+        known = load.remote_checksums
+        return announcement.checksums[:len(known)] == known and (not known or bool(announcement.checksums))
 
     @staticmethod
     def _covers(load: DecodeHandover) -> bool:

@@ -43,6 +43,8 @@ from tandem.server.supervisor import free_port
 MODEL_NAME = "chaos"
 SEED_STRIDE = 1000
 ABANDON_S = 0.3
+STREAM_STEP_TOKENS = 16
+"""A streaming prefill instance's --max-num-batched-tokens: one block a step."""
 DRAIN_GAUGES = ("tandem:num_requests_running", "tandem:num_requests_waiting", "tandem:kv_blocks_used",
                 "tandem:kv_blocks_pending_release", "tandem:kv_blocks_quarantined")
 FAULT_FLAGS = ("read_fail_rate", "read_delay_rate", "read_delay_s", "truncate_rate", "notify_drop_rate",
@@ -105,9 +107,11 @@ def instance_env(role: str, secret: str, faults: dict[str, float], expiry_s: flo
 @contextmanager
 def running_cluster(model: str, faults: dict[str, float], *, decode_instances: int = 1, decode_tp: int = 1,
                     prefill_tp: int = 1, expiry_s: float = 3.0, transfer_timeout_s: float = 5.0, num_kv_blocks: int = 256,
-                    log_dir: Path | None = None, timeout_s: float = 300.0):
+                    stream_kv: bool = False, log_dir: Path | None = None, timeout_s: float = 300.0):
     """The oracle, the prefill and decode instances and the router, as processes; yields a
-    ``Cluster`` and stops them all at the end. Instance logs go to ``log_dir``."""
+    ``Cluster`` and stops them all at the end. Instance logs go to ``log_dir``. ``stream_kv``:
+    the prefill instance streams its hand-overs (``disaggregation.stream_kv``), ``STREAM_STEP_TOKENS``
+    prompt tokens a step, so a prompt's blocks are announced and read over several steps."""
     secret = secrets.token_urlsafe(24)
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="tandem-chaos-"))
     flags = ["--served-model-name", MODEL_NAME, "--num-kv-blocks", str(num_kv_blocks),
@@ -119,15 +123,17 @@ def running_cluster(model: str, faults: dict[str, float], *, decode_instances: i
             stack.callback(stop_server, proc)
             return url
 
-        def serve(name: str, role: str, index: int = 0, extra: list[str] = ()) -> str:
+        def serve(name: str, role: str, index: int = 0, extra: list[str] = (), env: dict[str, str] | None = None) -> str:
             port = free_port()
             cmd = [sys.executable, "-m", "tandem.cli", "serve", model, "--port", str(port), *flags, *extra]
             # each instance its own fault sequence (ranks add their rank to the seed)
             seeded = faults | {"seed": int(faults.get("seed", 0)) + SEED_STRIDE * index}
-            return start(name, cmd, port, instance_env(role, secret, seeded, expiry_s, transfer_timeout_s, 1))
+            return start(name, cmd, port, instance_env(role, secret, seeded, expiry_s, transfer_timeout_s, 1) | (env or {}))
 
         oracle = serve("oracle", "both")
-        prefill = serve("prefill", "prefill", 0, ["--tensor-parallel-size", str(prefill_tp)])
+        steps = ["--max-num-batched-tokens", str(STREAM_STEP_TOKENS)] if stream_kv else []
+        prefill = serve("prefill", "prefill", 0, ["--tensor-parallel-size", str(prefill_tp), *steps],
+                        {"TANDEM_DISAGGREGATION__STREAM_KV": "true"} if stream_kv else {})
         tp = ["--tensor-parallel-size", str(decode_tp)]
         decode = tuple(serve(f"decode{i}", "decode", i + 1, tp) for i in range(decode_instances))
         listed = [{"url": prefill, "role": "prefill"}] + [{"url": d, "role": "decode"} for d in decode]
@@ -262,13 +268,15 @@ def count_faults(cluster: Cluster, report: ChaosReport) -> None:
 
 def run_chaos(model: str, faults: dict[str, float], *, conversations_: int, turns: int, max_tokens: int,
               concurrency: int, seed: int, decode_instances: int = 1, decode_tp: int = 1, prefill_tp: int = 1,
-              abort_rate: float = 0.0, expiry_s: float = 3.0, transfer_timeout_s: float = 5.0, log_dir: Path | None = None) -> ChaosReport:
+              abort_rate: float = 0.0, expiry_s: float = 3.0, transfer_timeout_s: float = 5.0, stream_kv: bool = False,
+              log_dir: Path | None = None) -> ChaosReport:
     """Start the cluster, run the workload, check it drains, count the faults."""
     vocab_size = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     convs = conversations(vocab_size, conversations_, turns, seed)
     report = ChaosReport()
     with running_cluster(model, faults, decode_instances=decode_instances, decode_tp=decode_tp,
-                         prefill_tp=prefill_tp, expiry_s=expiry_s, transfer_timeout_s=transfer_timeout_s, log_dir=log_dir) as cluster:
+                         prefill_tp=prefill_tp, expiry_s=expiry_s, transfer_timeout_s=transfer_timeout_s,
+                         stream_kv=stream_kv, log_dir=log_dir) as cluster:
         t0 = time.perf_counter()
         asyncio.run(run_workload(cluster, convs, max_tokens, concurrency, report, abort_rate, seed))
         report.duration_s = time.perf_counter() - t0
@@ -306,6 +314,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel ranks of the prefill instance")
     p.add_argument("--abort-rate", type=float, default=0.05,
                    help="before a turn, send it once more and hang up within 0.3 s (default 0.05)")
+    p.add_argument("--stream-kv", action="store_true",
+                   help=f"the prefill instance streams its hand-overs ({STREAM_STEP_TOKENS} prompt tokens a step)")
     p.add_argument("--kv-expiry-s", type=float, default=3.0)
     p.add_argument("--kv-transfer-timeout-s", type=float, default=5.0)
     p.add_argument("--log-dir", type=Path, default=None)
@@ -323,7 +333,7 @@ def run(args: argparse.Namespace) -> int:
     report = run_chaos(args.model, faults, conversations_=args.conversations, turns=args.turns,
                        max_tokens=args.max_tokens, concurrency=args.concurrency, seed=args.seed,
                        decode_instances=args.decode_instances, decode_tp=args.decode_tp, prefill_tp=args.prefill_tp,
-                       abort_rate=args.abort_rate,
+                       abort_rate=args.abort_rate, stream_kv=args.stream_kv,
                        expiry_s=args.kv_expiry_s, transfer_timeout_s=args.kv_transfer_timeout_s,
                        log_dir=args.log_dir)
     print(format_report(report))

@@ -221,7 +221,7 @@ def _more_rounds(args: argparse.Namespace, peer: Peer, llm, path: str, wl: Workl
     rates and ratio and the median ratio (round 1 is ``first``)."""
     rates = [(first["tandem"].tokens_per_s(wl), first[peer.name].tokens_per_s(wl))]
     for _ in range(args.rounds - 1):
-        ours = run_tandem(llm, wl)
+        ours = run_tandem(llm, wl, cold=True)
         _print_mode(ours, wl)
         theirs = peer.run(args, path, wl)
         _print_mode(theirs, wl)

@@ -132,7 +132,7 @@ def _time_setups(llms: list, layouts: list[Layout], wl: Workload, repeats: int) 
     for i in range(repeats):
         for llm, result in zip(llms, results):
             with _recording_steps(llm) as steps:
-                run = run_tandem(llm, wl)
+                run = run_tandem(llm, wl, cold=True)
             result.runs.append(run)
             result.steps.extend(steps)
             print(f"  run {i + 1}  {result.layout.label:<10} {run.seconds:7.2f} s  "

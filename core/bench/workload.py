@@ -41,10 +41,15 @@ def make_workload(num_requests: int, prompt_range: tuple[int, int], output_range
     return Workload(prompts, max_tokens)
 
 
-def run_tandem(llm, wl: Workload) -> ModeResult:
+def run_tandem(llm, wl: Workload, cold: bool = False) -> ModeResult:
+    """``wl`` through ``llm``; ``cold``: its prefix cache emptied first, so that a repeat of the
+    workload computes every prompt again (as a peer's fresh process does) instead of finding
+    them cached."""
     from tandem import SamplingParams
     from tandem.bench.roofline import recording_steps
 
+    if cold:
+        llm.engine.reset_prefix_cache()
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in wl.max_tokens]
     t0 = time.perf_counter()
     with recording_steps(llm.engine) as steps:

@@ -135,8 +135,8 @@ class PagedKVAllocator(KVAllocator):
             prefix_cache_hits=self._hits,
         )
 
-    def reset_prefix_cache(self) -> None:
-        self.block_pool.reset_cache()
+    def reset_prefix_cache(self) -> int:
+        return self.block_pool.reset_cache()
 
     def record_events(self) -> None:
         self.block_pool.events = KVEventLog()

@@ -36,8 +36,8 @@ from tandem.plugin_manager import get_registry
 from tandem.server.bounds import RequestBounds
 from tandem.server.chat import create_chat_completion
 from tandem.server.completions import create_completion
-from tandem.server.disagg import (HANDSHAKE_PATH, KV_EVENTS_PATH, PROGRESS_PATH, RELEASE_PATH, HandshakeCache,
-                                  check_kv_secret)
+from tandem.server.disagg import (HANDSHAKE_PATH, KV_EVENTS_PATH, KV_SECRET_HEADER, PROGRESS_PATH, RELEASE_PATH,
+                                  RESET_PREFIX_CACHE_PATH, HandshakeCache, check_kv_secret)
 from tandem.server.kv_progress import progress_answer
 from tandem.server.errors import APIError, api_error_from, internal_error
 from tandem.http_limits import BodyLimitMiddleware
@@ -54,6 +54,7 @@ from tandem.server.protocol import (
     KVReleaseResponse,
     ModelCard,
     ModelList,
+    ResetPrefixCacheResponse,
     TokenizeRequest,
     TokenizeResponse,
     VersionResponse,
@@ -234,6 +235,23 @@ def _add_kv_routes(app: FastAPI, ctx: ServingContext) -> None:
         a transfer this instance does not stream, or when colocated."""
         require_connector()
         return await progress_answer(ctx, transfer_id, known)
+
+    @app.post(RESET_PREFIX_CACHE_PATH, dependencies=[Depends(check)], responses=_KV_ERRORS,
+              response_model=ResetPrefixCacheResponse)
+    async def reset_prefix_cache() -> ResetPrefixCacheResponse:
+        """Forget every cached prompt block no running request holds (vLLM's endpoint of the
+        same name; with ``kv_events`` on, subscribers see ``AllBlocksCleared``). An operator's
+        action: it needs the cluster secret, and is refused (403) on an instance without one
+        unless disaggregation.allow_insecure_no_secret opened every KV route."""
+        if ctx.kv_secret is None and not ctx.engine.has_kv_connector:
+            raise APIError(403, f"{RESET_PREFIX_CACHE_PATH} is closed on an instance without "
+                                "disaggregation.kv_transfer_secret (send it in the header "
+                                f"{KV_SECRET_HEADER})", code="forbidden")
+        try:
+            forgotten = await ctx.engine.reset_prefix_cache()
+        except (EngineUnavailable, EngineError) as exc:
+            raise api_error_from(exc) from exc
+        return ResetPrefixCacheResponse(num_blocks_forgotten=forgotten)
 
     @app.post(RELEASE_PATH, dependencies=[Depends(check)], responses=_KV_ERRORS,
               response_model=KVReleaseResponse)

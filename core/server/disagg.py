@@ -40,6 +40,7 @@ HANDSHAKE_PATH = "/kv/handshake"
 RELEASE_PATH = "/kv/release"
 KV_EVENTS_PATH = "/kv/events"
 PROGRESS_PATH = "/kv/progress"
+RESET_PREFIX_CACHE_PATH = "/reset_prefix_cache"
 KV_SECRET_HEADER = "X-Tandem-KV-Secret"
 HANDSHAKE_TIMEOUT_S = 10.0
 """The whole fetch of one handshake, connection to last byte."""

@@ -171,6 +171,11 @@ class KVReleaseResponse(_Response):
     """False when no such pin was held (already read, released or expired)."""
 
 
+class ResetPrefixCacheResponse(_Response):
+    num_blocks_forgotten: int
+    """Cached blocks dropped (those a running request holds stay)."""
+
+
 class SamplingFields(_Request):
     """The fields that become ``SamplingParams``; None means the default."""
 

@@ -37,3 +37,18 @@ def test_no_request_is_lost_no_answer_differs_and_no_block_leaks_under_faults(mo
     assert 1 <= observed.get("checksum", 0) <= injected["truncate"], summary
     assert 1 <= observed.get("transfer", 0) <= injected["read_fail"], summary
     assert observed.get("peer", 0) >= 1, summary  # reads of a restarted agent's stale handshake
+
+
+@pytest.mark.timeout(240)
+def test_streamed_hand_overs_under_faults_lose_nothing_and_leak_nothing(model_dir, tmp_path):
+    """The same with the prefill instance streaming its hand-overs (a block a step): reads of
+    announced blocks fail, are truncated (caught by the announced checksums) or delayed, and
+    the prefill agent restarts mid-stream."""
+    report = run_chaos(str(model_dir), FAULTS, conversations_=10, turns=3, max_tokens=6, concurrency=4,
+                       seed=5, abort_rate=0.2, expiry_s=2.0, transfer_timeout_s=TRANSFER_TIMEOUT_S,
+                       stream_kv=True, log_dir=tmp_path)
+    summary = format_report(report)
+    assert report.requests == 30, summary
+    assert report.lost == [] and report.wrong == [] and report.leaks == {}, summary
+    assert report.injected.get("truncate", 0) >= 1 and report.injected.get("read_fail", 0) >= 1, summary
+    assert 1 <= report.observed.get("checksum", 0) <= report.injected["truncate"], summary

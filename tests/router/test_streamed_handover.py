@@ -144,8 +144,9 @@ def test_the_early_hand_over_and_its_announcements_are_signed_as_documented(clus
     while (announced := httpx.get(progress, params=query, headers=KV_SECRET, timeout=10).json())["state"] == "running":
         query["known"] = len(announced["block_ids"])
     assert announced["state"] == "done" and len(announced["block_ids"]) == 7
-    assert announced["signature"] == _mac(b"tandem-kv-announcement-v1\n",
-                                          {k: announced[k] for k in ("transfer_id", "block_ids", "state")})
+    assert len(announced["kv_checksums"]) == 7  # one per block, signed with them
+    assert announced["signature"] == _mac(b"tandem-kv-announcement-v1\n", {
+        k: announced[k] for k in ("transfer_id", "block_ids", "state", "kv_checksums")})
     assert httpx.post(f"{cluster.prefill.url}/kv/release", json={"transfer_id": params["transfer_id"]},
                       headers=KV_SECRET, timeout=10).json()["released"] is True
     assert all_free(cluster.prefill.url)

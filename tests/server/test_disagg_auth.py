@@ -271,3 +271,28 @@ def _oversized_answer(handler) -> None:
             handler.wfile.write(b" " * (64 << 10))
     except (BrokenPipeError, ConnectionResetError):
         pass
+
+
+def test_reset_prefix_cache_needs_the_secret_and_forgets_the_cached_blocks(model_dir):
+    """POST /reset_prefix_cache: 403 on an instance without a secret, 401 without the header;
+    with it, the prompt's full blocks are forgotten (3 for 50 tokens, by hand) and a repeat
+    of the prompt finds nothing in the cache (/metrics' hit counter, the oracle)."""
+    with running_server(server_config(model_dir, served_model_name="tiny")) as open_instance:
+        refused = httpx.post(f"{open_instance.url}/reset_prefix_cache", timeout=10)
+        assert refused.status_code == 403 and "kv_transfer_secret" in refused.json()["error"]["message"]
+    with running_server(server_config(model_dir, served_model_name="tiny", **{
+            "disaggregation.kv_transfer_secret": SECRET})) as srv:
+        prompt = _prompts(90, [3 * 16 + 2])[0]
+
+        def ask() -> float:
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0.0}
+            assert httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60).status_code == 200
+            return scrape(srv.url)["tandem:prefix_cache_hits_total"]
+
+        cold = ask()
+        warm = ask()
+        assert warm - cold == 3 * 16
+        assert httpx.post(f"{srv.url}/reset_prefix_cache", timeout=10).status_code == 401
+        reset = httpx.post(f"{srv.url}/reset_prefix_cache", headers={HEADER: SECRET}, timeout=10)
+        assert reset.status_code == 200 and reset.json() == {"num_blocks_forgotten": 3}
+        assert ask() == warm  # no hit after the reset

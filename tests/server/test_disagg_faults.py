@@ -3,7 +3,8 @@
 oracle is the shared colocated server: every answer must equal its greedy answer.
 
 - A read that is reported done with half a block not written (a truncated read) is caught by the
-  block checksums the hand-over carries: the decode instance computes the prompt itself.
+  block checksums the hand-over carries: the decode instance computes the prompt itself. The same
+  for a streamed hand-over, whose checksums come with its announcements.
 - A prefill instance whose connector restarts with a new agent keeps its engine id and handshake
   URL: the decode instance's first read after it fails ("peer"), and the next hand-over is read
   again from the new agent, its handshake fetched afresh.
@@ -22,12 +23,12 @@ BLOCK = 16
 BYTES = "tandem:kv_transfer_bytes_total"
 
 
-def _role(model_dir, role: str, **faults):
+def _role(model_dir, role: str, settings: dict | None = None, **faults):
     return server_config(model_dir, served_model_name="tiny", **{
         "disaggregation.role": role, "disaggregation.kv_connector": "faulty",
         "disaggregation.allow_insecure_no_secret": True, "disaggregation.kv_expiry_s": 2.0,
         "fault_injection.inner_connector": "loopback",
-        **{f"fault_injection.{k}": v for k, v in faults.items()}})
+        **{f"fault_injection.{k}": v for k, v in faults.items()}, **(settings or {})})
 
 
 def oracle_tokens(url: str, prompt: list[int]) -> list[str]:
@@ -54,6 +55,22 @@ def test_a_truncated_read_is_caught_by_the_checksums_and_recomputed(model_dir, s
         assert wait_for(lambda: scrape(decode.url).get(
             "tandem:kv_connector_events_total{event=truncate}") == 1, 5)
         assert wait_for(lambda: scrape(prefill.url)["tandem:kv_blocks_used"] == 0, 5)
+
+
+@pytest.mark.timeout(120)
+def test_a_truncated_streamed_read_is_caught_by_the_announced_checksums(model_dir, server):
+    streamed = {"disaggregation.stream_kv": True, "engine.max_num_batched_tokens": 2}
+    with running_server(_role(model_dir, "prefill", streamed)) as prefill, \
+            running_server(_role(model_dir, "decode", truncate_rate=1.0)) as decode:
+        prompt = _prompts(52, [5 * BLOCK + 3])[0]
+        params = hand_over(prefill.url, prompt)
+        assert params["stream"] is True and "kv_checksums" not in params  # they come announced
+        answer = decode_answer(decode.url, prompt, params)
+        assert answer.status_code == 200, answer.text
+        assert token_ids(answer.json()) == oracle_tokens(server.url, prompt)
+        assert scrape(decode.url)["tandem:kv_transfer_failures_total{reason=checksum}"] == 1
+        assert scrape(decode.url)["tandem:kv_blocks_used"] == 0
+        assert wait_for(lambda: scrape(prefill.url)["tandem:kv_blocks_used"] == 0, 10)
 
 
 @pytest.mark.timeout(120)
