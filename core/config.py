@@ -625,7 +625,7 @@ class TandemConfig(BaseSettings):
                 elif isinstance(getattr(getattr(self, section), key), SecretStr):
                     lines.append(f"# {key} is set (secret, not shown)")
                 else:
-                    lines.append(f"{key} = {_toml_value(value)}")
+                    lines.append(f"{key} = {toml_value(value)}")
             lines.append("")
         return "\n".join(lines)
 
@@ -641,7 +641,7 @@ SECTIONS: dict[str, type[BaseModel]] = {
 }
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
@@ -649,8 +649,8 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, str):
         return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
 
 
 # --------------------------------------------------------------------------- loading

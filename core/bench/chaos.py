@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import secrets
 import subprocess
@@ -37,6 +36,7 @@ from pathlib import Path
 
 import httpx
 
+from tandem.bench.cluster_io import child_env, scrape
 from tandem.bench.serve import start_process, stop_server
 from tandem.server.supervisor import free_port
 
@@ -92,9 +92,8 @@ class ChaosReport:
 
 def instance_env(role: str, secret: str, faults: dict[str, float], expiry_s: float,
                  timeout_s: float, threads: int) -> dict[str, str]:
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")},
-           "TANDEM_ENGINE__NUM_THREADS": str(threads), "OMP_NUM_THREADS": str(threads),
-           "TANDEM_DISAGGREGATION__KV_TRANSFER_SECRET": secret}
+    env = child_env(TANDEM_ENGINE__NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
+                    TANDEM_DISAGGREGATION__KV_TRANSFER_SECRET=secret)
     if role == "both":
         return env
     env |= {"TANDEM_DISAGGREGATION__ROLE": role, "TANDEM_DISAGGREGATION__KV_CONNECTOR": "faulty",
@@ -219,17 +218,6 @@ async def run_workload(cluster: Cluster, convs: list[list[list[int]]], max_token
 
 
 # ----------------------------------------------------------------------------- the checks
-
-
-def scrape(url: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    samples = {}
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return samples
 
 
 def undrained(url: str) -> dict[str, float]:

@@ -38,6 +38,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from tandem.bench.cluster_io import child_env, scrape, toml
 from tandem.bench.netns import HOST_DEVICE, Host, HostsUnavailable, TestHosts
 from tandem.bench.serve import free_port
 
@@ -80,17 +81,6 @@ def words(rng: random.Random, count: int) -> str:
 # --------------------------------------------------------------------------- the cluster
 
 
-def _toml(sections: dict[str, dict]) -> str:
-    def value(v) -> str:
-        if isinstance(v, dict):
-            return "{" + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + "}"
-        if isinstance(v, list):
-            return "[" + ", ".join(value(x) for x in v) + "]"
-        return json.dumps(v)
-    return "".join(f"[{name}]\n" + "".join(f"{k} = {value(v)}\n" for k, v in keys.items()) + "\n"
-                   for name, keys in sections.items())
-
-
 def instance_config(setup: str, role: str, host: Host, args, secret: str) -> dict:
     engine = {"num_threads": args.instance_threads, "max_num_seqs": args.users,
               "enable_prefix_caching": setup != "no_reuse"}
@@ -111,10 +101,6 @@ def router_config(setup: str, instances: list[tuple[str, str]], port: int, args,
     if setup == "reuse":
         disagg["min_uncached_prefill_tokens"] = args.min_uncached
     return {"server": {"host": "127.0.0.1", "port": port}, "disaggregation": disagg}
-
-
-def _env(**extra: str) -> dict[str, str]:
-    return {**{k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}, **extra}
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 600.0) -> None:
@@ -140,21 +126,21 @@ def start_setup(setup: str, net: TestHosts, args, folder: Path) -> tuple[str, li
     procs, listed = [], []
     for role, host in roles:
         path = folder / f"{setup}-{role}-{host.index}.toml"
-        path.write_text(_toml(instance_config(setup, role, host, args, secret)))
+        path.write_text(toml(instance_config(setup, role, host, args, secret)))
         log = folder / f"{setup}-{role}-{host.index}.log"
         with open(log, "w") as out:
             procs.append(host.popen([sys.executable, "-m", "tandem.cli", "serve", "--config", str(path)],
-                                    env=_env(**UCX_ENV), stdout=out, stderr=subprocess.STDOUT))
+                                    env=child_env(**UCX_ENV), stdout=out, stderr=subprocess.STDOUT))
         listed.append((f"http://{host.address}:{PORT}", role, log))
     for (url, _, log), proc in zip(listed, procs):
         _wait_healthy(url, proc, log)
     port = free_port()
     path = folder / f"{setup}-router.toml"
-    path.write_text(_toml(router_config(setup, [(u, r) for u, r, _ in listed], port, args, secret)))
+    path.write_text(toml(router_config(setup, [(u, r) for u, r, _ in listed], port, args, secret)))
     log = folder / f"{setup}-router.log"
     with open(log, "w") as out:
         router = subprocess.Popen([sys.executable, "-m", "tandem.cli", "router", "--config", str(path),
-                                   "--health-interval-s", "0.5"], env=_env(), stdout=out, stderr=subprocess.STDOUT)
+                                   "--health-interval-s", "0.5"], env=child_env(), stdout=out, stderr=subprocess.STDOUT)
     procs.append(router)
     _wait_healthy(f"http://127.0.0.1:{port}", router, log)
     return f"http://127.0.0.1:{port}", [u for u, r, _ in listed if r != "prefill"], procs
@@ -173,14 +159,7 @@ def stop_all(procs: list[subprocess.Popen]) -> None:
 
 def scrape_sum(url: str, prefix: str) -> dict[str, float]:
     """The samples of ``url``/metrics whose name starts with ``prefix``, by name and labels."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    found = {}
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
-        for s in family.samples:
-            if s.name.startswith(prefix):
-                found[s.name + json.dumps(s.labels, sort_keys=True)] = s.value
-    return found
+    return {key: value for key, value in scrape(url).items() if key.startswith(prefix)}
 
 
 # --------------------------------------------------------------------------- the workload
@@ -241,8 +220,8 @@ def run_setup(setup: str, net: TestHosts, args, folder: Path) -> SetupResult:
         before = [scrape_sum(u, "tandem:kv_transfer_bytes_total") for u in decode_urls]
         turns, wall = asyncio.run(run_workload(router_url, args))
         after = [scrape_sum(u, "tandem:kv_transfer_bytes_total") for u in decode_urls]
-        paths = {json.loads(k[k.index("{"):])["path"]: v
-                 for k, v in scrape_sum(router_url, "tandem:router_requests_total").items()}
+        paths = {k.removeprefix("tandem:router_requests_total{path=").removesuffix("}"): v
+                 for k, v in scrape_sum(router_url, "tandem:router_requests_total{").items()}
         kv_bytes = sum(sum(a.values()) - sum(b.values()) for a, b in zip(after, before))
         return SetupResult(turns, wall, kv_bytes, paths)
     finally:

@@ -14,8 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
+from tandem.bench.cluster_io import scrape  # noqa: F401 - the tests import it from here
 from tandem.config import load_config
 from tandem.router.app import create_router_app
 from tests.server.conftest import ServerThread
@@ -129,16 +129,6 @@ def running_router(instance_list: list[tuple[str, str]], health_interval_s: floa
         yield server
     finally:
         server.stop()
-
-
-def scrape(url: str) -> dict[str, float]:
-    """Every sample of ``url``/metrics: ``name{label=value,...}`` (labels sorted) → value."""
-    samples = {}
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return samples
 
 
 def upstream(router_url: str, instance: str, step: str, outcome: str) -> float:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import secrets
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import httpx
 
+from tandem.bench.cluster_io import child_env, toml  # noqa: F401 - test_xpyd_hosts imports toml from here
 from tandem.config import DisaggregationConfig
 from tests.helpers.netns import HOST_DEVICE, Host, TestHosts
 from tests.router.instances import MODEL_NAME, scrape
@@ -51,22 +51,6 @@ def kv_headers() -> dict[str, str]:
     return {"X-Tandem-KV-Secret": SECRET} if secret_settings() else {}
 
 
-def toml(sections: dict[str, dict]) -> str:
-    """TOML of ``{section: {key: value}}``: strings, numbers, lists and inline tables."""
-    def value(v) -> str:
-        if isinstance(v, dict):
-            return "{" + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + "}"
-        if isinstance(v, list):
-            return "[" + ", ".join(value(x) for x in v) + "]"
-        return json.dumps(v)
-
-    return "".join(f"[{name}]\n" + "".join(f"{k} = {value(v)}\n" for k, v in keys.items()) + "\n"
-                   for name, keys in sections.items())
-
-
-def child_env(**extra: str) -> dict[str, str]:
-    """This environment without TANDEM_* (the config files say everything) plus ``extra``."""
-    return {**{k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}, **extra}
 
 
 @dataclass

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import httpx
 import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
 
+from tandem.bench.cluster_io import scrape  # noqa: F401 - the tests import it from here
 from tandem.config import ServerConfig, TandemConfig, load_config
 from tandem.server.app import create_app
 from tandem.http_limits import uvicorn_config
@@ -70,15 +70,4 @@ def running_server(config: TandemConfig, **app_kwargs) -> Iterator[ServerThread]
         yield server
     finally:
         server.stop()
-
-
-def scrape(url: str) -> dict[str, float]:
-    """Every sample of ``url``/metrics, parsed by prometheus_client's own parser, keyed by name
-    with its labels: ``tandem:request_errors_total{reason=queue_full}``."""
-    samples = {}
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return samples
 
