@@ -25,9 +25,11 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 CHECKSUM_HEX_DIGITS = 8
+_HEX = frozenset("0123456789abcdef")
 STATES = ("running", "done", "failed")
 MAX_ENDED = 4096
 """Ended transfers whose last announcement is kept for late readers (the oldest go first)."""
@@ -54,7 +56,7 @@ class KVAnnouncement:
     def to_json(self) -> dict[str, Any]:
         body = {"transfer_id": self.transfer_id, "block_ids": list(self.block_ids), "state": self.state}
         if self.checksums:
-            body["kv_checksums"] = [f"{c:0{CHECKSUM_HEX_DIGITS}x}" for c in self.checksums]
+            body["kv_checksums"] = format_checksums(self.checksums)
         return body
 
     @classmethod
@@ -67,16 +69,24 @@ class KVAnnouncement:
             raise ValueError("announcement.block_ids must be a list of block ids")
         if state not in STATES or not isinstance(data.get("transfer_id"), str):
             raise ValueError(f"announcement.state must be one of {STATES}, with a transfer_id")
-        checksums = data.get("kv_checksums", [])
-        if not (isinstance(checksums, list) and len(checksums) in (0, len(block_ids)) and all(
-                isinstance(c, str) and len(c) == CHECKSUM_HEX_DIGITS and _is_hex(c) for c in checksums)):
-            raise ValueError(f"announcement.kv_checksums must hold one {CHECKSUM_HEX_DIGITS}-digit hex "
-                             "checksum per block id")
-        return cls(data["transfer_id"], tuple(block_ids), state, tuple(int(c, 16) for c in checksums))
+        checksums = parse_checksums(data.get("kv_checksums"), len(block_ids), "announcement.kv_checksums")
+        return cls(data["transfer_id"], tuple(block_ids), state, checksums)
 
 
-def _is_hex(text: str) -> bool:
-    return all(c in "0123456789abcdef" for c in text)
+def format_checksums(checksums: Sequence[int]) -> list[str]:
+    """Block checksums as hand-overs and announcements carry them: 8 lower-case hex digits each."""
+    return [f"{c:0{CHECKSUM_HEX_DIGITS}x}" for c in checksums]
+
+
+def parse_checksums(value: Any, num_blocks: int, field: str) -> tuple[int, ...]:
+    """``format_checksums``' output read back: none (None or empty) or one per block; raises
+    ValueError naming ``field`` otherwise."""
+    if not value:
+        return ()
+    if not (isinstance(value, list) and len(value) == num_blocks and all(
+            isinstance(c, str) and len(c) == CHECKSUM_HEX_DIGITS and set(c) <= _HEX for c in value)):
+        raise ValueError(f"{field} must hold one {CHECKSUM_HEX_DIGITS}-digit hex checksum per block")
+    return tuple(int(c, 16) for c in value)
 
 
 class AnnouncementBoard:

@@ -40,7 +40,7 @@ from tandem.handover import DecodeHandover, DecodeState
 from tandem.interfaces import KVConnector, KVPeerUnavailable
 from tandem.handover_auth import prompt_digest
 from tandem.kv_pins import PrefillPins
-from tandem.kv_stream import AnnouncementBoard, KVAnnouncement
+from tandem.kv_stream import AnnouncementBoard, KVAnnouncement, format_checksums, parse_checksums
 from tandem.sched.scheduler import PinnedKV, RemoteKVLoad, Scheduler, quarantine_holder_id
 
 logger = logging.getLogger("tandem")
@@ -52,7 +52,6 @@ MAX_PEERS = 256
 EVENTS_REFRESH_S = 1.0
 """How often ``stats`` asks the connector for its event counts (they may cross to the workers)."""
 
-CHECKSUM_HEX_DIGITS = 8
 _REMOTE_PREFILL_FIELDS = ("engine_id", "transfer_id", "block_ids", "num_tokens", "prompt_digest",
                           "compat_hash")
 
@@ -96,13 +95,10 @@ class RemotePrefill:
         num_tokens = params["num_tokens"]
         if type(num_tokens) is not int or num_tokens < 1:
             raise ValueError("kv_transfer_params.num_tokens must be a positive integer")
-        checksums = params.get("kv_checksums") or ()
-        if checksums and (len(checksums) != len(block_ids) or not all(
-                isinstance(c, str) and len(c) == CHECKSUM_HEX_DIGITS for c in checksums)):
-            raise ValueError("kv_transfer_params.kv_checksums must hold one 8-digit hex checksum per block")
+        checksums = parse_checksums(params.get("kv_checksums"), len(block_ids), "kv_transfer_params.kv_checksums")
         return cls(str(params["engine_id"]), str(params["transfer_id"]), tuple(block_ids), num_tokens,
                    str(params["prompt_digest"]), str(params["compat_hash"]), handshake,
-                   tuple(int(c, 16) for c in checksums), params.get("stream") is True)
+                   checksums, params.get("stream") is True)
 
 
 @dataclass(slots=True, frozen=True)
@@ -214,7 +210,7 @@ class KVTransferCoordinator:
         for request_params in params.values():
             checksums = self.connector.block_checksums(list(request_params["block_ids"]))
             if checksums is not None:
-                request_params["kv_checksums"] = [f"{c:08x}" for c in checksums]
+                request_params["kv_checksums"] = format_checksums(checksums)
         return params
 
     def open_stream(self, request_id: str, token_ids: Sequence[int], cache_salt: str | None) -> None:
