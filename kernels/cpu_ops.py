@@ -39,7 +39,8 @@ SOURCES = [Path(__file__).parent / "cpu" / name
 HEADERS = [Path(__file__).parent / "cpu" / "work_queue.h"]
 OPS = ("paged_decode", "panel_linear", "panel_linear_dpbf16", "dpbf16_supported", "rms_norm", "add_rms_norm",
        "silu_and_mul", "rotary_neox", "draw_rows", "argmax_rows", "gguf_linear", "gguf_dequantize_rows",
-       "decode_layers", "use_work_pool")
+       "decode_layers", "use_work_pool", "head_rms_norm", "gemma_rms_norm", "gemma_add_rms_norm",
+       "gelu_tanh_and_mul")
 """Every operator of the library, each wrapped below."""
 _ISA_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
@@ -169,6 +170,36 @@ def rotary_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     _ops().rotary_neox(x, cos, sin)
 
 
+def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> None:
+    """Every head vector of ``x`` [T, heads, D] normed over D in place (elementwise.cpp): the
+    q/k norms. ``weight * to_dtype(rms_norm(float(v)))`` as ``rms_norm`` (Qwen3's), or with
+    ``gemma`` ``to_dtype(rms_norm(float(v)) * (1 + float(weight)))`` (Gemma 3's). D contiguous
+    (a view of a projection's output will do), ``weight`` [D] contiguous, one dtype: float32,
+    bfloat16 or float16."""
+    _ops().head_rms_norm(x, weight, eps, gemma)
+
+
+def gemma_rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """Gemma's RMSNorm per row (elementwise.cpp): ``out = to_dtype(rms_norm(float(x)) * (1 +
+    float(weight)))``, the scale in float32 as HF's ``Gemma3RMSNorm``. ``out``, ``x`` [rows,
+    width] with contiguous rows (``out`` may be ``x``), ``weight`` [width] contiguous, one dtype:
+    float32, bfloat16 or float16."""
+    _ops().gemma_rms_norm(out, x, weight, eps)
+
+
+def gemma_add_rms_norm(residual: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """Gemma's norm after a block and the residual add in one pass, in place (elementwise.cpp):
+    ``residual = residual + gemma_rms_norm(h)``, each rounded to the dtype as torch rounds.
+    Shapes and dtypes as ``gemma_rms_norm``'s."""
+    _ops().gemma_add_rms_norm(residual, h, weight, eps)
+
+
+def gelu_tanh_and_mul(out: torch.Tensor, gate_up: torch.Tensor) -> None:
+    """``out = gelu(gate, approximate="tanh") * up`` per row, each row of ``gate_up`` being
+    ``[gate | up]`` (elementwise.cpp; Gemma's MLP). Shapes and dtypes as ``silu_and_mul``'s."""
+    _ops().gelu_tanh_and_mul(out, gate_up)
+
+
 def draw_rows(tokens: torch.Tensor, logits: torch.Tensor, uniforms: torch.Tensor) -> None:
     """The sampler's inverse-CDF draw, one token per row of ``softmax(logits)`` (sampling.cpp).
 
@@ -210,24 +241,29 @@ def gguf_dequantize_rows(qweight: torch.Tensor, ggml_type: int, in_features: int
 
 def decode_layers(hidden: torch.Tensor, residual: torch.Tensor | None, norms: list[torch.Tensor],
                   weights: list[torch.Tensor], info: list[int], cos: torch.Tensor, sin: torch.Tensor,
+                  cos_local: torch.Tensor | None, sin_local: torch.Tensor | None, local: list[int],
                   pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor,
                   seq_lens: torch.Tensor, windows: list[int], heads: int, kv_heads: int, head_dim: int,
-                  scale: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode step through ``len(windows)`` Llama decoder layers (decode_layers.cpp, whose
-    header draws the steps): returns the last layer's (MLP output, residual), as
-    ``LlamaDecoderLayer.forward`` does, each row one token that attends through ``paged_decode``.
+                  scale: float, eps: float, flags: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step through ``len(windows)`` Llama-family decoder layers (decode_layers.cpp,
+    whose header draws the steps): returns the last layer's (MLP output, residual), as
+    ``LlamaDecoderLayer.forward`` does (Gemma 3's layers: the residual stream twice), each row
+    one token that attends through ``paged_decode``.
 
+    ``flags``: 1 q/k norms, 2 Gemma 3's layer, 4 GELU-tanh for SiLU (``cpu_decode_loop.FLAGS``).
     ``hidden`` [M, hidden] contiguous and ``residual`` (None before the first layer: the first
     norm has no add) of the model's dtype, both overwritten as the layers' norms overwrite them;
-    ``norms`` two RMSNorm weights per layer (input, post-attention); ``weights`` four linears per
-    layer (qkv, o, gate_up, down) and ``info`` four ints per linear (kind, out_features,
-    in_features, ggml_type; kinds in the C++ header); ``cos``, ``sin`` [M, head_dim] of the
-    dtype; ``pool`` ``[num_blocks, >= layers, 2, block_size, kv_heads, head_dim]`` of the dtype,
-    layer ``l`` writing and reading ``pool[:, l]``; ``slots`` [M] int64 >= 0, row ``t``'s KV
-    slot; ``rows``, ``tables``, ``seq_lens`` as ``paged_decode`` takes them; ``windows`` each
-    layer's sliding window (0: none)."""
-    return _ops().decode_layers(hidden, residual, norms, weights, info, cos, sin, pool, slots, rows, tables,
-                                seq_lens, windows, heads, kv_heads, head_dim, scale, eps)
+    ``norms`` per layer: input, post-attention, (pre- and post-feedforward with Gemma), (q and
+    k with q/k norms); ``weights`` four linears per layer (qkv, o, gate_up, down) and ``info``
+    four ints per linear (kind, out_features, in_features, ggml_type; kinds in the C++
+    header); ``cos``, ``sin`` [M, head_dim] of the dtype, and ``cos_local``, ``sin_local`` for
+    the layers where ``local[l]`` is 1 (Gemma's sliding layers; else None); ``pool``
+    ``[num_blocks, >= layers, 2, block_size, kv_heads, head_dim]`` of the dtype, layer ``l``
+    writing and reading ``pool[:, l]``; ``slots`` [M] int64 >= 0, row ``t``'s KV slot; ``rows``,
+    ``tables``, ``seq_lens`` as ``paged_decode`` takes them; ``windows`` each layer's sliding
+    window (0: none)."""
+    return _ops().decode_layers(hidden, residual, norms, weights, info, cos, sin, cos_local, sin_local, local, pool,
+                                slots, rows, tables, seq_lens, windows, heads, kv_heads, head_dim, scale, eps, flags)
 
 
 def use_work_pool(on: bool) -> bool:

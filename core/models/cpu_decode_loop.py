@@ -8,12 +8,14 @@ layers to ``cpu_ops.decode_layers``, which runs the same kernels in the same ord
 the step's values are those of the modules' own path bit for bit.
 
 It takes a step whose every row is a one-query attention row written to a real slot (a decode, a
-draft being checked), and only a stack it can run: Llama-shaped layers (``LlamaDecoderLayer``)
-with the fused CPU passes on (``tandem.models.cpu_fusion``), plain RMSNorms, full-width rotary
-on every layer, no q/k norms, no biases, SiLU, no residual multiplier, one tensor rank, the
-"cpu" attention backend, and linear layers on tandem's panels (float32 or AVX512-BF16 pairs), oneDNN, dense weights or GGUF
-blocks of one type per layer (each batch-size bucket's kernel, as ``cpu_linear`` chose it).
-Everything else keeps the Python path; ``build`` returns None for a stack it cannot run.
+draft being checked), and only a stack it can run: Llama-shaped layers (``LlamaDecoderLayer``,
+Qwen3's with their q/k norms among them) or Gemma 3's (``Gemma3DecoderLayer``: Gemma norms, q/k
+norms, GELU-tanh, sliding layers on their own rotary base), with the fused CPU passes on
+(``tandem.models.cpu_fusion``), full-width rotary on every layer, no biases, no residual
+multiplier, one tensor rank, the "cpu" attention backend, and linear layers on tandem's panels
+(float32 or AVX512-BF16 pairs), oneDNN, dense weights or GGUF blocks of one type per layer
+(each batch-size bucket's kernel, as ``cpu_linear`` chose it). Everything else keeps the Python
+path; ``build`` returns None for a stack it cannot run.
 """
 from __future__ import annotations
 
@@ -25,48 +27,52 @@ from tandem.kernels import cpu_ops
 from tandem.kernels.gguf_types import BLOCKS as GGUF_KERNEL_BLOCKS
 from tandem.models.cpu_linear import BucketedLinear, PackedLinear
 from tandem.models.cpu_tuning import M_BUCKETS, bucket_index
-from tandem.models.layers import RMSNorm
+from tandem.models.layers import GemmaRMSNorm, RMSNorm
 from tandem.plugins.attention_cpu import CpuAttentionBackend
 from tandem.plugins.attention_torch import PLAN_KEY
 
 KINDS = {"tandem": 0, "onednn": 1, "torch": 2, "gguf": 3, "dpbf16": 4}
 """Linear kinds as ``decode_layers.cpp`` numbers them."""
+FLAGS = {"qk_norm": 1, "gemma": 2, "gelu": 4}
+"""The layer shape's flags as ``decode_layers.cpp`` numbers them."""
 
 
 class CpuDecodeLoop:
     """The layers of one pipeline stage as a single ``decode_layers`` call; see the module doc."""
 
-    def __init__(self, layers: list[nn.Module]) -> None:
+    def __init__(self, layers: list[nn.Module], flags: int, local_rope: list[bool]) -> None:
         attn = layers[0].self_attn
         self.layers = layers
+        self.flags = flags
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.scale = attn.attn.scale
         self.eps = layers[0].input_layernorm.eps
-        self.norms = [w for layer in layers for w in (layer.input_layernorm.weight,
-                                                      layer.post_attention_layernorm.weight)]
+        self.norms = [n.weight for layer in layers for n in _norms(layer, flags)]
         self.windows = [layer.self_attn.attn.sliding_window or 0 for layer in layers]
+        self.local = [int(x) for x in local_rope]
         self._linears = [lin for layer in layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                              layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         self._by_bucket: dict[int, tuple[list[torch.Tensor], list[int]] | None] = {}
 
     @classmethod
-    def build(cls, layers: list[nn.Module]) -> CpuDecodeLoop | None:
-        """The loop over ``layers`` (a stage's decoder layers, in order), or None where one of
-        them is not a stack the C++ loop runs (module doc)."""
-        from tandem.models.llama import LlamaDecoderLayer
-
+    def build(cls, layers: list[nn.Module], local_rope: list[bool] | None = None) -> CpuDecodeLoop | None:
+        """The loop over ``layers`` (a stage's decoder layers, in order; ``local_rope[i]`` True
+        where layer ``i`` takes the model's local rotary tables, Gemma's sliding layers), or None
+        where one of them is not a stack the C++ loop runs (module doc)."""
         if not layers or not cpu_ops.load():
             return None
         first = layers[0]
+        flags = _layer_flags(first, 0)
+        if flags is None:
+            return None
+        ref, eps = first.self_attn, first.input_layernorm.eps
         for i, layer in enumerate(layers):
-            if type(layer) is not LlamaDecoderLayer or not _plain_layer(layer, i):
+            attn = layer.self_attn
+            same = (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scale) \
+                == (ref.num_heads, ref.num_kv_heads, ref.head_dim, ref.attn.scale)
+            if _layer_flags(layer, i) != flags or not same or any(n.eps != eps for n in _norms(layer, flags)):
                 return None
-            attn, ref = layer.self_attn, first.self_attn
-            same = (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scale, layer.input_layernorm.eps) \
-                == (ref.num_heads, ref.num_kv_heads, ref.head_dim, ref.attn.scale, first.input_layernorm.eps)
-            if not same:
-                return None
-        loop = cls(layers)
+        loop = cls(layers, flags, local_rope or [False] * len(layers))
         if all(loop._specs(bucket) is None for bucket in range(len(M_BUCKETS))):
             return None
         return loop
@@ -82,15 +88,18 @@ class CpuDecodeLoop:
                 and self._specs(bucket_index(hidden.shape[0])) is not None)
 
     def __call__(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layers' (output, residual) for a step ``can_run`` accepted."""
+                 kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                 local: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layers' (output, residual) for a step ``can_run`` accepted (Gemma's: the residual
+        stream twice); ``local`` the (cos, sin) of the local-rope layers."""
         plan = metadata.extra[PLAN_KEY]
         d = plan.decode
         weights, info = self._specs(bucket_index(hidden.shape[0]))
+        cos_local, sin_local = (None, None) if local is None else (local[0].contiguous(), local[1].contiguous())
         return cpu_ops.decode_layers(
-            hidden, residual, self.norms, weights, info, cos.contiguous(), sin.contiguous(), kv_cache,
-            metadata.slot_mapping, d.rows, d.block_ids.view(d.rows.shape[0], d.num_blocks), d.seq_lens,
-            self.windows, self.heads, self.kv_heads, self.head_dim, self.scale, self.eps)
+            hidden, residual, self.norms, weights, info, cos.contiguous(), sin.contiguous(), cos_local, sin_local,
+            self.local, kv_cache, metadata.slot_mapping, d.rows, d.block_ids.view(d.rows.shape[0], d.num_blocks),
+            d.seq_lens, self.windows, self.heads, self.kv_heads, self.head_dim, self.scale, self.eps, self.flags)
 
     def _specs(self, bucket: int) -> tuple[list[torch.Tensor], list[int]] | None:
         """Each linear's (weight, info) at batch-size bucket ``bucket``; None when one of them
@@ -102,14 +111,37 @@ class CpuDecodeLoop:
         return self._by_bucket[bucket]
 
 
-def _plain_layer(layer: nn.Module, index: int) -> bool:
+def _layer_flags(layer: nn.Module, index: int) -> int | None:
+    """The ``FLAGS`` of a layer the loop runs, None for one it cannot (module doc)."""
+    from tandem.models.gemma3 import Gemma3DecoderLayer
+    from tandem.models.llama import LlamaDecoderLayer
+
+    gemma = type(layer) is Gemma3DecoderLayer
+    if type(layer) is not LlamaDecoderLayer and not gemma:
+        return None
     attn, mlp = layer.self_attn, layer.mlp
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    return (layer.residual_multiplier == 1.0 and all(type(n) is RMSNorm and n.kernel is not None for n in norms)
-            and attn.fused and attn.use_rope and attn.q_norm is None and attn.kv_index == index
-            and isinstance(attn.attn, CpuAttentionBackend) and mlp.fused
-            and all(lin.bias is None and not lin.splits
-                    for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)))
+    norm_type = GemmaRMSNorm if gemma else RMSNorm
+    flags = (FLAGS["gemma"] if gemma else 0) | (FLAGS["qk_norm"] if attn.q_norm is not None else 0) \
+        | (FLAGS["gelu"] if mlp.fused_act == "gelu_tanh" else 0)
+    hidden_norms = [n for n in _norms(layer, flags) if n not in (attn.q_norm, attn.k_norm)]
+    ok = (layer.residual_multiplier == 1.0 and all(type(n) is norm_type and n.kernel is not None for n in hidden_norms)
+          and (attn.q_norm is None or type(attn.q_norm) is type(attn.k_norm) is norm_type)
+          and attn.fused and attn.use_rope and attn.kv_index == index
+          and isinstance(attn.attn, CpuAttentionBackend) and mlp.fused
+          and all(lin.bias is None and not lin.splits
+                  for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)))
+    return flags if ok else None
+
+
+def _norms(layer: nn.Module, flags: int) -> list[nn.Module]:
+    """The layer's norms in ``decode_layers``' order: input, post-attention, (pre- and
+    post-feedforward), (q, k)."""
+    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    if flags & FLAGS["gemma"]:
+        norms += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
+    if flags & FLAGS["qk_norm"]:
+        norms += [layer.self_attn.q_norm, layer.self_attn.k_norm]
+    return norms
 
 
 def _linear_spec(layer: nn.Module, bucket: int) -> tuple[torch.Tensor, list[int]] | None:
@@ -133,10 +165,11 @@ def _linear_spec(layer: nn.Module, bucket: int) -> tuple[torch.Tensor, list[int]
 
 
 def enable_cpu_decode_loop(model: nn.Module) -> bool:
-    """Give ``model``'s decoder stack (``model.model``, a Llama-shaped ``PipelineStage``) the
-    C++ decode loop where it can run it; True when it took it."""
+    """Give ``model``'s decoder stack (``model.model``, a ``PipelineStage`` with a
+    ``decode_loop`` attribute, and ``local_rope_layers`` where some layers take the local rotary
+    tables) the C++ decode loop where it can run it; True when it took it."""
     stack = getattr(model, "model", None)
     if stack is None or not hasattr(stack, "decode_loop"):
         return False
-    stack.decode_loop = CpuDecodeLoop.build(list(stack.stage_layers()))
+    stack.decode_loop = CpuDecodeLoop.build(list(stack.stage_layers()), getattr(stack, "local_rope_layers", None))
     return stack.decode_loop is not None

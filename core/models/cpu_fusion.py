@@ -7,10 +7,12 @@ its own temporary, a visible share of a small model's decode step. Once
 ``use_cpu_kernels`` of the others: each module decides whether it can), they call one C++ pass
 each instead:
 
-- ``RMSNorm`` (the plain one: Gemma's variant keeps torch) with or without the residual add,
-  in place on the layer's fresh output;
-- ``GatedMLP`` with SiLU: ``silu(gate) * up`` straight from the fused gate/up projection;
-- ``Attention`` with full-width rotary (no partial rotary dims): q and k rotated in place.
+- ``RMSNorm`` with or without the residual add, in place on the layer's fresh output, and
+  ``GemmaRMSNorm`` (its scale ``1 + weight`` in float32);
+- ``GatedMLP`` with SiLU or tanh-approximated GELU: ``act(gate) * up`` straight from the fused
+  gate/up projection;
+- ``Attention`` with full-width rotary (no partial rotary dims): q and k normed (Qwen3's and
+  Gemma's q/k norms) and rotated in place.
 
 The kernels round to the model's dtype wherever torch does, so a bfloat16 model gives torch's
 values, not just close ones; float32 differs from torch by the order of its sums. CPU tensors
@@ -22,7 +24,7 @@ import torch
 from torch import nn
 
 from tandem.kernels import cpu_ops
-from tandem.models.layers import Attention, GatedMLP, RMSNorm
+from tandem.models.layers import Attention, GatedMLP, GemmaRMSNorm, RMSNorm
 
 
 def enable_cpu_fusion(model: nn.Module) -> int:
@@ -32,7 +34,9 @@ def enable_cpu_fusion(model: nn.Module) -> int:
         return 0
     count = 0
     for module in model.modules():
-        if isinstance(module, RMSNorm):
+        if isinstance(module, GemmaRMSNorm):
+            count += module.use_kernel(gemma_rms_norm)
+        elif isinstance(module, RMSNorm):
             count += module.use_kernel(rms_norm)
         elif isinstance(module, (GatedMLP, Attention)):
             count += module.use_cpu_kernels()
@@ -50,3 +54,14 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
         return out.view(x.shape), x
     cpu_ops.add_rms_norm(x2, residual.view(-1, x.shape[-1]), weight, eps)
     return x, residual
+
+
+def gemma_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``GemmaRMSNorm.forward``'s contract: (normed, new residual), the inputs untouched."""
+    if residual is not None:
+        x = x + residual
+    x2 = x.view(-1, x.shape[-1])
+    out = torch.empty_like(x2)
+    cpu_ops.gemma_rms_norm(out, x2, weight, eps)
+    return out.view(x.shape), x

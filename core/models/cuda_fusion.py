@@ -26,16 +26,18 @@ logger = logging.getLogger("tandem")
 
 
 def enable_cuda_fusion(model: nn.Module) -> int:
-    """Offer every ``RMSNorm`` of ``model`` the Triton kernel (Gemma's variant declines);
-    returns how many took it (0 when triton cannot be imported: the model keeps torch's norm)."""
-    from tandem.models.layers import RMSNorm
+    """Offer every plain ``RMSNorm`` of ``model`` the Triton kernel (Gemma's variant, which
+    scales differently, keeps torch); returns how many took it (0 when triton cannot be
+    imported: the model keeps torch's norm)."""
+    from tandem.models.layers import GemmaRMSNorm, RMSNorm
 
     try:
         from tandem.kernels import fused_rmsnorm  # noqa: F401 - imports triton
     except ImportError as exc:
         logger.warning("triton could not be imported (%s); RMSNorm stays on torch's kernels", exc)
         return 0
-    return sum(m.use_kernel(rms_norm) for m in model.modules() if isinstance(m, RMSNorm))
+    return sum(m.use_kernel(rms_norm) for m in model.modules()
+               if isinstance(m, RMSNorm) and not isinstance(m, GemmaRMSNorm))
 
 
 def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

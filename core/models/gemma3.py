@@ -65,15 +65,27 @@ class Gemma3Model(PipelineStage):
             self.rotary_emb_local = RotaryEmbedding(config.rotary_dim or config.head_dim, *config.sliding_rope)
         self.layer_is_sliding = [t == SLIDING_ATTENTION for t in config.layer_types]
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else None
+        self.decode_loop = None
+        """The stage's layers as one C++ call for decode steps (``tandem.models.cpu_decode_loop``)."""
+
+    @property
+    def local_rope_layers(self) -> list[bool]:
+        """Per layer of this stage, whether it takes the local rotary tables (a sliding layer
+        where the config gives sliding layers a rotary base of their own)."""
+        sliding = self.layer_is_sliding[self.stage.start : self.stage.stop]
+        return [s and self.rotary_emb_local is not None for s in sliding]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, intermediate: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embed_tokens(input_ids) * self.embed_scale if intermediate is None else intermediate[0]
         rope = self.rotary_emb(positions, h.dtype, metadata)
         local = rope if self.rotary_emb_local is None else self.rotary_emb_local(positions, h.dtype, metadata)
-        sliding = self.layer_is_sliding[self.stage.start : self.stage.stop]
-        for layer, is_sliding in zip(self.stage_layers(), sliding):
-            h = layer(h, *(local if is_sliding else rope), kv_cache, metadata)
+        if self.decode_loop is not None and self.decode_loop.can_run(h, kv_cache, metadata):
+            h, _ = self.decode_loop(h, None, *rope, kv_cache, metadata, local=local)
+        else:
+            sliding = self.layer_is_sliding[self.stage.start : self.stage.stop]
+            for layer, is_sliding in zip(self.stage_layers(), sliding):
+                h = layer(h, *(local if is_sliding else rope), kv_cache, metadata)
         if not self.is_last_stage:
             return h.unsqueeze(0)
         return self.norm(h)[0]

@@ -99,10 +99,6 @@ class GemmaRMSNorm(RMSNorm):
     def _scale(self, normed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return (normed * (1.0 + self.weight.float())).to(dtype)
 
-    def use_kernel(self, kernel: FusedNorm) -> bool:
-        """False: the fused passes scale as the plain norm does, so this one stays on torch."""
-        return False
-
 
 class LinearLayer(nn.Module):
     """``y = x @ W.T + b`` with ``sum(output_sizes)`` outputs made of fused shards.
@@ -315,6 +311,10 @@ ACTIVATIONS = {
 }
 
 
+_FUSED_ACTS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+"""HF activation names with a fused CPU pass, and the pass."""
+
+
 class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))`` with gate and up fused into one projection (shards 0, 1);
     ``act`` is one of ``ACTIVATIONS`` (HF's names)."""
@@ -325,6 +325,7 @@ class GatedMLP(nn.Module):
         if hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {hidden_act!r}; supported: {', '.join(ACTIVATIONS)}")
         self.act = ACTIVATIONS[hidden_act]
+        self.act_name = hidden_act
         parallel = current()
         if intermediate_size % parallel.tp_size:
             raise ValueError(f"tensor_parallel_size = {parallel.tp_size} does not divide the MLP's "
@@ -335,24 +336,34 @@ class GatedMLP(nn.Module):
         self.down_proj = LinearLayer(intermediate_size, [hidden_size], bias, quant_method,
                                      row_split(parallel), parallel)
         self._fused = False
+        self._fused_act: str | None = None
 
     @property
     def fused(self) -> bool:
         """True once ``use_cpu_kernels`` took the fused act."""
         return self._fused
 
+    @property
+    def fused_act(self) -> str | None:
+        """The act the fused pass computes ("silu" or "gelu_tanh"), None: torch's."""
+        return self._fused_act
+
     def use_cpu_kernels(self) -> bool:
-        """Compute ``silu(gate) * up`` in one C++ pass (``tandem.kernels.cpu_ops.silu_and_mul``)
-        from now on, when the act is SiLU; True when it does. CPU tensors only (the pass of
-        ``tandem.models.cpu_fusion``)."""
-        self._fused = self.act is torch.nn.functional.silu
+        """Compute ``act(gate) * up`` in one C++ pass (``tandem.kernels.cpu_ops.silu_and_mul``,
+        ``gelu_tanh_and_mul``) from now on, when the act is SiLU or tanh-approximated GELU; True
+        when it does. CPU tensors only (the pass of ``tandem.models.cpu_fusion``)."""
+        self._fused_act = _FUSED_ACTS.get(self.act_name)
+        self._fused = self._fused_act is not None
         return self._fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fused:
             gate_up = self.gate_up_proj(x)
             act = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
-            cpu_ops.silu_and_mul(act, gate_up)
+            if self._fused_act == "silu":
+                cpu_ops.silu_and_mul(act, gate_up)
+            else:
+                cpu_ops.gelu_tanh_and_mul(act, gate_up)
             return self.down_proj(act)
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
@@ -425,11 +436,17 @@ class Attention(nn.Module):
         """True once ``use_cpu_kernels`` took the in-place rotary."""
         return self._fused
 
+    @property
+    def gemma_qk_norm(self) -> bool:
+        """True when the q/k norms are Gemma's (the scale ``1 + weight`` in float32)."""
+        return isinstance(self.q_norm, GemmaRMSNorm)
+
     def use_cpu_kernels(self) -> bool:
-        """Rotate q and k in place in one C++ pass (``tandem.kernels.cpu_ops.rotary_neox``) from
-        now on, when the rotary is full-width (without q/k norms); True when it does. CPU
-        tensors only (the pass of ``tandem.models.cpu_fusion``)."""
-        self._fused = self.rotary_dim == self.head_dim
+        """Norm (``tandem.kernels.cpu_ops.head_rms_norm``) and rotate
+        (``rotary_neox``) q and k in place, one C++ pass each, from now on, when the rotary is
+        full-width and the q/k norms (if any) are the plain or Gemma RMSNorm; True when it does.
+        CPU tensors only (the pass of ``tandem.models.cpu_fusion``)."""
+        self._fused = self.rotary_dim == self.head_dim and type(self.q_norm) in (type(None), RMSNorm, GemmaRMSNorm)
         return self._fused
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
@@ -438,12 +455,16 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         q_size, kv_size, _ = self.split_sizes
         qk = qkv[:, : q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self._fused and qk.dtype == self.q_norm.weight.dtype:
+            # in place on the projection's fresh output
+            cpu_ops.head_rms_norm(qk[:, : self.num_heads], self.q_norm.weight, self.q_norm.eps, self.gemma_qk_norm)
+            cpu_ops.head_rms_norm(qk[:, self.num_heads :], self.k_norm.weight, self.k_norm.eps, self.gemma_qk_norm)
+        elif self.q_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q)[0], self.k_norm(k)[0]), dim=1)
         # q and k sit side by side in the fused output: rotate them as one tensor (half the ops).
-        if self.use_rope and self._fused and self.q_norm is None:
-            cpu_ops.rotary_neox(qk, cos, sin)  # in place on the projection's fresh output
+        if self.use_rope and self._fused:
+            cpu_ops.rotary_neox(qk, cos, sin)  # in place
         elif self.use_rope and self.rotary_dim == self.head_dim:
             qk = rotate(qk, cos, sin)
         elif self.use_rope:  # partial rotary: the leading rotary_dim dimensions turn, the rest pass

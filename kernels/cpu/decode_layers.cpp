@@ -1,19 +1,28 @@
-// A whole decode step through a stack of Llama decoder layers in one call (the layer loop of
-// tandem.models.cpu_decode_loop). A small model's decode step costs more in the dispatch of its
+// A whole decode step through a stack of Llama-family decoder layers in one call (the layer loop
+// of tandem.models.cpu_decode_loop). A small model's decode step costs more in the dispatch of its
 // many small operators — Python frames, tensor wrappers, conversions, per layer ~60 of them —
 // than in its matmuls; here the same kernels run one after another from C++:
 //
 //   per layer l (h, residual [M, hidden] in the model's dtype T; the first layer's residual is h):
-//     x        = add_rms_norm(h, residual, norms[2l])          (rms_norm(h) for the first layer)
+//     x        = add_rms_norm(h, residual, norms[l][0])         (rms_norm(h) for the first layer)
 //     qkv      = linear(x, 4l)                                  [M, (H + 2 Hkv) D]
-//     rotary_neox(qkv[:, : (H + Hkv) D], cos, sin)              in place
+//     head_rms_norm(q, k of qkv, norms[l][q], norms[l][k])     in place, with QK_NORM
+//     rotary_neox(qkv[:, : (H + Hkv) D], cos, sin)              in place (cos_local, sin_local
+//                                                               where local[l])
 //     pool[slot of row t, l] = k, v of row t                    KV write
 //     attn     = paged_decode(q, pool[:, l], rows, tables, seq_lens, scale, windows[l])
 //     h        = linear(attn, 4l + 1)
-//     x        = add_rms_norm(h, residual, norms[2l + 1])
-//     h        = linear(silu_and_mul(linear(x, 4l + 2)), 4l + 3)
+//     x        = add_rms_norm(h, residual, norms[l][1])
+//     h        = linear(act_and_mul(linear(x, 4l + 2)), 4l + 3)  act: SiLU, or GELU-tanh with GELU
 //
-// returning the last (h, residual). Every step is the kernel the Python modules call, with the
+// returning the last (h, residual). With GEMMA the layer is Gemma 3's, the residual stream h
+// itself (norms scaled by 1 + weight in float32, four of them around the two blocks):
+//
+//     h        = h + gemma_rms_norm(attention block(gemma_rms_norm(h, norms[l][0])), norms[l][1])
+//     h        = h + gemma_rms_norm(mlp(gemma_rms_norm(h, norms[l][2])), norms[l][3])
+//
+// returning (h, h). norms[l] is the layer's [input, post-attention, (pre-, post-feedforward with
+// GEMMA), (q, k with QK_NORM)]. Every step is the kernel the Python modules call, with the
 // same conversions, so the values are theirs bit for bit. Linear i is weights[i] with
 // info[4i .. 4i + 3] = (kind, out_features, in_features, ggml_type):
 //
@@ -24,7 +33,7 @@
 //   kind 4  bfloat16 pairs    (x in bfloat16, panel_linear_dpbf16, rounded back to T)
 //
 // Each part runs under a profiler scope ("decode_layers.linear" with the panel kernel itself as
-// ".matmul" inside it, ".norm", ".rotary", ".kv_write", ".attention", ".silu_and_mul"; free when
+// ".matmul" inside it, ".norm", ".rotary", ".kv_write", ".attention", ".act_and_mul"; free when
 // no profiler is on), so torch.profiler splits the step.
 //
 // pool [num_blocks, L, 2, bs, Hkv, D] of dtype T (D and the heads contiguous); slots [M] int64,
@@ -46,11 +55,16 @@ void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, do
 void add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
 void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up);
 void rotary_neox(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+void head_rms_norm(at::Tensor& x, const at::Tensor& weight, double eps, bool gemma);
+void gemma_rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
+void gemma_add_rms_norm(at::Tensor& residual, const at::Tensor& h, const at::Tensor& weight, double eps);
+void gelu_tanh_and_mul(at::Tensor& out, const at::Tensor& gate_up);
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t ggml_type, int64_t in_features);
 
 namespace {
 
 constexpr int64_t kInfo = 4;
+constexpr int64_t kQkNorm = 1, kGemma = 2, kGelu = 4;  // the flags (cpu_decode_loop.FLAGS)
 
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w) {
   static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
@@ -106,77 +120,141 @@ void write_kv(const at::Tensor& qkv, const at::Tensor& kv, const int64_t* slots,
   }
 }
 
+// The layer's attention block from its normed input x: q/k norms, rotary, KV write, paged decode
+// attention, o_proj.
+at::Tensor attention_block(const at::Tensor& x, at::TensorList norms, at::TensorList weights, const int64_t* info,
+                           const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv, const int64_t* slot,
+                           const at::Tensor& rows, const at::Tensor& tables, const at::Tensor& seq_lens,
+                           int64_t window, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, double eps,
+                           int64_t flags) {
+  const int64_t m = x.size(0);
+  at::Tensor qkv = linear(x, weights[0], info);
+  at::Tensor qk = qkv.narrow(1, 0, (heads + kv_heads) * head_dim).view({m, heads + kv_heads, head_dim});
+  if (flags & kQkNorm) {
+    RECORD_FUNCTION("decode_layers.norm", std::vector<c10::IValue>());
+    const size_t first = (flags & kGemma) ? 4 : 2;
+    at::Tensor q = qk.narrow(1, 0, heads), k = qk.narrow(1, heads, kv_heads);
+    head_rms_norm(q, norms[first], eps, flags & kGemma);
+    head_rms_norm(k, norms[first + 1], eps, flags & kGemma);
+  }
+  {
+    RECORD_FUNCTION("decode_layers.rotary", std::vector<c10::IValue>());
+    rotary_neox(qk, cos, sin);
+  }
+  write_kv(qkv, kv, slot, heads, kv_heads, head_dim);
+  at::Tensor attn = at::empty({m, heads, head_dim}, x.options());
+  {
+    RECORD_FUNCTION("decode_layers.attention", std::vector<c10::IValue>());
+    paged_decode(attn, qk.narrow(1, 0, heads), kv, rows, tables, seq_lens, scale, window);
+  }
+  return linear(attn.view({m, heads * head_dim}), weights[1], info + kInfo);
+}
+
+// The MLP from its normed input x: gate_up, act_and_mul, down.
+at::Tensor mlp_block(const at::Tensor& x, const at::Tensor& gate_up_w, const at::Tensor& down_w, const int64_t* info,
+                     int64_t flags) {
+  at::Tensor gate_up = linear(x, gate_up_w, info);
+  at::Tensor act = at::empty({x.size(0), gate_up.size(1) / 2}, x.options());
+  {
+    RECORD_FUNCTION("decode_layers.act_and_mul", std::vector<c10::IValue>());
+    if (flags & kGelu) {
+      gelu_tanh_and_mul(act, gate_up);
+    } else {
+      silu_and_mul(act, gate_up);
+    }
+  }
+  return linear(act, down_w, info + kInfo);
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& hidden, const c10::optional<at::Tensor>& residual_in, at::TensorList norms,
-    at::TensorList weights, at::IntArrayRef info, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& pool,
-    const at::Tensor& slots, const at::Tensor& rows, const at::Tensor& tables, const at::Tensor& seq_lens,
-    at::IntArrayRef windows, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, double eps) {
+    at::TensorList weights, at::IntArrayRef info, const at::Tensor& cos, const at::Tensor& sin,
+    const c10::optional<at::Tensor>& cos_local, const c10::optional<at::Tensor>& sin_local, at::IntArrayRef local,
+    at::Tensor& pool, const at::Tensor& slots, const at::Tensor& rows, const at::Tensor& tables,
+    const at::Tensor& seq_lens, at::IntArrayRef windows, int64_t heads, int64_t kv_heads, int64_t head_dim,
+    double scale, double eps, int64_t flags) {
   const int64_t layers = static_cast<int64_t>(windows.size()), m = hidden.size(0);
-  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers && static_cast<int64_t>(weights.size()) == 4 * layers &&
-                  static_cast<int64_t>(info.size()) == kInfo * 4 * layers,
-              "decode_layers: 2 norms, 4 linears and 16 info values per layer");
+  const int64_t per_layer = 2 + ((flags & kGemma) ? 2 : 0) + ((flags & kQkNorm) ? 2 : 0);
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == per_layer * layers &&
+                  static_cast<int64_t>(weights.size()) == 4 * layers &&
+                  static_cast<int64_t>(info.size()) == kInfo * 4 * layers &&
+                  static_cast<int64_t>(local.size()) == layers,
+              "decode_layers: ", per_layer, " norms, 4 linears, 16 info values and one local flag per layer");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && pool.dim() == 6 && pool.size(1) >= layers &&
                   pool.scalar_type() == hidden.scalar_type() && pool.size(4) == kv_heads && pool.size(5) == head_dim &&
                   pool.stride(5) == 1 && pool.stride(4) == head_dim,
               "decode_layers: hidden [M, hidden] contiguous, pool [blocks, >= layers, 2, bs, Hkv, D] of its dtype");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == m,
               "decode_layers: one int64 slot per row");
+  bool any_local = false;
+  for (int64_t l = 0; l < layers; ++l) any_local = any_local || local[l] != 0;
+  TORCH_CHECK(!any_local || (cos_local.has_value() && cos_local->defined() && sin_local.has_value() &&
+                             sin_local->defined()),
+              "decode_layers: local layers need cos_local and sin_local");
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < m; ++t) {
     TORCH_CHECK(slot[t] >= 0 && slot[t] < pool.size(0) * pool.size(3), "decode_layers: slot out of the pool");
   }
-  const int64_t qk_width = (heads + kv_heads) * head_dim;
   at::Tensor h = hidden, residual;
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t* li = info.data() + l * 4 * kInfo;
+    at::TensorList ln = norms.slice(l * per_layer, per_layer);
+    at::TensorList lw = weights.slice(4 * l, 4);
+    const at::Tensor& c = local[l] ? *cos_local : cos;
+    const at::Tensor& s = local[l] ? *sin_local : sin;
+    at::Tensor kv = pool.select(1, l);
+    if (flags & kGemma) {  // h is the residual stream
+      at::Tensor x = at::empty_like(h);
+      {
+        RECORD_FUNCTION("decode_layers.norm", std::vector<c10::IValue>());
+        gemma_rms_norm(x, h, ln[0], eps);
+      }
+      at::Tensor a = attention_block(x, ln, lw, li, c, s, kv, slot, rows, tables, seq_lens, windows[l], heads,
+                                     kv_heads, head_dim, scale, eps, flags);
+      {
+        RECORD_FUNCTION("decode_layers.norm", std::vector<c10::IValue>());
+        gemma_add_rms_norm(h, a, ln[1], eps);
+        gemma_rms_norm(x, h, ln[2], eps);
+      }
+      at::Tensor f = mlp_block(x, lw[2], lw[3], li + 2 * kInfo, flags);
+      {
+        RECORD_FUNCTION("decode_layers.norm", std::vector<c10::IValue>());
+        gemma_add_rms_norm(h, f, ln[3], eps);
+      }
+      residual = h;
+      continue;
+    }
     at::Tensor x;
     {
       RECORD_FUNCTION("decode_layers.norm", std::vector<c10::IValue>());
       if (l == 0 && !(residual_in.has_value() && residual_in->defined())) {
         residual = h;
         x = at::empty_like(h);
-        rms_norm(x, h, norms[0], eps);
+        rms_norm(x, h, ln[0], eps);
       } else {
         if (l == 0) residual = *residual_in;
-        add_rms_norm(h, residual, norms[2 * l], eps);
+        add_rms_norm(h, residual, ln[0], eps);
         x = h;
       }
     }
-    at::Tensor qkv = linear(x, weights[4 * l], li);
-    at::Tensor qk = qkv.narrow(1, 0, qk_width).view({m, heads + kv_heads, head_dim});
-    {
-      RECORD_FUNCTION("decode_layers.rotary", std::vector<c10::IValue>());
-      rotary_neox(qk, cos, sin);
-    }
-    at::Tensor kv = pool.select(1, l);
-    write_kv(qkv, kv, slot, heads, kv_heads, head_dim);
-    at::Tensor attn = at::empty({m, heads, head_dim}, hidden.options());
-    {
-      RECORD_FUNCTION("decode_layers.attention", std::vector<c10::IValue>());
-      paged_decode(attn, qk.narrow(1, 0, heads), kv, rows, tables, seq_lens, scale, windows[l]);
-    }
-    h = linear(attn.view({m, heads * head_dim}), weights[4 * l + 1], li + kInfo);
+    h = attention_block(x, ln, lw, li, c, s, kv, slot, rows, tables, seq_lens, windows[l], heads, kv_heads,
+                        head_dim, scale, eps, flags);
     {
       RECORD_FUNCTION("decode_layers.norm", std::vector<c10::IValue>());
-      add_rms_norm(h, residual, norms[2 * l + 1], eps);
+      add_rms_norm(h, residual, ln[1], eps);
     }
-    at::Tensor gate_up = linear(h, weights[4 * l + 2], li + 2 * kInfo);
-    at::Tensor act = at::empty({m, gate_up.size(1) / 2}, hidden.options());
-    {
-      RECORD_FUNCTION("decode_layers.silu_and_mul", std::vector<c10::IValue>());
-      silu_and_mul(act, gate_up);
-    }
-    h = linear(act, weights[4 * l + 3], li + 3 * kInfo);
+    h = mlp_block(h, lw[2], lw[3], li + 2 * kInfo, flags);
   }
   return {h, residual};
 }
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("decode_layers(Tensor(b!) hidden, Tensor(c!)? residual, Tensor[] norms, Tensor[] weights, int[] info, Tensor cos, "
-        "Tensor sin, Tensor(a!) pool, Tensor slots, Tensor rows, Tensor tables, Tensor seq_lens, int[] windows, "
-        "int heads, int kv_heads, int head_dim, float scale, float eps) -> (Tensor, Tensor)");
+        "Tensor sin, Tensor? cos_local, Tensor? sin_local, int[] local, Tensor(a!) pool, Tensor slots, Tensor rows, "
+        "Tensor tables, Tensor seq_lens, int[] windows, int heads, int kv_heads, int head_dim, float scale, float eps, "
+        "int flags) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("decode_layers", &decode_layers); }

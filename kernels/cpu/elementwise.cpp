@@ -9,6 +9,11 @@
 //   silu_and_mul(out, gate_up)                out = silu(gate) * up, gate_up = [gate | up] per row
 //   rotary_neox(x, cos, sin)                  x = x * cos + rotate_half(x) * sin, in place, for
 //                                             x [T, heads, D] and cos/sin [T, D] (HF Llama's rope)
+//   head_rms_norm(x, weight, eps, gemma)      each head of x [T, heads, D] normed in place over D
+//                                             (q/k norms: Qwen3's RMSNorm, or Gemma's with gemma)
+//   gemma_rms_norm(out, x, weight, eps)       out = to_dtype(rms_norm(float(x)) * (1 + float(weight)))
+//   gemma_add_rms_norm(residual, h, w, eps)   residual = residual + gemma_rms_norm(h), in place
+//   gelu_tanh_and_mul(out, gate_up)           out = gelu_tanh(gate) * up (Gemma's MLP)
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -94,6 +99,62 @@ void rotary_rows(T* x, const T* cos, const T* sin, int64_t tokens, int64_t heads
   });
 }
 
+// One vector of `width` values normed: dst = weight * to_T(normed) (plain, HF's LlamaRMSNorm), or
+// with GEMMA dst = to_T(normed * (1 + weight)) (HF's Gemma3RMSNorm: the scale in float32); with
+// ADD, dst = to_T(dst + that) (Gemma's residual add after the norm). dst may be src.
+template <typename T, bool GEMMA, bool ADD>
+inline void norm_vector(T* dst, const T* src, const T* weight, int64_t width, float eps) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < width; ++i) {
+    const float v = static_cast<float>(src[i]);
+    sum += v * v;
+  }
+  const float inv = 1.f / std::sqrt(sum / static_cast<float>(width) + eps);
+  for (int64_t i = 0; i < width; ++i) {
+    const float normed = static_cast<float>(src[i]) * inv;
+    float v = GEMMA ? rnd<T>(normed * (1.f + static_cast<float>(weight[i])))
+                    : static_cast<float>(weight[i]) * rnd<T>(normed);
+    if (ADD) v += static_cast<float>(dst[i]);
+    dst[i] = static_cast<T>(v);
+  }
+}
+
+// rows x heads vectors of `width` at dst/src + r * ld + h * hs (one stride pair for both)
+template <typename T, bool GEMMA, bool ADD>
+void norm_vectors(T* dst, const T* src, const T* weight, int64_t rows, int64_t heads, int64_t width, int64_t ldd,
+                  int64_t hsd, int64_t lds, int64_t hss, float eps) {
+  at::parallel_for(0, rows * heads, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / heads, h = i % heads;
+      norm_vector<T, GEMMA, ADD>(dst + r * ldd + h * hsd, src + r * lds + h * hss, weight, width, eps);
+    }
+  });
+}
+
+// gelu with torch's tanh approximation, 0.5 x (1 + tanh(y)) with y = sqrt(2 / pi) (x + 0.044715 x^3),
+// computed as x / (1 + exp(-2y)) (the same function, without the cancellation of 1 + tanh(y) near
+// -1, and a form the compiler vectorizes); y kept above -40 so exp never overflows (-ffast-math
+// assumes no infinities), where the value is 0 to float32 anyway
+inline float gelu_tanh(float x) {
+  const float y = std::fmax(0.7978845608028654f * (x + 0.044715f * x * x * x), -40.f);
+  return x / (1.f + std::exp(-2.f * y));
+}
+
+template <typename T>
+void gelu_mul_rows(T* out, const T* gate_up, int64_t rows, int64_t width, int64_t ldo, int64_t ldg) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gate_up + r * ldg;
+      const T* u = g + width;
+      T* dst = out + r * ldo;
+      for (int64_t i = 0; i < width; ++i) {
+        const float act = rnd<T>(gelu_tanh(static_cast<float>(g[i])));
+        dst[i] = static_cast<T>(act * static_cast<float>(u[i]));
+      }
+    }
+  });
+}
+
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1, name, " must be a CPU [rows, width] tensor with contiguous rows");
 }
@@ -151,7 +212,58 @@ void rotary_neox(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
                                                   sin.stride(0)))
 }
 
+void head_rms_norm(at::Tensor& x, const at::Tensor& weight, double eps, bool gemma) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1 && weight.is_contiguous() &&
+                  weight.numel() == x.size(2) && weight.scalar_type() == x.scalar_type(),
+              "head_rms_norm: x [T, heads, D] with D contiguous and weight [D], of one dtype");
+  TANDEM_DISPATCH(x.scalar_type(), {
+    T* p = x.data_ptr<T>();
+    if (gemma) {
+      norm_vectors<T, true, false>(p, p, weight.data_ptr<T>(), x.size(0), x.size(1), x.size(2), x.stride(0),
+                                   x.stride(1), x.stride(0), x.stride(1), eps);
+    } else {
+      norm_vectors<T, false, false>(p, p, weight.data_ptr<T>(), x.size(0), x.size(1), x.size(2), x.stride(0),
+                                    x.stride(1), x.stride(0), x.stride(1), eps);
+    }
+  })
+}
+
+void gemma_rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(out, "out");
+  check_rows(x, "x");
+  TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type() &&
+                  weight.is_contiguous() && weight.numel() == x.size(1),
+              "gemma_rms_norm: out, x [rows, width] and weight [width] of one dtype");
+  TANDEM_DISPATCH(x.scalar_type(), norm_vectors<T, true, false>(out.data_ptr<T>(), x.data_ptr<T>(), weight.data_ptr<T>(),
+                                                                x.size(0), 1, x.size(1), out.stride(0), 0, x.stride(0),
+                                                                0, eps))
+}
+
+void gemma_add_rms_norm(at::Tensor& residual, const at::Tensor& h, const at::Tensor& weight, double eps) {
+  check_rows(residual, "residual");
+  check_rows(h, "h");
+  TORCH_CHECK(residual.sizes() == h.sizes() && residual.scalar_type() == h.scalar_type() &&
+                  weight.scalar_type() == h.scalar_type() && weight.is_contiguous() && weight.numel() == h.size(1),
+              "gemma_add_rms_norm: residual, h [rows, width] and weight [width] of one dtype");
+  TANDEM_DISPATCH(h.scalar_type(), norm_vectors<T, true, true>(residual.data_ptr<T>(), h.data_ptr<T>(),
+                                                               weight.data_ptr<T>(), h.size(0), 1, h.size(1),
+                                                               residual.stride(0), 0, h.stride(0), 0, eps))
+}
+
+void gelu_tanh_and_mul(at::Tensor& out, const at::Tensor& gate_up) {
+  check_rows(out, "out");
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(0) == out.size(0) && gate_up.size(1) == 2 * out.size(1) && gate_up.scalar_type() == out.scalar_type(),
+              "gelu_tanh_and_mul: gate_up [rows, 2 * width] and out [rows, width] of one dtype");
+  TANDEM_DISPATCH(out.scalar_type(), gelu_mul_rows<T>(out.data_ptr<T>(), gate_up.data_ptr<T>(), out.size(0), out.size(1),
+                                                      out.stride(0), gate_up.stride(0)))
+}
+
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
+  m.def("head_rms_norm(Tensor(a!) x, Tensor weight, float eps, bool gemma) -> ()");
+  m.def("gemma_rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("gemma_add_rms_norm(Tensor(a!) residual, Tensor h, Tensor weight, float eps) -> ()");
+  m.def("gelu_tanh_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
@@ -163,4 +275,8 @@ TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_neox", &rotary_neox);
+  m.impl("head_rms_norm", &head_rms_norm);
+  m.impl("gemma_rms_norm", &gemma_rms_norm);
+  m.impl("gemma_add_rms_norm", &gemma_add_rms_norm);
+  m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
 }

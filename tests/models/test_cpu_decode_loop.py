@@ -1,8 +1,9 @@
 """The C++ decode loop (tandem.models.cpu_decode_loop) against HF transformers: a prompt, then
 token-by-token decode steps that all go through ``decode_layers`` (counted), float32 logits
 within test_model_vs_hf's tolerance, on each linear kernel the loop calls (tandem's panels,
-oneDNN, dense torch weights, GGUF blocks); bfloat16 gives the modules' own path's values
-exactly; stacks the loop cannot run keep the Python path."""
+oneDNN, dense torch weights, GGUF blocks) and each layer shape it runs (Llama, Qwen3's q/k norms,
+Gemma 3's norms, GELU-tanh, sliding layers on their own rotary base); bfloat16 gives the
+modules' own path's values exactly; stacks the loop cannot run keep the Python path."""
 from __future__ import annotations
 
 import pytest
@@ -44,26 +45,28 @@ def decode_logits(kind, kernels, dtype=torch.float32, loop=True):
 
 
 @pytest.mark.parametrize(("kind", "kernels"), [("llama", "tandem"), ("llama_tied", "onednn"), ("mistral", "torch"),
-                                               ("llama3", "tandem")])
+                                               ("llama3", "tandem"), ("qwen3", "tandem"), ("gemma3", "tandem"),
+                                               ("gemma3", "onednn")])
 def test_decode_steps_through_the_loop_match_hf(kind, kernels, loop_calls):
     got, ids = decode_logits(kind, kernels)
     assert loop_calls == [1] * (len(ids) - PREFILL)
     torch.testing.assert_close(got, hf_logits(hf_model(tiny_model_dir(kind)), ids), atol=ATOL, rtol=ATOL)
 
 
-@pytest.mark.parametrize("kernels", ["tandem", "dpbf16"])
-def test_bfloat16_loop_gives_the_modules_values_exactly(loop_calls, kernels):
+@pytest.mark.parametrize(("kind", "kernels"), [("llama", "tandem"), ("llama", "dpbf16"), ("gemma3", "tandem"),
+                                               ("qwen3", "dpbf16")])
+def test_bfloat16_loop_gives_the_modules_values_exactly(loop_calls, kind, kernels):
     if kernels == "dpbf16" and not dpbf16_available():
         pytest.skip("this CPU has no AVX512-BF16 instructions")
-    got, _ = decode_logits("llama", kernels, torch.bfloat16)
+    got, _ = decode_logits(kind, kernels, torch.bfloat16)
     assert loop_calls
-    want, _ = decode_logits("llama", kernels, torch.bfloat16, loop=False)
+    want, _ = decode_logits(kind, kernels, torch.bfloat16, loop=False)
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "granite", "smollm3", "gemma3"])
+@pytest.mark.parametrize("kind", ["qwen2", "granite", "smollm3"])
 def test_stacks_the_loop_cannot_run_keep_the_python_path(kind):
-    """q/k/v biases, q/k norms, a residual multiplier, rope-free layers, Gemma's layers."""
+    """q/k/v biases, a residual multiplier, rope-free layers."""
     model, _ = load_with_kernels(kind, "tandem")
     assert CpuDecodeLoop.build(list(model.model.stage_layers())) is None
 

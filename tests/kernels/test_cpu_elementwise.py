@@ -1,0 +1,96 @@
+"""The Gemma 3 and q/k-norm passes of kernels/cpu/elementwise.cpp against HF transformers' own
+modules (``Gemma3RMSNorm``, ``Qwen3RMSNorm``) and torch's tanh GELU: float32 within float32
+rounding, bfloat16 within one bfloat16 step and nearly always equal (the sums of squares run in
+another order than torch's)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+from tandem.kernels import cpu_ops
+
+pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="tandem's CPU kernels cannot be built here")
+
+EPS = 1e-6
+
+
+def close(got: torch.Tensor, want: torch.Tensor, atol: float = 0.0) -> None:
+    """Equal within the dtype's rounding, and (bfloat16) nearly all exactly equal."""
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=max(atol, 1e-5), rtol=1e-5)
+        return
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=2 ** -7)
+    sizable = want.abs() > 1e-3  # where the reference itself is accurate (see the GELU test)
+    assert (got == want)[sizable].float().mean() > 0.99
+
+
+def hf_norm(cls, width: int, weight: torch.Tensor) -> torch.nn.Module:
+    norm = cls(width, eps=EPS)
+    with torch.no_grad():
+        norm.weight.copy_(weight.float())
+    return norm.to(weight.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_rms_norm_and_its_residual_add_match_hf(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(7, 640, generator=g) * 30).to(dtype)  # Gemma's residual stream is large
+    h = torch.randn(7, 640, generator=g).to(dtype)
+    weight = torch.randn(640, generator=g).to(dtype)
+    hf = hf_norm(Gemma3RMSNorm, 640, weight)
+    out = torch.empty_like(x)
+    cpu_ops.gemma_rms_norm(out, x, weight, EPS)
+    with torch.no_grad():
+        close(out, hf(x))
+        want = x + hf(h)
+    residual = x.clone()
+    cpu_ops.gemma_add_rms_norm(residual, h, weight, EPS)
+    close(residual, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("gemma", "cls"), [(False, Qwen3RMSNorm), (True, Gemma3RMSNorm)])
+def test_head_norm_works_in_place_on_the_q_and_k_views_of_a_projection(dtype, gemma, cls):
+    heads, kv_heads, d, tokens = 4, 2, 32, 5
+    g = torch.Generator().manual_seed(1)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g) * 4).to(dtype)
+    wq, wk = torch.randn(d, generator=g).to(dtype), torch.randn(d, generator=g).to(dtype)
+    before = qkv.clone()
+    qk = qkv[:, : (heads + kv_heads) * d].view(tokens, heads + kv_heads, d)  # strided rows
+    cpu_ops.head_rms_norm(qk[:, :heads], wq, EPS, gemma)
+    cpu_ops.head_rms_norm(qk[:, heads:], wk, EPS, gemma)
+    with torch.no_grad():
+        want_q = hf_norm(cls, d, wq)(before[:, : heads * d].view(tokens, heads, d))
+        want_k = hf_norm(cls, d, wk)(before[:, heads * d : (heads + kv_heads) * d].view(tokens, kv_heads, d))
+    close(qk[:, :heads], want_q)
+    close(qk[:, heads:], want_k)
+    assert torch.equal(qkv[:, (heads + kv_heads) * d :], before[:, (heads + kv_heads) * d :])  # v untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_and_mul_matches_torch_even_far_out(dtype):
+    g = torch.Generator().manual_seed(2)
+    gate = torch.randn(9, 300, generator=g) * 3
+    gate[0, :6] = torch.tensor([-1e4, -60.0, -12.0, 12.0, 60.0, 1e4])  # tanh saturated both ways
+    up = torch.randn(9, 300, generator=g)
+    gate_up = torch.cat([gate, up], dim=1).to(dtype)
+    out = torch.empty(9, 300, dtype=dtype)
+    cpu_ops.gelu_tanh_and_mul(out, gate_up)
+    gate, up = gate_up.split(300, dim=1)
+    assert torch.isfinite(out).all()
+    # in the negative tail torch's 1 + tanh(y) is 0 or a few float32 rounding steps (it cancels),
+    # the kernel's x / (1 + exp(-2y)) is not: absolute differences there, of that size
+    close(out, F.gelu(gate, approximate="tanh") * up, atol=1e-6)
+
+
+def test_wrong_shapes_are_refused_naming_the_kernel():
+    x = torch.randn(3, 8)
+    with pytest.raises(RuntimeError, match="gemma_rms_norm"):
+        cpu_ops.gemma_rms_norm(torch.empty(3, 8), x, torch.randn(7), EPS)
+    with pytest.raises(RuntimeError, match="head_rms_norm"):
+        cpu_ops.head_rms_norm(x.view(3, 2, 4), torch.randn(8), EPS, True)
+    with pytest.raises(RuntimeError, match="gelu_tanh_and_mul"):
+        cpu_ops.gelu_tanh_and_mul(torch.empty(3, 5), x)
