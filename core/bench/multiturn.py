@@ -15,7 +15,8 @@ turn t's prompt is the whole conversation so far. Measured per setup: TTFT p50/p
 as the client sees it), output tokens/s (all output over the wall time of the run), KV bytes
 the decode instances read (``tandem:kv_transfer_bytes_total``), the prompt tokens the answering
 instance found cached (usage ``cached_tokens``) and the prefix the workload offers (each
-prompt's share that is its conversation's previous prompt plus answer, in characters). The
+prompt's share sent before, in characters: the shared system prompt on a first turn, the
+conversation's previous prompt and its answer on later ones). The
 report ends with the ratio no_reuse / reuse TTFT p50 against the 3x goal. Needs root (``ip
 netns``) and nixl-cu12.
 """
@@ -194,7 +195,7 @@ async def one_turn(client: httpx.AsyncClient, prompt: str, output_len: int) -> t
 
 
 async def conversation(client: httpx.AsyncClient, system: str, user: int, args) -> list[Turn]:
-    rng = random.Random(args.seed * 1000 + user)
+    rng = random.Random(f"user {user} of run {args.seed}")  # never the system prompt's generator
     history, turns = system + "\n", []
     for _ in range(args.turns):
         offered = len(history)
@@ -207,7 +208,7 @@ async def conversation(client: httpx.AsyncClient, system: str, user: int, args) 
 
 
 async def run_workload(router_url: str, args) -> tuple[list[Turn], float]:
-    system = words(random.Random(args.seed), args.system_words)
+    system = words(random.Random(f"system prompt of run {args.seed}"), args.system_words)
     async with httpx.AsyncClient(base_url=router_url, timeout=httpx.Timeout(600.0), trust_env=False) as client:
         start = time.perf_counter()
         per_user = await asyncio.gather(*(conversation(client, system, u, args) for u in range(args.users)))

@@ -11,7 +11,10 @@
 // arrived, so on a machine whose cores are shared each call waits for a thread the OS has not
 // even woken yet, though the caller did all the work. A WorkPool call returns as soon as every
 // item is done; a helper that wakes late finds nothing left. Between calls the helpers spin for
-// a while (kSpinMicros; none under OMP_WAIT_POLICY=PASSIVE), then sleep until the next call.
+// a while (kSpinMicros; kPassiveSpinMicros under OMP_WAIT_POLICY=PASSIVE, which tandem's CLI sets;
+// TANDEM_CPU_SPIN_US overrides both), then sleep until the next call: a decode step's kernel
+// calls follow each other within microseconds, so a short spin keeps the helpers awake through a
+// step without holding a core long after it.
 // TANDEM_CPU_WORK_POOL=omp (or use_work_pool(false)) goes back to at::parallel_for.
 #pragma once
 
@@ -44,7 +47,7 @@ inline void cpu_relax() {
 
 class WorkPool {
  public:
-  static constexpr int64_t kSpinMicros = 200;
+  static constexpr int64_t kSpinMicros = 200, kPassiveSpinMicros = 50;
 
   static WorkPool& get() {
     static WorkPool* pool = new WorkPool();  // never destroyed: detached helpers may outlive exit
@@ -95,7 +98,9 @@ class WorkPool {
 
   WorkPool() : pid_(getpid()) {
     const char* policy = std::getenv("OMP_WAIT_POLICY");
-    passive_ = policy != nullptr && (std::strcmp(policy, "PASSIVE") == 0 || std::strcmp(policy, "passive") == 0);
+    const bool passive = policy != nullptr && (std::strcmp(policy, "PASSIVE") == 0 || std::strcmp(policy, "passive") == 0);
+    spin_micros_ = passive ? kPassiveSpinMicros : kSpinMicros;
+    if (const char* spin = std::getenv("TANDEM_CPU_SPIN_US")) spin_micros_ = std::max<int64_t>(0, std::atoll(spin));
   }
 
   // spins until done(), giving the core away now and then: the helper it waits for may be
@@ -137,7 +142,7 @@ class WorkPool {
   }
 
   void wait_for_change(uint64_t seen) {
-    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(passive_ ? 0 : kSpinMicros);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_micros_);
     for (int spin = 0; generation_.load() == seen; ++spin) {
       if ((spin & 255) == 0 && std::chrono::steady_clock::now() >= until) {
         std::unique_lock<std::mutex> lock(sleep_mu_);
@@ -157,7 +162,7 @@ class WorkPool {
   std::atomic<int> active_{0}, sleepers_{0};
   int64_t started_ = 0;
   pid_t pid_;
-  bool passive_ = false;
+  int64_t spin_micros_ = kSpinMicros;
 };
 
 // f(begin, end) for consecutive ranges of at most `chunk` items covering [0, total), each range

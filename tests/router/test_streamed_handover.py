@@ -157,10 +157,11 @@ def _mac(domain: bytes, fields: dict) -> str:
     return hmac.new(CLUSTER_SECRET.encode(), domain + canonical, hashlib.sha256).hexdigest()
 
 
-def frozen_mid_stream(cluster: Cluster, decode: InstanceProcess, prompt: list[int]) -> httpx.Response:
+def stopped_mid_stream(cluster: Cluster, decode: InstanceProcess, prompt: list[int],
+                       kill: bool = False) -> httpx.Response:
     """``decode``'s answer to a streamed hand-over of ``prompt`` whose prefill instance froze
-    (SIGSTOP) once ``decode`` started reading; the prefill instance is resumed afterwards. The
-    decode instance must count exactly one peer failure for it."""
+    (SIGSTOP) once ``decode`` started reading, and was then killed if ``kill``; a frozen one is
+    resumed afterwards. The decode instance must count exactly one peer failure for it."""
     reads = scrape(decode.url)["tandem:kv_transfer_reads_total"]
     failures = peer_failures(decode.url)
     params = early_hand_over(cluster.prefill.url, prompt)
@@ -175,11 +176,14 @@ def frozen_mid_stream(cluster: Cluster, decode: InstanceProcess, prompt: list[in
     thread.start()
     assert until_read(decode.url, reads)
     cluster.prefill.send_signal(signal.SIGSTOP)
+    if kill:
+        cluster.prefill.kill()
     try:
         thread.join(120)
         assert peer_failures(decode.url) == failures + 1
     finally:
-        cluster.prefill.send_signal(signal.SIGCONT)
+        if not kill:
+            cluster.prefill.send_signal(signal.SIGCONT)
     return answer["response"]
 
 
@@ -189,7 +193,7 @@ def test_prefill_frozen_mid_stream_recomputes_and_holds_nothing_once_it_resumes(
     (blocks a read may still write into held apart); once the prefill instance resumes, its
     request ends, the pin the decode instance gave up is released, nothing stays held."""
     prompt = _prompts(80, [29 * BLOCK + 3])[0]
-    response = frozen_mid_stream(cluster, cluster.decode, prompt)
+    response = stopped_mid_stream(cluster, cluster.decode, prompt)
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["logprobs"]["tokens"] == answer_tokens(cluster.oracle.url, prompt)
     assert all_free(cluster.prefill.url, cluster.decode.url, timeout_s=30)
@@ -202,7 +206,7 @@ def test_prefill_frozen_mid_stream_is_a_502_under_the_fail_policy(cluster):
     first = httpx.post(f"{cluster.strict.url}/v1/completions", timeout=120, headers=KV_SECRET,
                        json=body(warm, kv_transfer_params={**params, "do_remote_prefill": True}))
     assert first.json()["choices"][0]["logprobs"]["tokens"] == answer_tokens(cluster.oracle.url, warm)
-    response = frozen_mid_stream(cluster, cluster.strict, _prompts(81, [29 * BLOCK + 3])[0])
+    response = stopped_mid_stream(cluster, cluster.strict, _prompts(81, [29 * BLOCK + 3])[0])
     assert response.status_code == 502 and response.json()["error"]["code"] == "kv_transfer_failed", response.text
     assert all_free(cluster.prefill.url, cluster.strict.url, timeout_s=30)
 
@@ -214,24 +218,7 @@ def test_prefill_killed_mid_stream_recomputes_without_leaks(cluster, model_dir, 
     before its prompt is done: the decode instance recomputes the prompt
     (policy "recompute") and answers like the oracle, every block of its own free."""
     prompt = _prompts(70, [29 * BLOCK + 3])[0]
-    reads = scrape(cluster.decode.url)["tandem:kv_transfer_reads_total"]
-    failures = peer_failures(cluster.decode.url)
-    params = early_hand_over(cluster.prefill.url, prompt)
-    answer: dict = {}
-
-    def decode() -> None:
-        answer["response"] = httpx.post(
-            f"{cluster.decode.url}/v1/completions", timeout=120, headers=KV_SECRET,
-            json=body(prompt, kv_transfer_params={**params, "do_remote_prefill": True}))
-
-    thread = threading.Thread(target=decode)
-    thread.start()
-    assert until_read(cluster.decode.url, reads)
-    cluster.prefill.send_signal(signal.SIGSTOP)
-    cluster.prefill.kill()
-    thread.join(120)
-    response = answer["response"]
+    response = stopped_mid_stream(cluster, cluster.decode, prompt, kill=True)
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["logprobs"]["tokens"] == answer_tokens(cluster.oracle.url, prompt)
-    assert peer_failures(cluster.decode.url) == failures + 1
     assert all_free(cluster.decode.url)
