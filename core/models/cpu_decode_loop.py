@@ -13,8 +13,9 @@ Qwen3's with their q/k norms among them) or Gemma 3's (``Gemma3DecoderLayer``: G
 norms, GELU-tanh, sliding layers on their own rotary base), with the fused CPU passes on
 (``tandem.models.cpu_fusion``), full-width rotary on every layer, no biases, no residual
 multiplier, one tensor rank, the "cpu" attention backend, and linear layers on tandem's panels
-(float32 or AVX512-BF16 pairs), oneDNN, dense weights or GGUF blocks of one type per layer
-(each batch-size bucket's kernel, as ``cpu_linear`` chose it). Everything else keeps the Python
+(float32 or AVX512-BF16 pairs), oneDNN, dense weights or GGUF blocks (a layer's shards of
+different block types as one part each; each batch-size bucket's kernel, as ``cpu_linear``
+chose it). Everything else keeps the Python
 path; ``build`` returns None for a stack it cannot run.
 """
 from __future__ import annotations
@@ -52,7 +53,7 @@ class CpuDecodeLoop:
         self.local = [int(x) for x in local_rope]
         self._linears = [lin for layer in layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                              layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        self._by_bucket: dict[int, tuple[list[torch.Tensor], list[int]] | None] = {}
+        self._by_bucket: dict[int, tuple[list[torch.Tensor], list[int], list[int]] | None] = {}
 
     @classmethod
     def build(cls, layers: list[nn.Module], local_rope: list[bool] | None = None) -> CpuDecodeLoop | None:
@@ -94,20 +95,22 @@ class CpuDecodeLoop:
         stream twice); ``local`` the (cos, sin) of the local-rope layers."""
         plan = metadata.extra[PLAN_KEY]
         d = plan.decode
-        weights, info = self._specs(bucket_index(hidden.shape[0]))
+        weights, info, parts = self._specs(bucket_index(hidden.shape[0]))
         cos_local, sin_local = (None, None) if local is None else (local[0].contiguous(), local[1].contiguous())
         return cpu_ops.decode_layers(
-            hidden, residual, self.norms, weights, info, cos.contiguous(), sin.contiguous(), cos_local, sin_local,
+            hidden, residual, self.norms, weights, info, parts, cos.contiguous(), sin.contiguous(), cos_local, sin_local,
             self.local, kv_cache, metadata.slot_mapping, d.rows, d.block_ids.view(d.rows.shape[0], d.num_blocks),
             d.seq_lens, self.windows, self.heads, self.kv_heads, self.head_dim, self.scale, self.eps, self.flags)
 
-    def _specs(self, bucket: int) -> tuple[list[torch.Tensor], list[int]] | None:
-        """Each linear's (weight, info) at batch-size bucket ``bucket``; None when one of them
-        is on a kernel the loop does not call."""
+    def _specs(self, bucket: int) -> tuple[list[torch.Tensor], list[int], list[int]] | None:
+        """The linears' (weights, info, parts) at batch-size bucket ``bucket``, as
+        ``decode_layers`` takes them; None when one of them is on a kernel the loop does not
+        call."""
         if bucket not in self._by_bucket:
             specs = [_linear_spec(lin, bucket) for lin in self._linears]
             self._by_bucket[bucket] = None if None in specs else (
-                [w for w, _ in specs], [v for _, info in specs for v in info])
+                [w for spec in specs for w, _ in spec], [v for spec in specs for _, info in spec for v in info],
+                [len(spec) for spec in specs])
         return self._by_bucket[bucket]
 
 
@@ -144,24 +147,32 @@ def _norms(layer: nn.Module, flags: int) -> list[nn.Module]:
     return norms
 
 
-def _linear_spec(layer: nn.Module, bucket: int) -> tuple[torch.Tensor, list[int]] | None:
+def _linear_spec(layer: nn.Module, bucket: int) -> list[tuple[torch.Tensor, list[int]]] | None:
+    """The layer's parts as ``decode_layers`` takes them: (weight, [kind, out, in, ggml_type])
+    each; None where one is on a kernel the loop does not call."""
     method = layer.quant_method
     n, k = sum(layer.output_sizes), layer.input_size
     if method.name == "gguf":
-        parts = layer.gguf_parts
-        if len(parts) != 1 or parts[0].ggml_type not in GGUF_KERNEL_BLOCKS \
-                or layer.params_dtype not in (torch.float32, torch.bfloat16):
+        if layer.params_dtype not in (torch.float32, torch.bfloat16):
             return None
-        return getattr(layer, parts[0].param), [KINDS["gguf"], n, k, parts[0].ggml_type]
+        spec = []
+        for part in layer.gguf_parts:
+            if part.ggml_type is None:
+                spec.append((getattr(layer, part.param), [KINDS["torch"], part.size, k, 0]))
+            elif part.ggml_type in GGUF_KERNEL_BLOCKS:
+                spec.append((getattr(layer, part.param), [KINDS["gguf"], part.size, k, part.ggml_type]))
+            else:
+                return None
+        return spec
     if method.name != "unquantized":
         return None
     packed = layer.packed
     if isinstance(packed, BucketedLinear):
         packed = packed.by_bucket[bucket]
     if packed is None:
-        return layer.weight, [KINDS["torch"], n, k, 0]
+        return [(layer.weight, [KINDS["torch"], n, k, 0])]
     assert isinstance(packed, PackedLinear)
-    return packed.weight, [KINDS[packed.kind], n, k, 0]
+    return [(packed.weight, [KINDS[packed.kind], n, k, 0])]
 
 
 def enable_cpu_decode_loop(model: nn.Module) -> bool:

@@ -186,10 +186,12 @@ def kinds_for(shape: Shape) -> list[str]:
     return ["dpbf16", *kinds] if dpbf16_available() and dpbf16_fits(shape.dtype, shape.k) else kinds
 
 
-def pack_cpu_linears(model: nn.Module, mode: str, device: torch.device) -> str:
+def pack_cpu_linears(model: nn.Module, mode: str, device: torch.device, lm_head_rows: int | None = None) -> str:
     """Give every unquantized linear layer of ``model`` and its LM head the packed weight(s) of
     the kernel(s) ``mode`` resolves to (see the module doc), freeing the dense weights they
-    replace. Returns that kernel's name, or "tuned" for ``auto`` ("torch": nothing packed)."""
+    replace. Returns that kernel's name, or "tuned" for ``auto`` ("torch": nothing packed).
+    ``lm_head_rows``: the most rows the LM head multiplies in a step (``auto`` weighs only the
+    batch sizes up to it in the LM head's choice; None: all)."""
     from tandem.models.layers import LinearLayer, LMHead
 
     if mode not in MODES:
@@ -203,7 +205,7 @@ def pack_cpu_linears(model: nn.Module, mode: str, device: torch.device) -> str:
             layers.append((name, module))
     if mode == "auto" and device.type == "cpu" and len(available_kinds()) > 1:
         if layers:
-            _pack_tuned(layers)
+            _pack_tuned(layers, lm_head_rows)
         return "tuned"
     kind = resolve_kind(mode, device)
     if kind == "torch":
@@ -237,14 +239,20 @@ def _packed_bytes(kind: str, shape: Shape) -> int:
     return shape.n * shape.k * dtype.itemsize
 
 
-def _pack_tuned(layers: list[tuple[str, nn.Module]]) -> None:
-    """``auto``: measure (or read from the cache) each shape's kernels, fit second packings in
-    the memory budget, pack, and log the choice per layer kind."""
+def _pack_tuned(layers: list[tuple[str, nn.Module]], lm_head_rows: int | None = None) -> None:
+    """``auto``: measure (or read from the cache) each shape's kernels, choose for the LM head's
+    rows, fit second packings in the memory budget, pack, and log the choice per layer kind."""
+    from tandem.models.layers import LMHead
+
     by_shape: dict[Shape, list[tuple[str, nn.Module]]] = defaultdict(list)
     for name, module in layers:
         by_shape[Shape(module.weight.dtype, *module.weight.shape)].append((name, module))
     t0 = time.perf_counter()
     choices, measured = _choices(by_shape)
+    for shape, mods in by_shape.items():
+        measured_all = len(choices[shape].seconds) > 1
+        if lm_head_rows is not None and measured_all and all(isinstance(m, LMHead) for _, m in mods):
+            choices[shape] = cpu_tuning.choose(choices[shape].seconds, kinds_for(shape)[0], lm_head_rows)
     seconds = time.perf_counter() - t0
     source = {None: "the CPU was busy: not measured", 0: "all from the cache"}.get(
         measured, f"measured {measured} shape(s) in {seconds:.1f} s")

@@ -12,7 +12,8 @@ second start measures nothing; processes that start together measure once (a fil
 Decisions, per shape (``choose``):
 
 - The *primary* kernel is the one with the lowest geometric mean of its time over the buckets
-  relative to the fastest there. The fixed rule's kernel (``fallback``: ``dpbf16`` for a
+  relative to the fastest there (for the LM head, only the buckets up to the most rows it
+  multiplies in a step: ``max_num_seqs`` times one plus the speculative tokens). The fixed rule's kernel (``fallback``: ``dpbf16`` for a
   bfloat16 layer on a CPU with AVX512-BF16, else tandem's panels when they build, else oneDNN,
   else torch; ``cpu_linear.kinds_for``) stays primary unless another is at least
   ``SWITCH_GAIN`` faster on that mean — timing noise on a shared machine does not flip a choice.
@@ -139,13 +140,16 @@ def measure(candidates: Mapping[str, Callable[[torch.Tensor], object]], inputs: 
     return best
 
 
-def choose(seconds: Mapping[str, Sequence[float]], fallback: str) -> ShapeChoice:
+def choose(seconds: Mapping[str, Sequence[float]], fallback: str, max_rows: int | None = None) -> ShapeChoice:
     """The primary kernel of a shape and the faster one per bucket (before the memory budget,
-    which ``plan`` applies across shapes); see the module doc."""
+    which ``plan`` applies across shapes); see the module doc. ``max_rows``: the most rows the
+    layer multiplies at once (the LM head: the sequences sampled in a step), so that buckets
+    above its own do not weigh in the primary's choice and take no second packing."""
     fastest = [min(s[i] for s in seconds.values()) for i in range(len(M_BUCKETS))]
+    counted = range(len(M_BUCKETS) if max_rows is None else bucket_index(max_rows) + 1)
 
     def score(kind: str) -> float:
-        ratios = [seconds[kind][i] / fastest[i] for i in range(len(M_BUCKETS))]
+        ratios = [seconds[kind][i] / fastest[i] for i in counted]
         return math.exp(sum(math.log(r) for r in ratios) / len(ratios))
 
     primary = fallback if fallback in seconds else min(seconds, key=score)
@@ -156,7 +160,7 @@ def choose(seconds: Mapping[str, Sequence[float]], fallback: str) -> ShapeChoice
     for i in range(len(M_BUCKETS)):
         quick = min(seconds, key=lambda k: seconds[k][i])
         gain = seconds[primary][i] / seconds[quick][i]
-        buckets.append(quick if gain >= SECOND_GAIN else primary)
+        buckets.append(quick if gain >= SECOND_GAIN and i in counted else primary)
     return ShapeChoice(primary, tuple(buckets), {k: list(v) for k, v in seconds.items()})
 
 

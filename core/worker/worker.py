@@ -114,8 +114,9 @@ class Worker:
                                            attn_backend_cls=self.attn_backend_cls, quant_method=quant_method)
         logger.info("loaded %s (%s) on %s in %s in %.1f s", path, self.arch.architectures[0], self.device,
                     str(self.dtype).removeprefix("torch."), time.perf_counter() - t0)
-        cpu_kernels = pack_cpu_linears(self.model, eng.cpu_kernels, self.device) in ("tandem", "dpbf16", "tuned") \
-            and cpu_ops.load()
+        lm_head_rows = eng.max_num_seqs * (1 + eng.num_speculative_tokens)
+        cpu_kernels = pack_cpu_linears(self.model, eng.cpu_kernels, self.device, lm_head_rows) \
+            in ("tandem", "dpbf16", "tuned") and cpu_ops.load()
         if cpu_kernels:
             enable_cpu_fusion(self.model)
             if eng.cpu_decode_loop and enable_cpu_decode_loop(self.model):

@@ -23,8 +23,10 @@
 //
 // returning (h, h). norms[l] is the layer's [input, post-attention, (pre-, post-feedforward with
 // GEMMA), (q, k with QK_NORM)]. Every step is the kernel the Python modules call, with the
-// same conversions, so the values are theirs bit for bit. Linear i is weights[i] with
-// info[4i .. 4i + 3] = (kind, out_features, in_features, ggml_type):
+// same conversions, so the values are theirs bit for bit. Linear i is parts[i] consecutive
+// entries of weights (a GGUF layer whose shards come in blocks of different types has one per
+// run of a type; their outputs side by side make the layer's), entry j being weights[j] with
+// info[4j .. 4j + 3] = (kind, out_features, in_features, ggml_type):
 //
 //   kind 0  tandem's panels   (x widened to float32, panel_linear, rounded back to T)
 //   kind 1  oneDNN's packing  (mkldnn::_linear_pointwise in the weight's dtype)
@@ -45,6 +47,7 @@
 
 #include <cstring>
 #include <tuple>
+#include <vector>
 
 void panel_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias);
 void panel_linear_dpbf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
@@ -79,7 +82,7 @@ at::Tensor in_dtype(const at::Tensor& t, at::ScalarType dtype) {
 }
 
 // x [M, K] of dtype T with contiguous rows -> [M, N] of dtype T
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const int64_t* info) {
+at::Tensor linear_part(const at::Tensor& x, const at::Tensor& w, const int64_t* info) {
   RECORD_FUNCTION("decode_layers.linear", std::vector<c10::IValue>());
   const at::ScalarType dtype = x.scalar_type();
   switch (info[0]) {
@@ -104,6 +107,20 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const int64_t* info)
   }
 }
 
+// The stack's linear layers: linear i of x is its parts' outputs side by side.
+struct Linears {
+  at::TensorList weights;
+  const int64_t* info;
+  std::vector<int64_t> first;  // linear i's entries: first[i] .. first[i + 1] - 1
+
+  at::Tensor operator()(const at::Tensor& x, int64_t i) const {
+    if (first[i + 1] - first[i] == 1) return linear_part(x, weights[first[i]], info + kInfo * first[i]);
+    std::vector<at::Tensor> outs;
+    for (int64_t j = first[i]; j < first[i + 1]; ++j) outs.push_back(linear_part(x, weights[j], info + kInfo * j));
+    return at::cat(outs, 1);
+  }
+};
+
 // k and v of every row of qkv into the layer's pool slots
 void write_kv(const at::Tensor& qkv, const at::Tensor& kv, const int64_t* slots, int64_t heads, int64_t kv_heads,
               int64_t d) {
@@ -122,13 +139,13 @@ void write_kv(const at::Tensor& qkv, const at::Tensor& kv, const int64_t* slots,
 
 // The layer's attention block from its normed input x: q/k norms, rotary, KV write, paged decode
 // attention, o_proj.
-at::Tensor attention_block(const at::Tensor& x, at::TensorList norms, at::TensorList weights, const int64_t* info,
+at::Tensor attention_block(const at::Tensor& x, at::TensorList norms, const Linears& linear, int64_t l,
                            const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv, const int64_t* slot,
                            const at::Tensor& rows, const at::Tensor& tables, const at::Tensor& seq_lens,
                            int64_t window, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, double eps,
                            int64_t flags) {
   const int64_t m = x.size(0);
-  at::Tensor qkv = linear(x, weights[0], info);
+  at::Tensor qkv = linear(x, 4 * l);
   at::Tensor qk = qkv.narrow(1, 0, (heads + kv_heads) * head_dim).view({m, heads + kv_heads, head_dim});
   if (flags & kQkNorm) {
     RECORD_FUNCTION("decode_layers.norm", std::vector<c10::IValue>());
@@ -147,13 +164,12 @@ at::Tensor attention_block(const at::Tensor& x, at::TensorList norms, at::Tensor
     RECORD_FUNCTION("decode_layers.attention", std::vector<c10::IValue>());
     paged_decode(attn, qk.narrow(1, 0, heads), kv, rows, tables, seq_lens, scale, window);
   }
-  return linear(attn.view({m, heads * head_dim}), weights[1], info + kInfo);
+  return linear(attn.view({m, heads * head_dim}), 4 * l + 1);
 }
 
 // The MLP from its normed input x: gate_up, act_and_mul, down.
-at::Tensor mlp_block(const at::Tensor& x, const at::Tensor& gate_up_w, const at::Tensor& down_w, const int64_t* info,
-                     int64_t flags) {
-  at::Tensor gate_up = linear(x, gate_up_w, info);
+at::Tensor mlp_block(const at::Tensor& x, const Linears& linear, int64_t l, int64_t flags) {
+  at::Tensor gate_up = linear(x, 4 * l + 2);
   at::Tensor act = at::empty({x.size(0), gate_up.size(1) / 2}, x.options());
   {
     RECORD_FUNCTION("decode_layers.act_and_mul", std::vector<c10::IValue>());
@@ -163,14 +179,14 @@ at::Tensor mlp_block(const at::Tensor& x, const at::Tensor& gate_up_w, const at:
       silu_and_mul(act, gate_up);
     }
   }
-  return linear(act, down_w, info + kInfo);
+  return linear(act, 4 * l + 3);
 }
 
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& hidden, const c10::optional<at::Tensor>& residual_in, at::TensorList norms,
-    at::TensorList weights, at::IntArrayRef info, const at::Tensor& cos, const at::Tensor& sin,
+    at::TensorList weights, at::IntArrayRef info, at::IntArrayRef parts, const at::Tensor& cos, const at::Tensor& sin,
     const c10::optional<at::Tensor>& cos_local, const c10::optional<at::Tensor>& sin_local, at::IntArrayRef local,
     at::Tensor& pool, const at::Tensor& slots, const at::Tensor& rows, const at::Tensor& tables,
     const at::Tensor& seq_lens, at::IntArrayRef windows, int64_t heads, int64_t kv_heads, int64_t head_dim,
@@ -178,10 +194,16 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   const int64_t layers = static_cast<int64_t>(windows.size()), m = hidden.size(0);
   const int64_t per_layer = 2 + ((flags & kGemma) ? 2 : 0) + ((flags & kQkNorm) ? 2 : 0);
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == per_layer * layers &&
-                  static_cast<int64_t>(weights.size()) == 4 * layers &&
-                  static_cast<int64_t>(info.size()) == kInfo * 4 * layers &&
-                  static_cast<int64_t>(local.size()) == layers,
-              "decode_layers: ", per_layer, " norms, 4 linears, 16 info values and one local flag per layer");
+                  static_cast<int64_t>(parts.size()) == 4 * layers && static_cast<int64_t>(local.size()) == layers,
+              "decode_layers: ", per_layer, " norms, 4 linears and one local flag per layer");
+  Linears linear{weights, info.data(), {0}};
+  for (const int64_t count : parts) {
+    TORCH_CHECK(count >= 1, "decode_layers: a linear of no parts");
+    linear.first.push_back(linear.first.back() + count);
+  }
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == linear.first.back() &&
+                  static_cast<int64_t>(info.size()) == kInfo * linear.first.back(),
+              "decode_layers: one weight and 4 info values per part");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && pool.dim() == 6 && pool.size(1) >= layers &&
                   pool.scalar_type() == hidden.scalar_type() && pool.size(4) == kv_heads && pool.size(5) == head_dim &&
                   pool.stride(5) == 1 && pool.stride(4) == head_dim,
@@ -199,9 +221,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   }
   at::Tensor h = hidden, residual;
   for (int64_t l = 0; l < layers; ++l) {
-    const int64_t* li = info.data() + l * 4 * kInfo;
     at::TensorList ln = norms.slice(l * per_layer, per_layer);
-    at::TensorList lw = weights.slice(4 * l, 4);
     const at::Tensor& c = local[l] ? *cos_local : cos;
     const at::Tensor& s = local[l] ? *sin_local : sin;
     at::Tensor kv = pool.select(1, l);
@@ -211,14 +231,14 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
         RECORD_FUNCTION("decode_layers.norm", std::vector<c10::IValue>());
         gemma_rms_norm(x, h, ln[0], eps);
       }
-      at::Tensor a = attention_block(x, ln, lw, li, c, s, kv, slot, rows, tables, seq_lens, windows[l], heads,
+      at::Tensor a = attention_block(x, ln, linear, l, c, s, kv, slot, rows, tables, seq_lens, windows[l], heads,
                                      kv_heads, head_dim, scale, eps, flags);
       {
         RECORD_FUNCTION("decode_layers.norm", std::vector<c10::IValue>());
         gemma_add_rms_norm(h, a, ln[1], eps);
         gemma_rms_norm(x, h, ln[2], eps);
       }
-      at::Tensor f = mlp_block(x, lw[2], lw[3], li + 2 * kInfo, flags);
+      at::Tensor f = mlp_block(x, linear, l, flags);
       {
         RECORD_FUNCTION("decode_layers.norm", std::vector<c10::IValue>());
         gemma_add_rms_norm(h, f, ln[3], eps);
@@ -239,19 +259,19 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
         x = h;
       }
     }
-    h = attention_block(x, ln, lw, li, c, s, kv, slot, rows, tables, seq_lens, windows[l], heads, kv_heads,
+    h = attention_block(x, ln, linear, l, c, s, kv, slot, rows, tables, seq_lens, windows[l], heads, kv_heads,
                         head_dim, scale, eps, flags);
     {
       RECORD_FUNCTION("decode_layers.norm", std::vector<c10::IValue>());
       add_rms_norm(h, residual, ln[1], eps);
     }
-    h = mlp_block(h, lw[2], lw[3], li + 2 * kInfo, flags);
+    h = mlp_block(h, linear, l, flags);
   }
   return {h, residual};
 }
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
-  m.def("decode_layers(Tensor(b!) hidden, Tensor(c!)? residual, Tensor[] norms, Tensor[] weights, int[] info, Tensor cos, "
+  m.def("decode_layers(Tensor(b!) hidden, Tensor(c!)? residual, Tensor[] norms, Tensor[] weights, int[] info, int[] parts, Tensor cos, "
         "Tensor sin, Tensor? cos_local, Tensor? sin_local, int[] local, Tensor(a!) pool, Tensor slots, Tensor rows, "
         "Tensor tables, Tensor seq_lens, int[] windows, int heads, int kv_heads, int head_dim, float scale, float eps, "
         "int flags) -> (Tensor, Tensor)");

@@ -71,8 +71,13 @@ def test_stacks_the_loop_cannot_run_keep_the_python_path(kind):
     assert CpuDecodeLoop.build(list(model.model.stage_layers())) is None
 
 
-def test_gguf_blocks_through_the_loop_match_hf_greedy(tmp_path, loop_calls):
-    path = write_tiny_gguf(tmp_path / "llama.gguf", "llama", lambda name, i: Q.Q8_0)
+@pytest.mark.parametrize("types", ["one type", "mixed"])
+def test_gguf_blocks_through_the_loop_match_hf_greedy(tmp_path, loop_calls, types):
+    """Every layer's blocks of one type, or (as llama.cpp's _K_M files) the v projection in
+    other blocks than q and k: the loop runs the qkv layer as two parts."""
+    pick = (lambda name, i: Q.Q8_0) if types == "one type" else \
+        (lambda name, i: Q.Q8_0 if "attn_v" in name or "ffn_down" in name else Q.Q5_0)
+    path = write_tiny_gguf(tmp_path / "llama.gguf", "llama", pick)
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
     prompts = [[5, 100, 200, 300, 17, 42, 99, 7], [6, 100, 200, 300, 17, 42, 99, 7]]
     want = []

@@ -72,6 +72,23 @@ def test_a_bucket_takes_a_second_kernel_only_when_much_faster_there():
     assert got.kinds == ["tandem", "torch"]
 
 
+def test_an_lm_head_is_chosen_on_the_rows_it_multiplies():
+    """Gemma 3's LM head as measured on an AVX512-BF16 EPYC (µs). Geometric means of time over
+    the fastest, by hand: over all five buckets dpbf16 1.151, oneDNN 1.040 (1.107x: past
+    SWITCH_GAIN, oneDNN takes over, dpbf16's 1.19x at one row being under SECOND_GAIN); up to
+    64 rows (max_num_seqs 64) 1.071 and 1.050 (1.02x: dpbf16, the fixed rule's, stays); up to 16
+    rows 1.045 and 1.068."""
+    seconds = times(dpbf16=[9891.81, 11948.91, 17395.11, 61139.27, 353376.75],
+                    onednn=[11783.38, 10461.71, 17768.24, 53093.88, 230466.86],
+                    tandem=[10390.78, 11301.89, 31688.51, 123882.22, 573361.98],
+                    torch=[19125.59, 21629.84, 30575.42, 78734.25, 259527.32])
+    every = choose(seconds, "dpbf16")
+    assert (every.primary, every.buckets) == ("onednn", ("onednn",) * 5)
+    for rows in (64, 16):  # and no second packing for 256 rows, which it never multiplies
+        head = choose(seconds, "dpbf16", max_rows=rows)
+        assert (head.primary, head.buckets) == ("dpbf16", ("dpbf16",) * 5)
+
+
 def test_second_packings_fit_the_memory_budget_best_saving_per_byte_first():
     a, b = Shape(torch.float32, 8, 8), Shape(torch.float32, 16, 8)
     ca = ShapeChoice("tandem", ("torch",) + ("tandem",) * 4, times(tandem=[50] * 5, torch=[10] * 5))  # saves 40 us
