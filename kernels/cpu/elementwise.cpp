@@ -60,17 +60,19 @@ void rms_norm_rows(T* out, T* residual, const T* x, const T* weight, int64_t row
   });
 }
 
-template <typename T>
-void silu_mul_rows(T* out, const T* gate_up, int64_t rows, int64_t width, int64_t ldo, int64_t ldg) {
+inline float silu(float x) { return x / (1.f + std::exp(-x)); }
+
+// out = act(gate) * up per row, gate_up = [gate | up]; act's value rounded to T as torch stores it
+template <typename T, float (*act)(float)>
+void act_mul_rows(T* out, const T* gate_up, int64_t rows, int64_t width, int64_t ldo, int64_t ldg) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* g = gate_up + r * ldg;
       const T* u = g + width;
       T* dst = out + r * ldo;
       for (int64_t i = 0; i < width; ++i) {
-        const float gv = static_cast<float>(g[i]);
-        const float act = rnd<T>(gv / (1.f + std::exp(-gv)));
-        dst[i] = static_cast<T>(act * static_cast<float>(u[i]));
+        const float a = rnd<T>(act(static_cast<float>(g[i])));
+        dst[i] = static_cast<T>(a * static_cast<float>(u[i]));
       }
     }
   });
@@ -140,21 +142,6 @@ inline float gelu_tanh(float x) {
   return x / (1.f + std::exp(-2.f * y));
 }
 
-template <typename T>
-void gelu_mul_rows(T* out, const T* gate_up, int64_t rows, int64_t width, int64_t ldo, int64_t ldg) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* g = gate_up + r * ldg;
-      const T* u = g + width;
-      T* dst = out + r * ldo;
-      for (int64_t i = 0; i < width; ++i) {
-        const float act = rnd<T>(gelu_tanh(static_cast<float>(g[i])));
-        dst[i] = static_cast<T>(act * static_cast<float>(u[i]));
-      }
-    }
-  });
-}
-
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1, name, " must be a CPU [rows, width] tensor with contiguous rows");
 }
@@ -195,7 +182,7 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up) {
   check_rows(gate_up, "gate_up");
   TORCH_CHECK(gate_up.size(0) == out.size(0) && gate_up.size(1) == 2 * out.size(1) && gate_up.scalar_type() == out.scalar_type(),
               "silu_and_mul: gate_up [rows, 2 * width] and out [rows, width] of one dtype");
-  TANDEM_DISPATCH(out.scalar_type(), silu_mul_rows<T>(out.data_ptr<T>(), gate_up.data_ptr<T>(), out.size(0), out.size(1),
+  TANDEM_DISPATCH(out.scalar_type(), act_mul_rows<T, silu>(out.data_ptr<T>(), gate_up.data_ptr<T>(), out.size(0), out.size(1),
                                                       out.stride(0), gate_up.stride(0)))
 }
 
@@ -255,7 +242,7 @@ void gelu_tanh_and_mul(at::Tensor& out, const at::Tensor& gate_up) {
   check_rows(gate_up, "gate_up");
   TORCH_CHECK(gate_up.size(0) == out.size(0) && gate_up.size(1) == 2 * out.size(1) && gate_up.scalar_type() == out.scalar_type(),
               "gelu_tanh_and_mul: gate_up [rows, 2 * width] and out [rows, width] of one dtype");
-  TANDEM_DISPATCH(out.scalar_type(), gelu_mul_rows<T>(out.data_ptr<T>(), gate_up.data_ptr<T>(), out.size(0), out.size(1),
+  TANDEM_DISPATCH(out.scalar_type(), act_mul_rows<T, gelu_tanh>(out.data_ptr<T>(), gate_up.data_ptr<T>(), out.size(0), out.size(1),
                                                       out.stride(0), gate_up.stride(0)))
 }
 

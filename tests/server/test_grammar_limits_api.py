@@ -15,7 +15,7 @@ from tandem.sampling_params import StructuredOutputsParams
 from tests.engine.test_grammar_limits import huge_schema
 from tests.server.server_helpers import running_server, server_config
 
-TIME_LIMIT_S = 0.2
+TIME_LIMIT_S = 0.1  # a huge schema compiles in 0.3-1 s on a 2-core CI machine: well past it
 
 
 @pytest.fixture(scope="module")
