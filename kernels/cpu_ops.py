@@ -240,7 +240,8 @@ def gguf_dequantize_rows(qweight: torch.Tensor, ggml_type: int, in_features: int
 
 
 def decode_layers(hidden: torch.Tensor, residual: torch.Tensor | None, norms: list[torch.Tensor],
-                  weights: list[torch.Tensor], info: list[int], parts: list[int], cos: torch.Tensor, sin: torch.Tensor,
+                  weights: list[torch.Tensor], info: list[int], parts: list[int], cos: torch.Tensor,
+                  sin: torch.Tensor,
                   cos_local: torch.Tensor | None, sin_local: torch.Tensor | None, local: list[int],
                   pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor,
                   seq_lens: torch.Tensor, windows: list[int], heads: int, kv_heads: int, head_dim: int,
@@ -257,14 +258,16 @@ def decode_layers(hidden: torch.Tensor, residual: torch.Tensor | None, norms: li
     k with q/k norms); four linears per layer (qkv, o, gate_up, down), linear ``i`` made of
     ``parts[i]`` consecutive entries of ``weights`` whose outputs side by side are its output
     (a GGUF layer with shards of different block types), and ``info`` four ints per entry
-    (kind, out_features, in_features, ggml_type; kinds in the C++ header); ``cos``, ``sin`` [M, head_dim] of the dtype, and ``cos_local``, ``sin_local`` for
-    the layers where ``local[l]`` is 1 (Gemma's sliding layers; else None); ``pool``
+    (kind, out_features, in_features, ggml_type; kinds in the C++ header); ``cos``, ``sin``
+    [M, head_dim] of the dtype, and ``cos_local``, ``sin_local`` for the layers where
+    ``local[l]`` is 1 (Gemma's sliding layers; else None); ``pool``
     ``[num_blocks, >= layers, 2, block_size, kv_heads, head_dim]`` of the dtype, layer ``l``
     writing and reading ``pool[:, l]``; ``slots`` [M] int64 >= 0, row ``t``'s KV slot; ``rows``,
     ``tables``, ``seq_lens`` as ``paged_decode`` takes them; ``windows`` each layer's sliding
     window (0: none)."""
-    return _ops().decode_layers(hidden, residual, norms, weights, info, parts, cos, sin, cos_local, sin_local, local, pool,
-                                slots, rows, tables, seq_lens, windows, heads, kv_heads, head_dim, scale, eps, flags)
+    return _ops().decode_layers(hidden, residual, norms, weights, info, parts, cos, sin, cos_local, sin_local,
+                                local, pool, slots, rows, tables, seq_lens, windows, heads, kv_heads, head_dim,
+                                scale, eps, flags)
 
 
 def use_work_pool(on: bool) -> bool:

@@ -158,7 +158,7 @@ def stop_all(procs: list[subprocess.Popen]) -> None:
             proc.wait()
 
 
-def scrape_sum(url: str, prefix: str) -> dict[str, float]:
+def scrape_prefixed(url: str, prefix: str) -> dict[str, float]:
     """The samples of ``url``/metrics whose name starts with ``prefix``, by name and labels."""
     return {key: value for key, value in scrape(url).items() if key.startswith(prefix)}
 
@@ -218,11 +218,11 @@ async def run_workload(router_url: str, args) -> tuple[list[Turn], float]:
 def run_setup(setup: str, net: TestHosts, args, folder: Path) -> SetupResult:
     router_url, decode_urls, procs = start_setup(setup, net, args, folder)
     try:
-        before = [scrape_sum(u, "tandem:kv_transfer_bytes_total") for u in decode_urls]
+        before = [scrape_prefixed(u, "tandem:kv_transfer_bytes_total") for u in decode_urls]
         turns, wall = asyncio.run(run_workload(router_url, args))
-        after = [scrape_sum(u, "tandem:kv_transfer_bytes_total") for u in decode_urls]
+        after = [scrape_prefixed(u, "tandem:kv_transfer_bytes_total") for u in decode_urls]
         paths = {k.removeprefix("tandem:router_requests_total{path=").removesuffix("}"): v
-                 for k, v in scrape_sum(router_url, "tandem:router_requests_total{").items()}
+                 for k, v in scrape_prefixed(router_url, "tandem:router_requests_total{").items()}
         kv_bytes = sum(sum(a.values()) - sum(b.values()) for a, b in zip(after, before))
         return SetupResult(turns, wall, kv_bytes, paths)
     finally:

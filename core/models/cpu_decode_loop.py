@@ -15,8 +15,8 @@ norms, GELU-tanh, sliding layers on their own rotary base), with the fused CPU p
 multiplier, one tensor rank, the "cpu" attention backend, and linear layers on tandem's panels
 (float32 or AVX512-BF16 pairs), oneDNN, dense weights or GGUF blocks (a layer's shards of
 different block types as one part each; each batch-size bucket's kernel, as ``cpu_linear``
-chose it). Everything else keeps the Python
-path; ``build`` returns None for a stack it cannot run.
+chose it). Everything else keeps the Python path; ``build`` returns None for a stack it cannot
+run.
 """
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def _layer_flags(layer: nn.Module, index: int) -> int | None:
     norm_type = GemmaRMSNorm if gemma else RMSNorm
     flags = (FLAGS["gemma"] if gemma else 0) | (FLAGS["qk_norm"] if attn.q_norm is not None else 0) \
         | (FLAGS["gelu"] if mlp.fused_act == "gelu_tanh" else 0)
-    hidden_norms = [n for n in _norms(layer, flags) if n not in (attn.q_norm, attn.k_norm)]
+    hidden_norms = _norms(layer, flags & ~FLAGS["qk_norm"])
     ok = (layer.residual_multiplier == 1.0 and all(type(n) is norm_type and n.kernel is not None for n in hidden_norms)
           and (attn.q_norm is None or type(attn.q_norm) is type(attn.k_norm) is norm_type)
           and attn.fused and attn.use_rope and attn.kv_index == index

@@ -250,8 +250,7 @@ def _pack_tuned(layers: list[tuple[str, nn.Module]], lm_head_rows: int | None = 
     t0 = time.perf_counter()
     choices, measured = _choices(by_shape)
     for shape, mods in by_shape.items():
-        measured_all = len(choices[shape].seconds) > 1
-        if lm_head_rows is not None and measured_all and all(isinstance(m, LMHead) for _, m in mods):
+        if lm_head_rows is not None and all(isinstance(m, LMHead) for _, m in mods):
             choices[shape] = cpu_tuning.choose(choices[shape].seconds, kinds_for(shape)[0], lm_head_rows)
     seconds = time.perf_counter() - t0
     source = {None: "the CPU was busy: not measured", 0: "all from the cache"}.get(

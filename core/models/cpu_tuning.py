@@ -13,9 +13,10 @@ Decisions, per shape (``choose``):
 
 - The *primary* kernel is the one with the lowest geometric mean of its time over the buckets
   relative to the fastest there (for the LM head, only the buckets up to the most rows it
-  multiplies in a step: ``max_num_seqs`` times one plus the speculative tokens). The fixed rule's kernel (``fallback``: ``dpbf16`` for a
-  bfloat16 layer on a CPU with AVX512-BF16, else tandem's panels when they build, else oneDNN,
-  else torch; ``cpu_linear.kinds_for``) stays primary unless another is at least
+  multiplies in a step: ``max_num_seqs`` times one plus the speculative tokens). The fixed
+  rule's kernel (``fallback``: ``dpbf16`` for a bfloat16 layer on a CPU with AVX512-BF16, else
+  tandem's panels when they build, else oneDNN, else torch; ``cpu_linear.kinds_for``) stays
+  primary unless another is at least
   ``SWITCH_GAIN`` faster on that mean — timing noise on a shared machine does not flip a choice.
 - A bucket may use a second kernel when it is at least ``SECOND_GAIN`` faster there than the
   primary. That kernel's packing is extra memory, so second packings are granted in order of

@@ -12,7 +12,11 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from tandem.kernels import cpu_ops
 
-pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="tandem's CPU kernels cannot be built here")
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels() -> None:
+    assert cpu_ops.load(), "the CPU kernels build on this machine"
+
 
 EPS = 1e-6
 
