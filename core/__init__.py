@@ -6,9 +6,22 @@
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Any
 
 import pluggy
+
+# Idle OpenMP threads must sleep, not spin: between its kernels' calls a decode step runs torch
+# operators on OpenMP's threads, and threads left spinning after them take the cores from
+# tandem's own kernel threads (a SmolLM2-135M decode step took 1.5x as long on 2 cores) and from
+# the server's event loop (docs/benchmarks.md, "OpenMP wait policy"). libgomp reads this once,
+# when torch is imported, so it is set here, before anything of tandem imports torch; an explicit
+# OMP_WAIT_POLICY in the environment wins. Where torch came first, the CPU worker warns
+# (``OMP_POLICY_MISSED``).
+OMP_POLICY_MISSED = "OMP_WAIT_POLICY" not in os.environ and "torch" in sys.modules
+if "torch" not in sys.modules:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"
 

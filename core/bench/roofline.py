@@ -22,7 +22,9 @@ with one when ``mlp_bias``, two RMSNorms per layer, a final norm): the few small
 other families (Qwen2's q/k/v biases, Qwen3's and Gemma 3's q/k norms, Gemma 3's extra norms) are
 left out, well below the measurements' noise. Weights are assumed unquantized, in the bench's dtype.
 
-Read bandwidth: ``x.sum()`` over a float32 buffer several times the last-level cache; GEMM rate:
+Read bandwidth: ``x.sum()`` over a float32 buffer several times the last-level cache, on the
+pages tandem's weights get (2 MiB ones where the system gives them, ``tandem.models.huge_pages``:
+a floor read from 4 KiB pages would understate what the machine can read); GEMM rate:
 the fastest of ``torch.matmul`` and (on the CPU) tandem's packed kernels of
 ``tandem.models.cpu_linear`` for [B, hidden] × [hidden, intermediate] in the bench's dtype, the
 weight in the model's layout (a weight that fits in cache, so it measures arithmetic, not
@@ -143,10 +145,14 @@ def _attended(arch: ModelArchConfig, layer: int, contexts: Sequence[int]) -> int
 
 
 def measure_read_bandwidth(num_bytes: int = BANDWIDTH_BUFFER_BYTES, repeats: int = REPEATS) -> float:
-    """Bytes per second that ``x.sum()`` reads from a float32 buffer of ``num_bytes`` (fastest run)."""
+    """Bytes per second that ``x.sum()`` reads from a float32 buffer of ``num_bytes`` (fastest
+    run), the buffer on huge pages where tandem puts its weights on them."""
     import torch
 
-    x = torch.ones(num_bytes // 4, dtype=torch.float32)
+    from tandem.models.huge_pages import HugePageArena
+
+    x = HugePageArena().empty((num_bytes // 4,), torch.float32)
+    x.fill_(1)
     x.sum()
     times = []
     for _ in range(repeats):
@@ -233,12 +239,14 @@ def report(arch: ModelArchConfig, records: Sequence[RecordedStep], dtype: str, f
     if not batches:
         print("roofline: the run had no pure decode step")
         return
+    from tandem.models.huge_pages import available as huge_pages_available
+
     bandwidth = measure_read_bandwidth()
     shape = (arch.hidden_size, arch.intermediate_size)
     gemms = {b: measure_gemm_rate(b, *shape, dtype) for b in batches}
     machine = Machine(bandwidth, {b: rate for b, (rate, _) in gemms.items()})
     print(f"\nroofline, measured now: read bandwidth {bandwidth / 1e9:.1f} GB/s (float32 sum over "
-          f"{BANDWIDTH_BUFFER_BYTES // 2**20} MiB), best GEMM [B, {shape[0]}] x {list(shape)} {dtype} "
+          f"{BANDWIDTH_BUFFER_BYTES // 2**20} MiB{' on huge pages' if huge_pages_available() else ''}), best GEMM [B, {shape[0]}] x {list(shape)} {dtype} "
           + ", ".join(f"{rate / 1e9:.3g} GFLOP/s at B={b} ({kind})" for b, (rate, kind) in gemms.items())
           + f" (fastest of {REPEATS} runs); KV reads and attention FLOPs from the steps' own contexts")
     for batch in batches:

@@ -11,19 +11,15 @@ import argparse
 import asyncio
 import gc
 import logging
-import os
 import sys
 
-# Idle OpenMP workers must sleep, not spin: spinning torch threads starve the event-loop thread
-# on a machine with few cores (docs/benchmarks.md, "OpenMP wait policy"). libgomp reads this
-# once, when torch is first imported, so it is set here, before the app (and torch) is imported;
-# an explicit OMP_WAIT_POLICY in the environment wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OMP_WAIT_POLICY=PASSIVE is set by ``import tandem`` (core/__init__.py), which this module's
+# own import ran before torch's.
 
-import uvicorn  # noqa: E402
+import uvicorn
 
-from tandem.config_flags import add_config_flags, flags_to_overrides  # noqa: E402
-from tandem.config import ConfigError, TandemConfig, load_config  # noqa: E402
+from tandem.config_flags import add_config_flags, flags_to_overrides
+from tandem.config import ConfigError, TandemConfig, load_config
 
 logger = logging.getLogger("tandem.server")
 

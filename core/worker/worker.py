@@ -18,12 +18,14 @@ from dataclasses import dataclass
 
 import torch
 
+import tandem
 from tandem.config import ConfigError, TandemConfig, parse_bytes
 from tandem.device import check_weights_fit, resolve_device, resolve_dtype
 from tandem.distributed import current
 from tandem.interfaces import KVConnector, KVPoolDescriptor
 from tandem.kernels import cpu_ops
 from tandem.models.config import ModelArchConfig, kv_bytes_per_block, kv_cache_shape, kv_shards
+from tandem.models import huge_pages
 from tandem.models.gguf_file import is_gguf
 from tandem.plugin_manager import get_registry
 from tandem.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -117,6 +119,13 @@ class Worker:
         lm_head_rows = eng.max_num_seqs * (1 + eng.num_speculative_tokens)
         cpu_kernels = pack_cpu_linears(self.model, eng.cpu_kernels, self.device, lm_head_rows) \
             in ("tandem", "dpbf16", "tuned") and cpu_ops.load()
+        if self.device.type == "cpu" and tandem.OMP_POLICY_MISSED and torch.get_num_threads() > 1:
+            logger.warning("torch was imported before tandem with OMP_WAIT_POLICY unset: OpenMP's idle "
+                           "threads spin and take the cores from tandem's kernels (decode steps run "
+                           "slower); import tandem first or set OMP_WAIT_POLICY=PASSIVE")
+        if self.device.type == "cpu" and (moved := huge_pages.move_weights(self.model)):
+            logger.info("weights: %.1f MiB on 2 MiB pages (transparent huge pages; TANDEM_CPU_HUGE_PAGES=0 "
+                        "keeps 4 KiB pages)", moved / 2**20)
         if cpu_kernels:
             enable_cpu_fusion(self.model)
             if eng.cpu_decode_loop and enable_cpu_decode_loop(self.model):
@@ -177,8 +186,11 @@ class Worker:
         if num_blocks < 2:
             raise ValueError(f"the KV pool holds {num_blocks} blocks; it needs at least 2 "
                              "(raise engine.num_kv_blocks or engine.kv_cache_memory)")
-        pool = torch.zeros(kv_cache_shape(self.arch, num_blocks, bs, self.parallel), dtype=self.dtype,
-                           device=self.device)
+        shape = kv_cache_shape(self.arch, num_blocks, bs, self.parallel)
+        if self.device.type == "cpu":  # zeros too, on huge pages where the system gives them
+            pool = huge_pages.HugePageArena().empty(shape, self.dtype)
+        else:
+            pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
         logger.info("KV pool: %d blocks of %d tokens (%.1f MiB)", num_blocks, bs,
                     pool.numel() * pool.element_size() / 2**20)
         return pool
