@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.kernels import cpu_ops
-from tandem.models import cpu_tuning
+from tandem.models import cpu_tuning, huge_pages
 from tandem.models.cpu_tuning import M_BUCKETS, Shape, ShapeChoice, bucket_index
 
 logger = logging.getLogger("tandem")
@@ -75,6 +75,12 @@ class PackedLinear:
         else:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(onednn_dtype(weight.dtype)).contiguous(), 1)
         return cls(kind, packed, n, k)
+
+    def copied(self, arena: huge_pages.HugePageArena) -> PackedLinear:
+        """The same layer on a copy of the packed weight (in ``arena``; oneDNN's opaque tensor
+        cloned)."""
+        weight = self.weight.clone() if self.weight.layout != torch.strided else arena.copy(self.weight)
+        return PackedLinear(self.kind, weight, self.out_features, self.in_features)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -307,7 +313,12 @@ def _choices(by_shape: dict[Shape, list[tuple[str, nn.Module]]]) -> tuple[dict[S
 
 
 def _measure(shape: Shape, weight: torch.Tensor, kinds: list[str]) -> ShapeChoice:
-    candidates = {k: PackedLinear.pack(k, weight) for k in kinds}
+    arena = huge_pages.HugePageArena()
+    candidates = {}
+    for k in kinds:
+        packed = PackedLinear.pack(k, weight)
+        copies = cpu_tuning.num_copies(_packed_bytes(k, shape))
+        candidates[k] = cpu_tuning.Rotation([packed, *(packed.copied(arena) for _ in range(copies - 1))])
     gen = torch.Generator().manual_seed(0)
     inputs = [torch.randn(m, shape.k, generator=gen).to(shape.dtype) for m in M_BUCKETS]
     with torch.inference_mode():

@@ -23,9 +23,16 @@ Decisions, per shape (``choose``):
   time saved per byte while their bytes stay within ``EXTRA_BYTES_SHARE`` of the model's
   packed weights; a tied LM head's ``F.linear`` reuses the embedding and costs nothing.
 
-Timing (``measure``): candidates run interleaved, round after round, and each keeps its fastest
-run (the least disturbed by other processes) until every candidate has ``MIN_ROUNDS`` runs and
-the bucket's time budget is spent. Timings taken while other processes keep the CPU busy are
+Timing (``measure``): each candidate multiplies by copies of the weight in turn, as many as pass
+``STREAM_BYTES`` together (``num_copies``), on the pages the model's weights get: a decode step
+reads every weight from memory once, and one weight timed again and again from the cache would
+favour the kernel with the quicker arithmetic over the one that streams memory faster (it made
+oneDNN look fastest for SmolLM2's gate/up projection at one row, where it is the slowest).
+Candidates run interleaved, round after round, each timed on its second call in a row (the first
+wakes the threads it runs on, which the one before may have left asleep: timed alone, whichever
+kernel came after another thread pool's paid for waking its own — in a step they run back to
+back), and each keeps its fastest run (the least disturbed by other processes) until every
+candidate has ``MIN_ROUNDS`` runs and the bucket's time budget is spent. Timings taken while other processes keep the CPU busy are
 wrong in a way no minimum repairs (a parallel kernel waits at every barrier for its descheduled
 thread, a single-threaded one does not), and a cached mistake would last: so measuring starts
 only when other processes use under ``BUSY_SHARE`` of the machine (``CpuMeter``), its results
@@ -59,10 +66,13 @@ SECOND_GAIN = 1.25
 EXTRA_BYTES_SHARE = 0.25
 MIN_ROUNDS = 2
 BUCKET_BUDGET_S = 0.03
+STREAM_BYTES = 64 << 20
+"""Bytes of weight copies a candidate is timed over (twice a 32 MiB last-level cache)."""
+MAX_COPIES = 128
 BUSY_SHARE = 0.15
 """Other processes' share of all CPUs above which timings are not trusted."""
 BUSY_PROBE_S = 0.05
-CACHE_VERSION = 1
+CACHE_VERSION = 3
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16",
              "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
 """The /proc/cpuinfo flags that decide which instructions a kernel can use."""
@@ -121,6 +131,24 @@ _BOUNDS = [math.sqrt(a * b) for a, b in zip(M_BUCKETS, M_BUCKETS[1:])]
 # ---------------------------------------------------------------------------- measuring
 
 
+def num_copies(weight_bytes: int, total: int = STREAM_BYTES) -> int:
+    """How many copies of a weight of ``weight_bytes`` a candidate is timed over: enough to pass
+    ``total`` bytes together (at most ``MAX_COPIES``)."""
+    return max(1, min(MAX_COPIES, -(-total // max(weight_bytes, 1))))
+
+
+class Rotation:
+    """One candidate over copies of its weight: each call goes to the next of ``fns``."""
+
+    def __init__(self, fns: Sequence[Callable[[torch.Tensor], object]]) -> None:
+        self.fns, self.calls = list(fns), 0
+
+    def __call__(self, x: torch.Tensor) -> object:
+        fn = self.fns[self.calls % len(self.fns)]
+        self.calls += 1
+        return fn(x)
+
+
 def measure(candidates: Mapping[str, Callable[[torch.Tensor], object]], inputs: Sequence[torch.Tensor],
             budget_s: float = BUCKET_BUDGET_S, min_rounds: int = MIN_ROUNDS,
             clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
@@ -134,6 +162,7 @@ def measure(candidates: Mapping[str, Callable[[torch.Tensor], object]], inputs: 
         rounds, deadline = 0, clock() + budget_s
         while rounds < min_rounds or clock() < deadline:
             for name, fn in candidates.items():
+                fn(x)  # untimed: the threads it runs on are awake, as in a step's run of kernels
                 t0 = clock()
                 fn(x)
                 best[name][i] = min(best[name][i], clock() - t0)

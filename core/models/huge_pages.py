@@ -22,15 +22,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import math
 import mmap
 import os
 
 import torch
 from torch import nn
-
-logger = logging.getLogger("tandem")
 
 HUGE_PAGE = 2 << 20
 CHUNK_BYTES = 64 << 20

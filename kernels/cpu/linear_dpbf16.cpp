@@ -101,6 +101,19 @@ struct Problem {
   int64_t m, pairs, n, n_panels, ldx, ldo;
 };
 
+// rows [row0, row_end) of one panel's output from acc (row r at acc + (r - row0) * 16), bias added
+inline void store_rows(const Problem& p, const float* acc, int64_t row0, int64_t row_end, int64_t col0, int64_t cols) {
+  for (int64_t r = row0; r < row_end; ++r) {
+    float* dst = p.out + r * p.ldo + col0;
+    const float* src = acc + (r - row0) * kPanel;
+    if (p.bias != nullptr) {
+      for (int64_t c = 0; c < cols; ++c) dst[c] = src[c] + p.bias[col0 + c];
+    } else {
+      std::memcpy(dst, src, cols * sizeof(float));
+    }
+  }
+}
+
 // work items [begin, end): item = row block * n_panels + panel (a thread walks consecutive panels
 // of one row block, streaming a contiguous range of the weight)
 TANDEM_DPBF16_TARGET void run_items(const Problem& p, int64_t begin, int64_t end) {
@@ -118,15 +131,20 @@ TANDEM_DPBF16_TARGET void run_items(const Problem& p, int64_t begin, int64_t end
                  acc + (r0 - row0) * kPanel, j0 > 0, r0 == row0 ? ahead : nullptr);
       }
     }
-    for (int64_t r = row0; r < row_end; ++r) {
-      float* dst = p.out + r * p.ldo + col0;
-      const float* src = acc + (r - row0) * kPanel;
-      if (p.bias != nullptr) {
-        for (int64_t c = 0; c < cols; ++c) dst[c] = src[c] + p.bias[col0 + c];
-      } else {
-        std::memcpy(dst, src, cols * sizeof(float));
-      }
-    }
+    store_rows(p, acc, row0, row_end, col0, cols);
+  }
+}
+
+// M <= kTile (a decode step's few rows): one tile over the whole of K per panel, no software
+// prefetch — the weight is read once, in order, and each thread's share of the panels is one
+// contiguous range (for_each_share) that the hardware prefetchers follow on their own.
+TANDEM_DPBF16_TARGET void run_few_rows(const Problem& p, int64_t begin, int64_t end) {
+  alignas(64) float acc[kTile * kPanel];
+  for (int64_t panel_index = begin; panel_index < end; ++panel_index) {
+    const uint16_t* panel = p.w + panel_index * p.pairs * 2 * kPanel;
+    const int64_t col0 = panel_index * kPanel, cols = std::min(kPanel, p.n - col0);
+    run_tile(p.m, p.x, p.ldx, panel, p.pairs, acc, false, nullptr);
+    store_rows(p, acc, 0, p.m, col0, cols);
   }
 }
 #endif
@@ -171,6 +189,11 @@ void panel_linear_dpbf16(at::Tensor& out, const at::Tensor& x, const at::Tensor&
                   reinterpret_cast<const uint16_t*>(panels.data_ptr<c10::BFloat16>()),
                   out.data_ptr<float>(), bp, x.size(0), panels.size(1), out.size(1), panels.size(0),
                   x.stride(0), out.stride(0)};
+  if (p.m <= kTile) {
+    tandem_cpu::for_each_share(p.n_panels, tandem_cpu::chunk_for(p.n_panels, 8),
+                               [&](int64_t begin, int64_t end) { run_few_rows(p, begin, end); });
+    return;
+  }
   const int64_t row_blocks = (p.m + kRowBlock - 1) / kRowBlock;
   const int64_t total = row_blocks * p.n_panels;
   tandem_cpu::for_each_chunk(total, tandem_cpu::chunk_for(total, 8),

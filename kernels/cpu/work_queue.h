@@ -15,6 +15,12 @@
 // TANDEM_CPU_SPIN_US overrides both), then sleep until the next call: a decode step's kernel
 // calls follow each other within microseconds, so a short spin keeps the helpers awake through a
 // step without holding a core long after it.
+// for_each_share gives each thread a contiguous share of the items instead, eaten from its front a
+// chunk at a time; a thread done with its own share takes chunks from the back of the others'.
+// A kernel that streams its weight once (a decode step's matrix-vector products) then reads one
+// unbroken range per core, which the hardware prefetchers follow, where taking turns from one
+// counter would have each core skip the chunks the other took; a thread the OS holds up still
+// holds up only the chunk it is in.
 // TANDEM_CPU_WORK_POOL=omp (or use_work_pool(false)) goes back to at::parallel_for.
 #pragma once
 
@@ -64,8 +70,11 @@ class WorkPool {
 
   // f(begin, end) over [0, total) in chunks, on this thread and up to threads - 1 helpers. False
   // (nothing run) when another call holds the pool: the caller runs the work itself.
+  // shares: each of the threads starts on a contiguous share of its own (for_each_share).
+  static constexpr int64_t kMaxShares = 64;
+
   template <typename F>
-  bool run(int64_t total, int64_t chunk, int64_t threads, const F& f) {
+  bool run(int64_t total, int64_t chunk, int64_t threads, const F& f, bool shares = false) {
     std::unique_lock<std::mutex> owner(owner_, std::try_to_lock);
     if (!owner.owns_lock()) return false;
     start_helpers(threads - 1);
@@ -75,13 +84,19 @@ class WorkPool {
     job.helpers = threads - 1;
     job.ctx = &f;
     job.call = [](const void* ctx, int64_t b, int64_t e) { (*static_cast<const F*>(ctx))(b, e); };
+    if (shares) {
+      job.num_shares = std::min(threads, kMaxShares);
+      for (int64_t i = 0; i < job.num_shares; ++i) {
+        job.shares[i].store(pack(total * i / job.num_shares, total * (i + 1) / job.num_shares));
+      }
+    }
     job_.store(&job);
     generation_.fetch_add(1);
     if (sleepers_.load() > 0) {
       std::lock_guard<std::mutex> lock(sleep_mu_);
       wake_.notify_all();
     }
-    work(job);
+    work(job, 0);
     pause_until([&] { return job.done.load(std::memory_order_acquire) >= total; });
     job_.store(nullptr);
     pause_until([&] { return active_.load() == 0; });  // a helper may still hold &job
@@ -90,11 +105,16 @@ class WorkPool {
 
  private:
   struct Job {
-    int64_t total = 0, chunk = 1, helpers = 0;
+    int64_t total = 0, chunk = 1, helpers = 0, num_shares = 0;
     const void* ctx = nullptr;
     void (*call)(const void*, int64_t, int64_t) = nullptr;
     std::atomic<int64_t> next{0}, done{0};
+    std::atomic<uint64_t> shares[kMaxShares];  // (front << 32 | back) of each share, when num_shares
   };
+
+  static uint64_t pack(int64_t front, int64_t back) {
+    return (static_cast<uint64_t>(front) << 32) | static_cast<uint64_t>(back);
+  }
 
   WorkPool() : pid_(getpid()) {
     const char* policy = std::getenv("OMP_WAIT_POLICY");
@@ -113,11 +133,31 @@ class WorkPool {
     }
   }
 
-  static void work(Job& job) {
+  // participant `me` (0: the caller, helper i: i + 1)
+  static void work(Job& job, int64_t me) {
+    if (job.num_shares > 0) {
+      for (int64_t k = 0; k < job.num_shares; ++k) take_share(job, (me + k) % job.num_shares, k == 0);
+      return;
+    }
     for (int64_t begin; (begin = job.next.fetch_add(job.chunk)) < job.total;) {
       const int64_t end = std::min(job.total, begin + job.chunk);
       job.call(job.ctx, begin, end);
       job.done.fetch_add(end - begin, std::memory_order_release);
+    }
+  }
+
+  // chunks of share `index` until it is empty: from its front (its owner) or its back (another)
+  static void take_share(Job& job, int64_t index, bool own) {
+    std::atomic<uint64_t>& share = job.shares[index];
+    for (uint64_t cur = share.load();;) {
+      const int64_t front = static_cast<int64_t>(cur >> 32), back = static_cast<int64_t>(cur & 0xffffffffu);
+      if (front >= back) return;
+      const int64_t begin = own ? front : std::max(front, back - job.chunk);
+      const int64_t end = own ? std::min(back, front + job.chunk) : back;
+      if (!share.compare_exchange_weak(cur, own ? pack(end, back) : pack(front, begin))) continue;
+      job.call(job.ctx, begin, end);
+      job.done.fetch_add(end - begin, std::memory_order_release);
+      cur = share.load();
     }
   }
 
@@ -136,7 +176,7 @@ class WorkPool {
       seen = generation_.load();
       active_.fetch_add(1);
       Job* job = job_.load();
-      if (job != nullptr && index < job->helpers) work(*job);
+      if (job != nullptr && index < job->helpers) work(*job, index + 1);
       active_.fetch_sub(1);
     }
   }
@@ -185,6 +225,27 @@ inline void for_each_chunk(int64_t total, int64_t chunk, const F& f) {
     for (int64_t begin; (begin = next.fetch_add(chunk, std::memory_order_relaxed)) < total;) {
       f(begin, std::min(total, begin + chunk));
     }
+  });
+}
+
+// f(begin, end) as for_each_chunk, each thread starting on a contiguous share of [0, total) of its
+// own (the header's note); use where a kernel streams memory in item order.
+template <typename F>
+inline void for_each_share(int64_t total, int64_t chunk, const F& f) {
+  if (total <= 0) return;
+  chunk = std::max<int64_t>(1, chunk);
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (total + chunk - 1) / chunk);
+  if (threads <= 1 || at::in_parallel_region()) {
+    f(0, total);
+    return;
+  }
+  if (total >= (int64_t{1} << 31)) return for_each_chunk(total, chunk, f);  // a share packs into 32 bits
+  if (WorkPool::enabled().load(std::memory_order_relaxed)) {
+    if (!WorkPool::get().run(total, chunk, threads, f, true)) f(0, total);
+    return;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) f(total * t / threads, total * (t + 1) / threads);
   });
 }
 

@@ -51,3 +51,22 @@ def test_calls_from_two_python_threads_at_once(pool):
     for t in threads:
         t.join()
     assert errors == []
+
+
+@pytest.mark.skipif(not cpu_ops.dpbf16_supported(), reason="this CPU has no AVX512-BF16 instructions")
+@pytest.mark.parametrize("threads", [2, 3, 5])
+def test_shares_of_a_few_rows_product_cover_every_panel_once(pool, threads):
+    """dpbf16 at up to 8 rows gives each thread a contiguous share of the panels and lets the
+    first done take the others' from their back (work_queue.h's for_each_share): more threads
+    than cores, so helpers start late and shares are taken from both ends, over panel counts
+    that do not split evenly; every output equals a float64 reference each time."""
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(threads)
+    for n in (16, 16 * 37 + 5, 16 * 200):
+        w = (torch.randn(n, 64, generator=gen) / 8).bfloat16()
+        packed = PackedLinear.pack("dpbf16", w)
+        for m in (1, 3, 8):
+            x = torch.randn(m, 64, generator=gen).bfloat16()
+            want = (x.double() @ w.double().t()).bfloat16()
+            for _ in range(30):
+                torch.testing.assert_close(packed(x), want, atol=2e-2, rtol=2e-2)
