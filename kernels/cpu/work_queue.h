@@ -206,9 +206,10 @@ class WorkPool {
 };
 
 // f(begin, end) for consecutive ranges of at most `chunk` items covering [0, total), each range
-// once, on any thread.
+// once, on any thread; `shares`: each thread starts on a contiguous share of its own (the header's
+// note; totals past 2^31 items, which a share cannot pack, go without).
 template <typename F>
-inline void for_each_chunk(int64_t total, int64_t chunk, const F& f) {
+inline void run_chunks(int64_t total, int64_t chunk, const F& f, bool shares) {
   if (total <= 0) return;
   chunk = std::max<int64_t>(1, chunk);
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), (total + chunk - 1) / chunk);
@@ -216,37 +217,32 @@ inline void for_each_chunk(int64_t total, int64_t chunk, const F& f) {
     f(0, total);
     return;
   }
+  shares = shares && total < (int64_t{1} << 31);
   if (WorkPool::enabled().load(std::memory_order_relaxed)) {
-    if (!WorkPool::get().run(total, chunk, threads, f)) f(0, total);
+    if (!WorkPool::get().run(total, chunk, threads, f, shares)) f(0, total);
     return;
   }
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    if (shares) {
+      for (int64_t t = t0; t < t1; ++t) f(total * t / threads, total * (t + 1) / threads);
+      return;
+    }
     for (int64_t begin; (begin = next.fetch_add(chunk, std::memory_order_relaxed)) < total;) {
       f(begin, std::min(total, begin + chunk));
     }
   });
 }
 
-// f(begin, end) as for_each_chunk, each thread starting on a contiguous share of [0, total) of its
-// own (the header's note); use where a kernel streams memory in item order.
+template <typename F>
+inline void for_each_chunk(int64_t total, int64_t chunk, const F& f) {
+  run_chunks(total, chunk, f, false);
+}
+
+// for_each_chunk with shares: for a kernel that streams memory in item order.
 template <typename F>
 inline void for_each_share(int64_t total, int64_t chunk, const F& f) {
-  if (total <= 0) return;
-  chunk = std::max<int64_t>(1, chunk);
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (total + chunk - 1) / chunk);
-  if (threads <= 1 || at::in_parallel_region()) {
-    f(0, total);
-    return;
-  }
-  if (total >= (int64_t{1} << 31)) return for_each_chunk(total, chunk, f);  // a share packs into 32 bits
-  if (WorkPool::enabled().load(std::memory_order_relaxed)) {
-    if (!WorkPool::get().run(total, chunk, threads, f, true)) f(0, total);
-    return;
-  }
-  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) f(total * t / threads, total * (t + 1) / threads);
-  });
+  run_chunks(total, chunk, f, true);
 }
 
 // A chunk that gives each of the threads about `per_thread` chunks of `total` items.
