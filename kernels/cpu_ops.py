@@ -135,8 +135,9 @@ def panel_linear_dpbf16(out: torch.Tensor, x: torch.Tensor, panels: torch.Tensor
 
     ``x`` [M, K] bfloat16 with contiguous rows, K and the row stride even; ``panels``
     [ceil(N / 16), K / 2, 16, 2] contiguous bfloat16: panel ``p``, pair row ``j``, column ``c``
-    holds ``W[16p + c, 2j : 2j + 2]``, columns past N zero; ``out`` [M, N] float32 with contiguous
-    rows; ``bias`` [N] float32 or None. Products exact in float32, sums in float32."""
+    holds ``W[16p + c, 2j : 2j + 2]``, columns past N zero; ``out`` [M, N] float32 or bfloat16
+    (the float32 sums rounded as ``.to(torch.bfloat16)`` rounds them) with contiguous rows;
+    ``bias`` [N] float32 or None. Products exact in float32, sums in float32."""
     _ops().panel_linear_dpbf16(out, x, panels, bias)
 
 

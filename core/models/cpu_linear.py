@@ -91,9 +91,11 @@ class PackedLinear:
         elif self.kind in ("tandem", "dpbf16"):
             # tandem's panels read float32 rows; dpbf16's bfloat16 rows at an even stride
             want = torch.float32 if self.kind == "tandem" else torch.bfloat16
+            # dpbf16 writes a bfloat16 layer's out itself, rounded as .to() would round it
+            out_dtype = torch.bfloat16 if self.kind == "dpbf16" and x.dtype == torch.bfloat16 else torch.float32
             if x2.dtype != want or x2.stride(-1) != 1 or (want == torch.bfloat16 and x2.stride(0) % 2):
                 x2 = x2.to(want).contiguous()
-            out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+            out = torch.empty(x2.shape[0], self.out_features, dtype=out_dtype)
             if bias is not None and bias.dtype != torch.float32:
                 bias = bias.float()
             kernel = cpu_ops.panel_linear if self.kind == "tandem" else cpu_ops.panel_linear_dpbf16

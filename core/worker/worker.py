@@ -187,8 +187,10 @@ class Worker:
             raise ValueError(f"the KV pool holds {num_blocks} blocks; it needs at least 2 "
                              "(raise engine.num_kv_blocks or engine.kv_cache_memory)")
         shape = kv_cache_shape(self.arch, num_blocks, bs, self.parallel)
-        if self.device.type == "cpu":  # zeros too, on huge pages where the system gives them
-            pool = huge_pages.HugePageArena().empty(shape, self.dtype)
+        if self.device.type == "cpu":  # on huge pages where the system gives them
+            # written now, as torch.zeros would: no decode step pays the first touch of a page,
+            # and a pool the machine cannot hold fails here, not in the middle of serving
+            pool = huge_pages.HugePageArena().empty(shape, self.dtype).zero_()
         else:
             pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
         logger.info("KV pool: %d blocks of %d tokens (%.1f MiB)", num_blocks, bs,

@@ -98,8 +98,9 @@ at::Tensor linear_part(const at::Tensor& x, const at::Tensor& w, const int64_t* 
     case 1: return in_dtype(onednn_linear(in_dtype(x, w.scalar_type()), w), dtype);
     case 2: return in_dtype(at::linear(in_dtype(x, w.scalar_type()), w), dtype);
     case 3: return gguf_linear(x, w, info[3], info[2]);
-    case 4: {
-      at::Tensor out = at::empty({x.size(0), info[1]}, x.options().dtype(at::kFloat));
+    case 4: {  // a bfloat16 model's out straight from the kernel, rounded as .to() rounds it
+      const at::ScalarType out_dtype = dtype == at::kBFloat16 ? dtype : at::kFloat;
+      at::Tensor out = at::empty({x.size(0), info[1]}, x.options().dtype(out_dtype));
       panel_linear_dpbf16(out, in_dtype(x, at::kBFloat16).contiguous(), w, c10::nullopt);
       return in_dtype(out, dtype);
     }

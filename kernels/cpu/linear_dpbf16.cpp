@@ -6,7 +6,8 @@
 //   panels [ceil(N / 16), K / 2, 16, 2] bfloat16: panel p, pair row j holds, for each of its 16
 //          columns c, W[16p + c, 2j] and W[16p + c, 2j + 1] side by side (columns past N zero),
 //          so one 64-byte load gives the 16 columns' next two weights
-//   out    [M, N] float32
+//   out    [M, N] float32, or bfloat16 (each sum rounded to nearest even as torch's conversion
+//          rounds it, bias added first: the values of a float32 out converted, without its pass)
 //
 // Products of two bfloat16 values are exact in float32, so the result equals float32 arithmetic
 // on the same values up to the order of the sums. The loop nest is linear.cpp's (row blocks,
@@ -96,7 +97,8 @@ TANDEM_DPBF16_TARGET void run_tile(int64_t rows, const uint16_t* x, int64_t ldx,
 struct Problem {
   const uint16_t* x;
   const uint16_t* w;
-  float* out;
+  float* out;           // float32 out, or
+  c10::BFloat16* out16;  // bfloat16 out
   const float* bias;
   int64_t m, pairs, n, n_panels, ldx, ldo;
 };
@@ -104,8 +106,13 @@ struct Problem {
 // rows [row0, row_end) of one panel's output from acc (row r at acc + (r - row0) * 16), bias added
 inline void store_rows(const Problem& p, const float* acc, int64_t row0, int64_t row_end, int64_t col0, int64_t cols) {
   for (int64_t r = row0; r < row_end; ++r) {
-    float* dst = p.out + r * p.ldo + col0;
     const float* src = acc + (r - row0) * kPanel;
+    if (p.out16 != nullptr) {
+      c10::BFloat16* dst = p.out16 + r * p.ldo + col0;
+      for (int64_t c = 0; c < cols; ++c) dst[c] = c10::BFloat16(p.bias != nullptr ? src[c] + p.bias[col0 + c] : src[c]);
+      continue;
+    }
+    float* dst = p.out + r * p.ldo + col0;
     if (p.bias != nullptr) {
       for (int64_t c = 0; c < cols; ++c) dst[c] = src[c] + p.bias[col0 + c];
     } else {
@@ -174,9 +181,11 @@ void panel_linear_dpbf16(at::Tensor& out, const at::Tensor& x, const at::Tensor&
   TORCH_CHECK(panels.dim() == 4 && panels.scalar_type() == at::kBFloat16 && panels.size(1) * 2 == x.size(1) &&
                   panels.size(2) == kPanel && panels.size(3) == 2 && panels.is_contiguous(),
               "panel_linear_dpbf16: panels must be contiguous bfloat16 [P, K / 2, 16, 2]");
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.scalar_type() == at::kFloat && out.stride(1) == 1 &&
-                  out.size(1) <= panels.size(0) * kPanel && out.size(1) > (panels.size(0) - 1) * kPanel,
-              "panel_linear_dpbf16: out must be float32 [M, N] with N filling the panels");
+  const bool out16 = out.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && (out16 || out.scalar_type() == at::kFloat) &&
+                  out.stride(1) == 1 && out.size(1) <= panels.size(0) * kPanel &&
+                  out.size(1) > (panels.size(0) - 1) * kPanel,
+              "panel_linear_dpbf16: out must be float32 or bfloat16 [M, N] with N filling the panels");
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out.size(1),
@@ -187,7 +196,8 @@ void panel_linear_dpbf16(at::Tensor& out, const at::Tensor& x, const at::Tensor&
 #ifdef TANDEM_DPBF16
   const Problem p{reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()),
                   reinterpret_cast<const uint16_t*>(panels.data_ptr<c10::BFloat16>()),
-                  out.data_ptr<float>(), bp, x.size(0), panels.size(1), out.size(1), panels.size(0),
+                  out16 ? nullptr : out.data_ptr<float>(), out16 ? out.data_ptr<c10::BFloat16>() : nullptr, bp,
+                  x.size(0), panels.size(1), out.size(1), panels.size(0),
                   x.stride(0), out.stride(0)};
   if (p.m <= kTile) {
     tandem_cpu::for_each_share(p.n_panels, tandem_cpu::chunk_for(p.n_panels, 8),

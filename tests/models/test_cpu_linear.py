@@ -190,3 +190,22 @@ def test_dpbf16_mode_without_the_instructions_is_refused(monkeypatch):
     monkeypatch.setattr(cpu_linear, "dpbf16_available", lambda: False)
     with pytest.raises(ValueError, match=r"cpu_kernels = 'dpbf16' but this CPU has no AVX512-BF16"):
         resolve_kind("dpbf16", CPU)
+
+
+@needs_dpbf16
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 100])
+def test_dpbf16_bfloat16_out_is_the_float32_out_rounded_by_torch(rows):
+    """A bfloat16 ``out`` gets each float32 sum (plus bias) rounded exactly as torch's
+    conversion rounds it, on the few-rows path (M <= 8) and the blocked one."""
+    gen = torch.Generator().manual_seed(rows)
+    n, k = 16 * 5 + 3, 96
+    w = (torch.randn(n, k, generator=gen) / k**0.5).bfloat16()
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen)
+    panels = PackedLinear.pack("dpbf16", w).weight
+    for b in (None, bias):
+        wide = torch.empty(rows, n)
+        cpu_ops.panel_linear_dpbf16(wide, x, panels, b)
+        narrow = torch.empty(rows, n, dtype=torch.bfloat16)
+        cpu_ops.panel_linear_dpbf16(narrow, x, panels, b)
+        assert torch.equal(narrow.view(torch.int16), wide.to(torch.bfloat16).view(torch.int16))
