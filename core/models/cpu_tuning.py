@@ -32,12 +32,12 @@ Candidates run interleaved, round after round, each timed on its second call in 
 wakes the threads it runs on, which the one before may have left asleep: timed alone, whichever
 kernel came after another thread pool's paid for waking its own — in a step they run back to
 back), and each keeps its fastest run (the least disturbed by other processes) until every
-candidate has ``MIN_ROUNDS`` runs and the bucket's time budget is spent. Timings taken while other processes keep the CPU busy are
-wrong in a way no minimum repairs (a parallel kernel waits at every barrier for its descheduled
-thread, a single-threaded one does not), and a cached mistake would last: so measuring starts
-only when other processes use under ``BUSY_SHARE`` of the machine (``CpuMeter``), its results
-are cached only if that still held while it ran, and otherwise this start uses the fixed rule
-and the next one measures again.
+candidate has ``MIN_ROUNDS`` runs and the bucket's time budget is spent. Timings taken while
+other processes keep the CPU busy are wrong in a way no minimum repairs (a parallel kernel
+waits at every barrier for its descheduled thread, a single-threaded one does not), and a
+cached mistake would last: so measuring starts only when other processes use under
+``BUSY_SHARE`` of the machine (``CpuMeter``), its results are cached only if that still held
+while it ran, and otherwise this start uses the fixed rule and the next one measures again.
 """
 from __future__ import annotations
 

@@ -49,6 +49,34 @@ def test_measure_keeps_each_candidates_fastest_run():
     assert all(s < 0.001 for s in got["fast"]), got
 
 
+def test_each_candidate_is_timed_on_its_second_call_in_a_row():
+    """A kernel whose first call after another's pays a wake-up (here 2 ms of sleep) is timed
+    as it runs inside a step, back to back with itself."""
+    last = [None]
+
+    def kernel(name):
+        def call(x):
+            if last[0] != name:
+                time.sleep(0.002)
+            last[0] = name
+        return call
+
+    got = measure({"a": kernel("a"), "b": kernel("b")}, [torch.zeros(1)], budget_s=0.01)
+    assert got["a"][0] < 0.001 and got["b"][0] < 0.001, got
+
+
+def test_candidates_rotate_over_weight_copies_that_pass_the_streamed_bytes():
+    assert cpu_tuning.num_copies(1 << 20) == 64  # 64 MiB of 1 MiB copies
+    assert cpu_tuning.num_copies(3 << 20) == 22  # rounded up: 66 MiB
+    assert cpu_tuning.num_copies(300 << 20) == 1
+    assert cpu_tuning.num_copies(1 << 10) == cpu_tuning.MAX_COPIES
+    seen = []
+    rotation = cpu_tuning.Rotation([lambda x, i=i: seen.append(i) for i in range(3)])
+    for _ in range(7):
+        rotation(None)
+    assert seen == [0, 1, 2, 0, 1, 2, 0]
+
+
 def test_bucket_of_a_batch_is_the_nearest_on_a_log_scale():
     assert [bucket_index(m) for m in (1, 2, 3, 8, 9, 31, 33, 127, 129, 4096)] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
 
