@@ -14,8 +14,8 @@ import pluggy
 
 # Idle OpenMP threads must sleep, not spin: between its kernels' calls a decode step runs torch
 # operators on OpenMP's threads, and threads left spinning after them take the cores from
-# tandem's own kernel threads (a SmolLM2-135M decode step took 1.5x as long on 2 cores) and from
-# the server's event loop (docs/benchmarks.md, "OpenMP wait policy"). libgomp reads this once,
+# tandem's own kernel threads and from the server's event loop (docs/benchmarks.md, "OpenMP wait
+# policy", has the figures). libgomp reads this once,
 # when torch is imported, so it is set here, before anything of tandem imports torch; an explicit
 # OMP_WAIT_POLICY in the environment wins. Where torch came first, the CPU worker warns
 # (``OMP_POLICY_MISSED``).

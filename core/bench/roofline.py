@@ -245,8 +245,9 @@ def report(arch: ModelArchConfig, records: Sequence[RecordedStep], dtype: str, f
     shape = (arch.hidden_size, arch.intermediate_size)
     gemms = {b: measure_gemm_rate(b, *shape, dtype) for b in batches}
     machine = Machine(bandwidth, {b: rate for b, (rate, _) in gemms.items()})
+    pages = " on huge pages" if huge_pages_available() else ""
     print(f"\nroofline, measured now: read bandwidth {bandwidth / 1e9:.1f} GB/s (float32 sum over "
-          f"{BANDWIDTH_BUFFER_BYTES // 2**20} MiB{' on huge pages' if huge_pages_available() else ''}), best GEMM [B, {shape[0]}] x {list(shape)} {dtype} "
+          f"{BANDWIDTH_BUFFER_BYTES // 2**20} MiB{pages}), best GEMM [B, {shape[0]}] x {list(shape)} {dtype} "
           + ", ".join(f"{rate / 1e9:.3g} GFLOP/s at B={b} ({kind})" for b, (rate, kind) in gemms.items())
           + f" (fastest of {REPEATS} runs); KV reads and attention FLOPs from the steps' own contexts")
     for batch in batches:

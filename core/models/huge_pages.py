@@ -115,7 +115,7 @@ def move_weights(model: nn.Module, min_bytes: int = MIN_BYTES) -> int:
 
     with torch.no_grad():
         for module in model.modules():
-            for name, param in list(module.named_parameters(recurse=False)):
+            for param in module.parameters(recurse=False):
                 new = moved(param.data)
                 if new is not param.data:
                     param.data = new

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from tandem.kernels import cpu_ops
 from tandem.models.cpu_linear import PackedLinear
+from tests.models.test_cpu_linear import needs_dpbf16
 
 
 @pytest.fixture(params=[True, False], ids=["work_pool", "openmp"])
@@ -53,7 +54,7 @@ def test_calls_from_two_python_threads_at_once(pool):
     assert errors == []
 
 
-@pytest.mark.skipif(not cpu_ops.dpbf16_supported(), reason="this CPU has no AVX512-BF16 instructions")
+@needs_dpbf16
 @pytest.mark.parametrize("threads", [2, 3, 5])
 def test_shares_of_a_few_rows_product_cover_every_panel_once(pool, threads):
     """dpbf16 at up to 8 rows gives each thread a contiguous share of the panels and lets the
