@@ -1,56 +1,64 @@
 """Cache-aware routing and conditional disaggregation on a real cluster: a prefill and two decode
-``tandem serve`` instances of the tiny Llama over NIXL on 127.0.0.1, each publishing its KV events,
-and the router with ``decode_routing_policy = "cache_aware"`` and
-``min_uncached_prefill_tokens = 32`` (two blocks).
+``tandem serve`` instances of the tiny Llama, each in its own test host (a network namespace on a
+veth bridge, tests/helpers/netns.py) bound to its address, KV over NIXL with ``UCX_TLS=tcp``
+across the bridge, each publishing its KV events over ZMQ on its address; the router, in the
+test's namespace, with ``decode_routing_policy = "cache_aware"`` and
+``min_uncached_prefill_tokens = 32`` (two blocks), subscribes to them across the bridge.
 
 Oracles: which instance holds what is arranged by the test (a conversation sent straight to one
 decode instance, bypassing the router), the instance's own ``cached_tokens`` in its answer's
 usage, the router's per-instance counters, and greedy text equal to a cold instance's.
+
+Without root, or where namespaces cannot be made, every test here skips and says why.
 """
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from tandem.router.registry import Step
 from tests.engine.test_greedy_vs_hf import _prompts
-from tests.router.instances import (
-    ADMIN,
-    MODEL_NAME,
-    InstanceProcess,
-    dispatched,
-    role_env,
-    running_router,
-    upstream,
-    wait_for,
-)
+from tests.helpers.netns import TestHosts, test_hosts
+from tests.router.instances import ADMIN, MODEL_NAME, dispatched, running_router, upstream, wait_for
+from tests.router.xpyd import SECRET, HostedInstance, instance_config, toml
 
 pytest.importorskip("nixl_cu12", reason="the nixl KV connector needs nixl-cu12")
 pytestmark = pytest.mark.timeout(300)
 
 BLOCK = 16
-EVENTS = {"TANDEM_KV_EVENTS__ENABLED": "true", "TANDEM_KV_EVENTS__ENDPOINT": "tcp://127.0.0.1:0",
-          "TANDEM_KV_EVENTS__REPLAY_ENDPOINT": "tcp://127.0.0.1:0"}
+ENGINE = {"num_kv_blocks": 64, "max_num_seqs": 8, "max_num_batched_tokens": 256, "num_threads": 1}
+DISAGGREGATION = {"kv_expiry_s": 30.0, "kv_transfer_timeout_s": 5.0}
+ROLES = ("prefill", "decode", "decode")
 
 
 @pytest.fixture(scope="module")
-def instances(model_dir, log_dir):
-    procs = [InstanceProcess(model_dir, log_dir, **role_env(role, 30.0, **EVENTS)).start()
-             for role in ("prefill", "decode", "decode")]
-    try:
-        for proc in procs:
-            proc.wait_ready()
-        yield procs
-    finally:
-        for proc in procs:
-            proc.stop()
+def hosts() -> Iterator[TestHosts]:
+    with test_hosts(len(ROLES)) as net:
+        yield net
+
+
+@pytest.fixture(scope="module")
+def instances(hosts, model_dir, log_dir) -> Iterator[list[HostedInstance]]:
+    procs = []
+    for host, role in zip(hosts, ROLES):
+        events = {"enabled": True, "endpoint": f"tcp://{host.address}:0",
+                  "replay_endpoint": f"tcp://{host.address}:0"}
+        config = {**instance_config(model_dir, host, role, ENGINE, DISAGGREGATION), "kv_events": events}
+        path = log_dir / f"cache-aware-{role}-{host.address}.toml"
+        path.write_text(toml(config))
+        procs.append(HostedInstance(host, role, path, log_dir / f"cache-aware-{role}-{host.address}.log").start())
+    for proc in procs:
+        proc.wait_ready()
+    yield procs     # the hosts' teardown kills them
 
 
 @pytest.fixture(scope="module")
 def router(instances):
-    prefill, first, second = instances
-    listed = [(prefill.url, "prefill"), (first.url, "decode"), (second.url, "decode")]
-    with running_router(listed, decode_routing_policy="cache_aware", min_uncached_prefill_tokens=2 * BLOCK) as server:
+    listed = [(proc.url, proc.role) for proc in instances]
+    with running_router(listed, decode_routing_policy="cache_aware", min_uncached_prefill_tokens=2 * BLOCK,
+                        kv_transfer_secret=SECRET) as server:
         assert wait_for(lambda: httpx.get(f"{server.url}/health", timeout=5).status_code == 200)
         yield server
 
