@@ -129,7 +129,8 @@ def dpbf16_supported() -> bool:
     return bool(_ops().dpbf16_supported())
 
 
-def panel_linear_dpbf16(out: torch.Tensor, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> None:
+def panel_linear_dpbf16(out: torch.Tensor, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
+                        bf16_values: bool = False) -> None:
     """``out = x @ W.T + bias`` by AVX512-BF16 pair dot products (linear_dpbf16.cpp); call only
     where ``dpbf16_supported()``.
 
@@ -137,8 +138,10 @@ def panel_linear_dpbf16(out: torch.Tensor, x: torch.Tensor, panels: torch.Tensor
     [ceil(N / 16), K / 2, 16, 2] contiguous bfloat16: panel ``p``, pair row ``j``, column ``c``
     holds ``W[16p + c, 2j : 2j + 2]``, columns past N zero; ``out`` [M, N] float32 or bfloat16
     (the float32 sums rounded as ``.to(torch.bfloat16)`` rounds them) with contiguous rows;
-    ``bias`` [N] float32 or None. Products exact in float32, sums in float32."""
-    _ops().panel_linear_dpbf16(out, x, panels, bias)
+    ``bias`` [N] float32 or None. Products exact in float32, sums in float32. ``bf16_values``
+    (float32 ``out`` only): each sum rounded to bfloat16 as above, then stored widened back —
+    ``.to(torch.bfloat16).float()`` of the float32 out, without those passes."""
+    _ops().panel_linear_dpbf16(out, x, panels, bias, bf16_values)
 
 
 def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:

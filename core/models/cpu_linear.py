@@ -109,6 +109,20 @@ class PackedLinear:
             out = out.to(x.dtype)
         return out.view(*lead, self.out_features)
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``self(x).float()``: float32 values of ``x``'s dtype (an LM head's logits, rounded as
+        the model's dtype rounds them). A bfloat16 layer on dpbf16 has the kernel store them so,
+        without the two conversion passes (torch's pass over the vocabulary wakes its thread
+        team every step)."""
+        if self.kind != "dpbf16" or x.dtype != torch.bfloat16:
+            return self(x).float()
+        x2 = x.reshape(-1, self.in_features)
+        if x2.stride(-1) != 1 or x2.stride(0) % 2:
+            x2 = x2.contiguous()
+        out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+        cpu_ops.panel_linear_dpbf16(out, x2, self.weight, None, bf16_values=True)
+        return out.view(*x.shape[:-1], self.out_features)
+
 
 
 class BucketedLinear:
@@ -124,6 +138,10 @@ class BucketedLinear:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // self.in_features
         return self.by_bucket[bucket_index(rows)](x, bias)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``PackedLinear.logits`` with the bucket's packing."""
+        return self.by_bucket[bucket_index(x.numel() // self.in_features)].logits(x)
 
     @property
     def kinds(self) -> list[str]:

@@ -226,7 +226,7 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         if self.packed is not None:
-            logits = self.packed(hidden).float()
+            logits = self.packed.logits(hidden)
         else:
             logits = F.linear(hidden, self.weight).float()
         if self.parallel.tp_size == 1:

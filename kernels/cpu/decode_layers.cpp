@@ -51,7 +51,7 @@
 
 void panel_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias);
 void panel_linear_dpbf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
-                         const c10::optional<at::Tensor>& bias);
+                         const c10::optional<at::Tensor>& bias, bool bf16_values);
 void paged_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& rows,
                   const at::Tensor& tables, const at::Tensor& seq_lens, double scale, int64_t window);
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
@@ -101,7 +101,7 @@ at::Tensor linear_part(const at::Tensor& x, const at::Tensor& w, const int64_t* 
     case 4: {  // a bfloat16 model's out straight from the kernel, rounded as .to() rounds it
       const at::ScalarType out_dtype = dtype == at::kBFloat16 ? dtype : at::kFloat;
       at::Tensor out = at::empty({x.size(0), info[1]}, x.options().dtype(out_dtype));
-      panel_linear_dpbf16(out, in_dtype(x, at::kBFloat16).contiguous(), w, c10::nullopt);
+      panel_linear_dpbf16(out, in_dtype(x, at::kBFloat16).contiguous(), w, c10::nullopt, false);
       return in_dtype(out, dtype);
     }
     default: TORCH_CHECK(false, "decode_layers: unknown linear kind ", info[0]);

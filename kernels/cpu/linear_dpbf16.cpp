@@ -7,7 +7,9 @@
 //          columns c, W[16p + c, 2j] and W[16p + c, 2j + 1] side by side (columns past N zero),
 //          so one 64-byte load gives the 16 columns' next two weights
 //   out    [M, N] float32, or bfloat16 (each sum rounded to nearest even as torch's conversion
-//          rounds it, bias added first: the values of a float32 out converted, without its pass)
+//          rounds it, bias added first: the values of a float32 out converted, without its pass);
+//          a float32 out with bf16_values holds those rounded values widened back (a bfloat16
+//          model's logits as `.to(bfloat16).float()` gives them, without either pass)
 //
 // Products of two bfloat16 values are exact in float32, so the result equals float32 arithmetic
 // on the same values up to the order of the sums. The loop nest is linear.cpp's (row blocks,
@@ -100,6 +102,7 @@ struct Problem {
   float* out;           // float32 out, or
   c10::BFloat16* out16;  // bfloat16 out
   const float* bias;
+  bool bf16_values;      // float32 out rounded to bfloat16 values
   int64_t m, pairs, n, n_panels, ldx, ldo;
 };
 
@@ -113,7 +116,10 @@ inline void store_rows(const Problem& p, const float* acc, int64_t row0, int64_t
       continue;
     }
     float* dst = p.out + r * p.ldo + col0;
-    if (p.bias != nullptr) {
+    if (p.bf16_values) {
+      for (int64_t c = 0; c < cols; ++c)
+        dst[c] = static_cast<float>(c10::BFloat16(p.bias != nullptr ? src[c] + p.bias[col0 + c] : src[c]));
+    } else if (p.bias != nullptr) {
       for (int64_t c = 0; c < cols; ++c) dst[c] = src[c] + p.bias[col0 + c];
     } else {
       std::memcpy(dst, src, cols * sizeof(float));
@@ -171,7 +177,7 @@ bool cpu_has_dpbf16() {
 bool dpbf16_supported() { return cpu_has_dpbf16(); }
 
 void panel_linear_dpbf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
-                         const c10::optional<at::Tensor>& bias) {
+                         const c10::optional<at::Tensor>& bias, bool bf16_values) {
   TORCH_CHECK(cpu_has_dpbf16(), "panel_linear_dpbf16: this CPU has no AVX512-BF16 instructions");
   TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu() && out.device().is_cpu(),
               "panel_linear_dpbf16 runs on the CPU");
@@ -186,6 +192,7 @@ void panel_linear_dpbf16(at::Tensor& out, const at::Tensor& x, const at::Tensor&
                   out.stride(1) == 1 && out.size(1) <= panels.size(0) * kPanel &&
                   out.size(1) > (panels.size(0) - 1) * kPanel,
               "panel_linear_dpbf16: out must be float32 or bfloat16 [M, N] with N filling the panels");
+  TORCH_CHECK(!(bf16_values && out16), "panel_linear_dpbf16: bf16_values is for a float32 out");
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out.size(1),
@@ -196,7 +203,7 @@ void panel_linear_dpbf16(at::Tensor& out, const at::Tensor& x, const at::Tensor&
 #ifdef TANDEM_DPBF16
   const Problem p{reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()),
                   reinterpret_cast<const uint16_t*>(panels.data_ptr<c10::BFloat16>()),
-                  out16 ? nullptr : out.data_ptr<float>(), out16 ? out.data_ptr<c10::BFloat16>() : nullptr, bp,
+                  out16 ? nullptr : out.data_ptr<float>(), out16 ? out.data_ptr<c10::BFloat16>() : nullptr, bp, bf16_values,
                   x.size(0), panels.size(1), out.size(1), panels.size(0),
                   x.stride(0), out.stride(0)};
   if (p.m <= kTile) {
@@ -212,7 +219,7 @@ void panel_linear_dpbf16(at::Tensor& out, const at::Tensor& x, const at::Tensor&
 }
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
-  m.def("panel_linear_dpbf16(Tensor(a!) out, Tensor x, Tensor panels, Tensor? bias) -> ()");
+  m.def("panel_linear_dpbf16(Tensor(a!) out, Tensor x, Tensor panels, Tensor? bias, bool bf16_values=False) -> ()");
   m.def("dpbf16_supported() -> bool", &dpbf16_supported);
 }
 

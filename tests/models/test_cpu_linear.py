@@ -196,7 +196,8 @@ def test_dpbf16_mode_without_the_instructions_is_refused(monkeypatch):
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 100])
 def test_dpbf16_bfloat16_out_is_the_float32_out_rounded_by_torch(rows):
     """A bfloat16 ``out`` gets each float32 sum (plus bias) rounded exactly as torch's
-    conversion rounds it, on the few-rows path (M <= 8) and the blocked one."""
+    conversion rounds it, on the few-rows path (M <= 8) and the blocked one; a float32 ``out``
+    with ``bf16_values`` those rounded values widened back (``PackedLinear.logits``)."""
     gen = torch.Generator().manual_seed(rows)
     n, k = 16 * 5 + 3, 96
     w = (torch.randn(n, k, generator=gen) / k**0.5).bfloat16()
@@ -209,3 +210,8 @@ def test_dpbf16_bfloat16_out_is_the_float32_out_rounded_by_torch(rows):
         narrow = torch.empty(rows, n, dtype=torch.bfloat16)
         cpu_ops.panel_linear_dpbf16(narrow, x, panels, b)
         assert torch.equal(narrow.view(torch.int16), wide.to(torch.bfloat16).view(torch.int16))
+        widened = torch.empty(rows, n)      # an LM head's logits: the rounded values in float32
+        cpu_ops.panel_linear_dpbf16(widened, x, panels, b, bf16_values=True)
+        assert torch.equal(widened, wide.to(torch.bfloat16).float())
+    packed = PackedLinear.pack("dpbf16", w)
+    assert torch.equal(packed.logits(x), packed(x).float())
