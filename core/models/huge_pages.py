@@ -40,10 +40,17 @@ THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 @functools.cache
 def available() -> bool:
-    """Whether tandem asks for huge pages here: Linux with transparent huge pages not set to
-    ``never``, ``mmap.MADV_HUGEPAGE`` known to Python, and ``TANDEM_CPU_HUGE_PAGES`` not 0."""
+    """Whether tandem asks for huge pages here: ``TANDEM_CPU_HUGE_PAGES`` not 0 and
+    ``system_supports()``."""
     if os.environ.get("TANDEM_CPU_HUGE_PAGES", "1").strip().lower() in ("0", "false", "no", "off"):
         return False
+    return system_supports()
+
+
+@functools.cache
+def system_supports() -> bool:
+    """Linux with transparent huge pages not set to ``never``, and ``mmap.MADV_HUGEPAGE`` known
+    to Python."""
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
     try:

@@ -1,6 +1,8 @@
 """Weights and the KV pool on transparent huge pages (``tandem.models.huge_pages``). Oracles: the
 kernel's own view of each mapping (``/proc/self/smaps``: the ``hg`` flag madvise(MADV_HUGEPAGE)
-sets), the tensors' values before the move, and tandem's output with huge pages turned off."""
+sets), the tensors' values before the move, and tandem's output with huge pages turned off.
+
+The rest of the suite runs with them off (tests/conftest.py); every test here turns them on."""
 from __future__ import annotations
 
 import gc
@@ -14,7 +16,17 @@ from tandem.models.cpu_linear import BucketedLinear, PackedLinear, pack_cpu_line
 from tandem.models.huge_pages import HugePageArena, move_weights
 from tests.helpers.tiny_models import load_tiny_model, tiny_model_dir
 
-needs_thp = pytest.mark.skipif(not huge_pages.available(), reason="no transparent huge pages on this system")
+needs_thp = pytest.mark.skipif(not huge_pages.system_supports(), reason="no transparent huge pages on this system")
+
+
+@pytest.fixture(autouse=True)
+def _huge_pages_on(monkeypatch):
+    """tandem's default (``TANDEM_CPU_HUGE_PAGES`` unset), which tests/conftest.py changes."""
+    monkeypatch.delenv("TANDEM_CPU_HUGE_PAGES", raising=False)
+    huge_pages.available.cache_clear()
+    yield
+    monkeypatch.undo()
+    huge_pages.available.cache_clear()
 
 
 def mapping_flags(address: int) -> set[str]:
@@ -85,17 +97,13 @@ def test_move_weights_moves_parameters_and_packed_weights_once_each():
 def test_turned_off_nothing_moves(monkeypatch):
     monkeypatch.setenv("TANDEM_CPU_HUGE_PAGES", "0")
     huge_pages.available.cache_clear()
-    try:
-        assert not huge_pages.available()
-        model, _ = load_tiny_model(tiny_model_dir("llama"))
-        ptrs = [p.data_ptr() for p in model.parameters()]
-        assert move_weights(model, min_bytes=0) == 0
-        assert [p.data_ptr() for p in model.parameters()] == ptrs
-        t = HugePageArena().empty((4, 4), torch.float32)
-        assert not t.any() and "hg" not in mapping_flags(t.data_ptr())
-    finally:
-        monkeypatch.delenv("TANDEM_CPU_HUGE_PAGES")
-        huge_pages.available.cache_clear()
+    assert not huge_pages.available()
+    model, _ = load_tiny_model(tiny_model_dir("llama"))
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    assert move_weights(model, min_bytes=0) == 0
+    assert [p.data_ptr() for p in model.parameters()] == ptrs
+    t = HugePageArena().empty((4, 4), torch.float32)
+    assert not t.any() and "hg" not in mapping_flags(t.data_ptr())
 
 
 @needs_thp
