@@ -13,12 +13,13 @@ SCHEMA = re.compile(r'm\.def\("(\w+)\((.*)\) -> ')
 
 
 def defined_ops() -> dict[str, list[str]]:
-    """Each operator's argument names, read from its ``m.def`` schema in the C++ sources."""
+    """Each operator's argument names (defaults dropped), read from its ``m.def`` schema in the
+    C++ sources."""
     ops = {}
     for source in (REPO / "kernels" / "cpu").glob("*.cpp"):
         text = re.sub(r'"\s*\n\s*"', "", source.read_text())  # join schemas split over lines
         for name, args in SCHEMA.findall(text):
-            ops[name] = [arg.split()[-1] for arg in args.split(",") if arg.strip()]
+            ops[name] = [arg.split()[-1].split("=")[0] for arg in args.split(",") if arg.strip()]
     return ops
 
 
