@@ -61,14 +61,13 @@ class _DecodeBatch:
 @dataclass(slots=True)
 class _StepPlan:
     write_rows: torch.Tensor | None
-    write_blocks: torch.Tensor
-    write_offsets: torch.Tensor
+    write_slots: torch.Tensor
     padded: bool
     decode: _DecodeBatch | None
     prefills: list[_PrefillSeq]
     block_size: int
     masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
-    buffers: dict[tuple, torch.Tensor] = field(default_factory=dict)
+    buffers: dict[tuple, torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, md: AttentionMetadata) -> _StepPlan:
@@ -98,8 +97,7 @@ class _StepPlan:
         ]
         return cls(
             write_rows=write_rows,
-            write_blocks=slots // bs,
-            write_offsets=slots % bs,
+            write_slots=slots,
             padded=starts[-1] < md.num_tokens,
             decode=cls._decode_batch(md, rows, row_seqs, row_seq_lens) if rows else None,
             prefills=prefills,
@@ -110,15 +108,26 @@ class _StepPlan:
     def _decode_batch(md: AttentionMetadata, rows: list[int], row_seqs: list[int],
                       row_seq_lens: list[int]) -> _DecodeBatch:
         device = md.block_tables.device
-        index = torch.tensor(row_seqs, dtype=torch.long, device=device)
         num_blocks = -(-max(row_seq_lens) // md.block_size)
-        tables = md.block_tables.index_select(0, index)[:, :num_blocks].long().clamp(min=0)
+        tables = md.block_tables
+        if row_seqs != list(range(md.num_seqs)):  # not one row for each sequence
+            tables = tables.index_select(0, torch.tensor(row_seqs, dtype=torch.long, device=device))
+        tables = tables[:, :num_blocks].long().clamp(min=0)
         return _DecodeBatch(
             rows=torch.tensor(rows, dtype=torch.long, device=device),
             seq_lens=torch.tensor(row_seq_lens, dtype=torch.long, device=device),
             block_ids=tables.reshape(-1),
             num_blocks=num_blocks,
         )
+
+    def write_index(self, rows_per_block: int, v_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of the K and V of each written token in a layer's pool seen as rows of
+        ``rows_per_block`` per block, V ``v_offset`` rows after K (computed once a step)."""
+        key = ("write", rows_per_block, v_offset)
+        if key not in self.buffers:
+            k_rows = self.write_slots // self.block_size * rows_per_block + self.write_slots % self.block_size
+            self.buffers[key] = (k_rows, k_rows + v_offset)
+        return self.buffers[key]
 
     def decode_mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
         """Additive mask ``[B, 1, 1, num_blocks * block_size]``: key k of row b is visible iff
@@ -203,9 +212,9 @@ class TorchAttentionBackend(AttentionBackend):
         assert block_stride % slot_stride == 0 and kv_stride % slot_stride == 0
         num_rows = (kv_cache.shape[0] - 1) * (block_stride // slot_stride) + (kv_stride // slot_stride) + kv_cache.shape[2]
         rows = torch.as_strided(kv_cache, (num_rows, *kv_cache.shape[3:]), (slot_stride, *kv_cache.stride()[3:]))
-        slots = plan.write_blocks * (block_stride // slot_stride) + plan.write_offsets
-        rows.index_copy_(0, slots, key.to(kv_cache.dtype))
-        rows.index_copy_(0, slots + kv_stride // slot_stride, value.to(kv_cache.dtype))
+        k_rows, v_rows = plan.write_index(block_stride // slot_stride, kv_stride // slot_stride)
+        rows.index_copy_(0, k_rows, key.to(kv_cache.dtype))
+        rows.index_copy_(0, v_rows, value.to(kv_cache.dtype))
 
     def _decode_into(self, out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan) -> None:
         """Write the attention of the plan's one-query rows into their rows of ``out``."""

@@ -17,7 +17,8 @@ from transformers.models.llama.modeling_llama import (
 
 from tandem.models.config import RopeScaling
 from tandem.models.layers import GatedMLP, LinearLayer, RMSNorm
-from tandem.models.rotary import RotaryEmbedding, apply_rotary, compute_inv_freq
+from tandem.interfaces import AttentionMetadata
+from tandem.models.rotary import TABLE_MAX_POSITIONS, RotaryEmbedding, apply_rotary, compute_inv_freq
 from tandem.quant.unquantized import UnquantizedLinearMethod
 
 gen = torch.Generator().manual_seed(0)
@@ -82,6 +83,36 @@ def test_cos_sin_tables_and_rotation_match_hf():
     our_q, our_k = apply_rotary(q, k, cos, sin)
     torch.testing.assert_close(our_q, hf_q[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(our_k, hf_k[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+
+
+def _step_metadata(positions: list[int]) -> AttentionMetadata:
+    """A decode step's metadata: one sequence per position (what the rotary table reads)."""
+    n = len(positions)
+    seq_lens = [p + 1 for p in positions]
+    return AttentionMetadata(num_tokens=n, slot_mapping=torch.zeros(n, dtype=torch.long),
+                             query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+                             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                             context_lens=torch.tensor(positions, dtype=torch.int32),
+                             block_tables=torch.zeros(n, 1, dtype=torch.int32), max_query_len=1,
+                             max_seq_len=max(seq_lens), block_size=16, query_lens_cpu=[1] * n,
+                             seq_lens_cpu=seq_lens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_table_looks_up_what_a_step_computes_and_hf_gives(dtype):
+    """A CPU step's (cos, sin) come from a table grown as positions are met; the values are the
+    ones computed from the positions (bit for bit) and HF's. Past the table, they are computed."""
+    config = hf_config(LLAMA3)
+    ours = RotaryEmbedding(32, 500000.0, RopeScaling("llama3", 8.0, 1.0, 4.0, 64))
+    for positions in ([0, 5], [300, 1000, 255, 256], [TABLE_MAX_POSITIONS - 1, 3], [TABLE_MAX_POSITIONS + 7]):
+        index = torch.tensor(positions)
+        cos, sin = ours(index, dtype, _step_metadata(positions))
+        want_cos, want_sin = ours(index, dtype)
+        assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin), positions
+        hf_cos, hf_sin = LlamaRotaryEmbedding(config)(randn(1, len(positions), 32), index[None])
+        torch.testing.assert_close(cos.float(), hf_cos[0].to(dtype).float(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(sin.float(), hf_sin[0].to(dtype).float(), rtol=1e-6, atol=1e-6)
+    assert ours._tables[dtype][0].shape == (TABLE_MAX_POSITIONS, 32)
 
 
 def test_fused_linear_loads_shards_at_their_offsets():
