@@ -20,6 +20,9 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "work_queue.h"
+
+#include <algorithm>
 #include <cmath>
 
 namespace {
@@ -33,10 +36,25 @@ inline float rnd<float>(float v) {
   return v;
 }
 
+// f(begin, end) over [0, items), each item `values` values of work: on this thread when the whole
+// call is at most kSerialValues values (a decode step's few rows, where handing work out costs
+// more than doing it), else in chunks of about kChunkValues on tandem's work pool (work_queue.h)
+// — not on OpenMP's team, whose wake-up under OMP_WAIT_POLICY=PASSIVE costs tens of microseconds.
+constexpr int64_t kSerialValues = int64_t{1} << 15, kChunkValues = int64_t{1} << 13;
+
+template <typename F>
+void over_items(int64_t items, int64_t values, const F& f) {
+  if (items * values <= kSerialValues) {
+    f(0, items);
+    return;
+  }
+  tandem_cpu::for_each_chunk(items, std::max<int64_t>(1, kChunkValues / std::max<int64_t>(1, values)), f);
+}
+
 template <typename T>
 void rms_norm_rows(T* out, T* residual, const T* x, const T* weight, int64_t rows, int64_t width, int64_t ldo,
                    int64_t ldr, int64_t ldx, float eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  over_items(rows, width, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * ldx;
       T* res = residual == nullptr ? nullptr : residual + r * ldr;
@@ -65,7 +83,7 @@ inline float silu(float x) { return x / (1.f + std::exp(-x)); }
 // out = act(gate) * up per row, gate_up = [gate | up]; act's value rounded to T as torch stores it
 template <typename T, float (*act)(float)>
 void act_mul_rows(T* out, const T* gate_up, int64_t rows, int64_t width, int64_t ldo, int64_t ldg) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  over_items(rows, 2 * width, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* g = gate_up + r * ldg;
       const T* u = g + width;
@@ -82,7 +100,7 @@ template <typename T>
 void rotary_rows(T* x, const T* cos, const T* sin, int64_t tokens, int64_t heads, int64_t dim, int64_t xs0,
                  int64_t xs1, int64_t cs0, int64_t ss0) {
   const int64_t half = dim / 2;
-  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+  over_items(tokens, heads * dim, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* c = cos + t * cs0;
       const T* s = sin + t * ss0;
@@ -125,7 +143,7 @@ inline void norm_vector(T* dst, const T* src, const T* weight, int64_t width, fl
 template <typename T, bool GEMMA, bool ADD>
 void norm_vectors(T* dst, const T* src, const T* weight, int64_t rows, int64_t heads, int64_t width, int64_t ldd,
                   int64_t hsd, int64_t lds, int64_t hss, float eps) {
-  at::parallel_for(0, rows * heads, 16, [&](int64_t begin, int64_t end) {
+  over_items(rows * heads, width, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / heads, h = i % heads;
       norm_vector<T, GEMMA, ADD>(dst + r * ldd + h * hsd, src + r * lds + h * hss, weight, width, eps);

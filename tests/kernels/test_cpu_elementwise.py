@@ -98,3 +98,43 @@ def test_wrong_shapes_are_refused_naming_the_kernel():
         cpu_ops.head_rms_norm(x.view(3, 2, 4), torch.randn(8), EPS, True)
     with pytest.raises(RuntimeError, match="gelu_tanh_and_mul"):
         cpu_ops.gelu_tanh_and_mul(torch.empty(3, 5), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_rows_shared_over_threads_give_each_rows_own_values(dtype):
+    """Past a few tens of thousands of values a pass is shared out over the work pool: every row
+    gets the values it gets alone (a decode step's one-row call, done on the calling thread),
+    and torch's within rounding (the Llama passes: RMSNorm, the residual add, SiLU-and-mul,
+    rotary)."""
+    g = torch.Generator().manual_seed(3)
+    rows, width, heads, d = 300, 576, 6, 64
+    x = torch.randn(rows, width, generator=g).to(dtype)
+    residual = torch.randn(rows, width, generator=g).to(dtype)
+    weight = torch.randn(width, generator=g).to(dtype)
+    gate_up = torch.randn(rows, 2 * width, generator=g).to(dtype)
+    q = torch.randn(rows, heads, d, generator=g).to(dtype)
+    angles = torch.rand(rows, d // 2, generator=g) * 100
+    cos, sin = torch.cat((angles, angles), -1).cos().to(dtype), torch.cat((angles, angles), -1).sin().to(dtype)
+
+    def passes(r: slice) -> list[torch.Tensor]:
+        normed = torch.empty_like(x[r])
+        cpu_ops.rms_norm(normed, x[r].contiguous(), weight, EPS)
+        added, res = x[r].clone(), residual[r].clone()
+        cpu_ops.add_rms_norm(added, res, weight, EPS)
+        act = torch.empty(gate_up[r].shape[0], width, dtype=dtype)
+        cpu_ops.silu_and_mul(act, gate_up[r].contiguous())
+        rotated = q[r].clone()
+        cpu_ops.rotary_neox(rotated, cos[r].contiguous(), sin[r].contiguous())
+        return [normed, added, res, act, rotated]
+
+    together = passes(slice(None))
+    alone = [torch.cat(parts) for parts in zip(*(passes(slice(i, i + 1)) for i in range(rows)))]
+    for got, want in zip(together, alone):
+        assert torch.equal(got, want)
+    summed = (x.float() + residual.float()).to(dtype)
+    reference = [weight * F.rms_norm(x.float(), (width,), eps=EPS).to(dtype),
+                 weight * F.rms_norm(summed.float(), (width,), eps=EPS).to(dtype), summed,
+                 F.silu(gate_up[:, :width]) * gate_up[:, width:],
+                 q * cos[:, None] + torch.cat((-q[..., d // 2:], q[..., :d // 2]), -1) * sin[:, None]]
+    for got, want in zip(together, reference):
+        close(got, want, atol=1e-5 if dtype == torch.float32 else 2 ** -6)
