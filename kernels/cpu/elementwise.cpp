@@ -24,8 +24,17 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 namespace {
+
+// bfloat16 as bits, rounded to nearest even as c10::BFloat16 rounds a number (infinities too), in
+// operations the compiler vectorizes (c10's conversion, with its NaN branch, it does not)
+inline uint32_t bf16_rounded_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+}
 
 template <typename T>
 inline float rnd(float v) {  // v rounded to T, as torch stores an intermediate of dtype T
@@ -34,6 +43,22 @@ inline float rnd(float v) {  // v rounded to T, as torch stores an intermediate 
 template <>
 inline float rnd<float>(float v) {
   return v;
+}
+template <>
+inline float rnd<c10::BFloat16>(float v) {
+  const uint32_t u = bf16_rounded_bits(v);
+  float r;
+  std::memcpy(&r, &u, sizeof(r));
+  return r;
+}
+
+template <typename T>
+inline T to_dtype(float v) {  // v stored as T (rounded as torch rounds)
+  return static_cast<T>(v);
+}
+template <>
+inline c10::BFloat16 to_dtype<c10::BFloat16>(float v) {
+  return c10::BFloat16(static_cast<uint16_t>(bf16_rounded_bits(v) >> 16), c10::BFloat16::from_bits());
 }
 
 // f(begin, end) over [0, items), each item `values` values of work: on this thread when the whole
@@ -63,7 +88,7 @@ void rms_norm_rows(T* out, T* residual, const T* x, const T* weight, int64_t row
         float v = static_cast<float>(xr[i]);
         if (res != nullptr) {
           v = rnd<T>(v + static_cast<float>(res[i]));
-          res[i] = static_cast<T>(v);
+          res[i] = to_dtype<T>(v);
         }
         sum += v * v;
       }
@@ -72,7 +97,7 @@ void rms_norm_rows(T* out, T* residual, const T* x, const T* weight, int64_t row
       T* dst = out + r * ldo;
       for (int64_t i = 0; i < width; ++i) {
         const float normed = rnd<T>(static_cast<float>(src[i]) * inv);
-        dst[i] = static_cast<T>(static_cast<float>(weight[i]) * normed);
+        dst[i] = to_dtype<T>(static_cast<float>(weight[i]) * normed);
       }
     }
   });
@@ -90,7 +115,7 @@ void act_mul_rows(T* out, const T* gate_up, int64_t rows, int64_t width, int64_t
       T* dst = out + r * ldo;
       for (int64_t i = 0; i < width; ++i) {
         const float a = rnd<T>(act(static_cast<float>(g[i])));
-        dst[i] = static_cast<T>(a * static_cast<float>(u[i]));
+        dst[i] = to_dtype<T>(a * static_cast<float>(u[i]));
       }
     }
   });
@@ -106,13 +131,14 @@ void rotary_rows(T* x, const T* cos, const T* sin, int64_t tokens, int64_t heads
       const T* s = sin + t * ss0;
       for (int64_t h = 0; h < heads; ++h) {
         T* v = x + t * xs0 + h * xs1;
+#pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
           const float a = static_cast<float>(v[i]), b = static_cast<float>(v[i + half]);
           // torch: x * cos + cat(-x2, x1) * sin, each product and the sum rounded to T
           const float lo = rnd<T>(a * static_cast<float>(c[i])) + rnd<T>(-b * static_cast<float>(s[i]));
           const float hi = rnd<T>(b * static_cast<float>(c[i + half])) + rnd<T>(a * static_cast<float>(s[i + half]));
-          v[i] = static_cast<T>(lo);
-          v[i + half] = static_cast<T>(hi);
+          v[i] = to_dtype<T>(lo);
+          v[i + half] = to_dtype<T>(hi);
         }
       }
     }
@@ -135,7 +161,7 @@ inline void norm_vector(T* dst, const T* src, const T* weight, int64_t width, fl
     float v = GEMMA ? rnd<T>(normed * (1.f + static_cast<float>(weight[i])))
                     : static_cast<float>(weight[i]) * rnd<T>(normed);
     if (ADD) v += static_cast<float>(dst[i]);
-    dst[i] = static_cast<T>(v);
+    dst[i] = to_dtype<T>(v);
   }
 }
 
