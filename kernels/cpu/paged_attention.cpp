@@ -9,6 +9,9 @@
 // softmax, in float32. While it computes a block it asks for the next one, a share of it per
 // query head (NextBlock), so that the reads overlap the arithmetic (asking for the whole block at
 // once gains nothing: the requests queue up and the core waits).
+// Built for AVX512 with a head size that divides by 16, the query heads that share a KV head (up
+// to four at a time) take each key and value converted to float32 once, 16 lanes wide; otherwise
+// each query head reads them itself (8 lanes with AVX2, scalar without).
 //
 //   q, out   [T, H, D]                    rows[i] is the token row of query row i
 //   kv       [num_blocks, 2, bs, Hkv, D]  one layer of the pool (index 0: K, 1: V), D contiguous
@@ -97,12 +100,97 @@ inline __m256 load8(const c10::Half* p) {
 }
 #endif
 
+#ifdef __AVX512F__
+#define TANDEM_AVX512 1
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m256 halves_added(__m512 a) {
+  return _mm256_add_ps(_mm512_castps512_ps256(a),
+                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+
+// out[u] = the sum of a[u]'s 16 lanes, u < 4
+inline void sums_of_four(const __m512* a, float* out) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(halves_added(a[0]), halves_added(a[1])),
+                                  _mm256_hadd_ps(halves_added(a[2]), halves_added(a[3])));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
+// scores of G query heads (q: the first's d values, the others after it) that share one KV head
+// (k: token 0's key of that head), against keys t0..t1-1: each key converted once for the G heads
+template <int G, typename cache_t>
+void scores_of_heads(float* scores, int64_t bs, int64_t j0, const float* q, const cache_t* k, int64_t ks2, int64_t t0,
+                     int64_t t1, int64_t d) {
+  int64_t t = t0;
+  for (; t + 4 <= t1; t += 4) {
+    __m512 a[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int u = 0; u < 4; ++u) a[g][u] = _mm512_setzero_ps();
+    const cache_t* k0 = k + t * ks2;
+    for (int64_t x = 0; x < d; x += 16) {
+      const __m512 kv0 = load16(k0 + x), kv1 = load16(k0 + ks2 + x);
+      const __m512 kv2 = load16(k0 + 2 * ks2 + x), kv3 = load16(k0 + 3 * ks2 + x);
+      for (int g = 0; g < G; ++g) {
+        const __m512 qv = _mm512_loadu_ps(q + g * d + x);
+        a[g][0] = _mm512_fmadd_ps(qv, kv0, a[g][0]);
+        a[g][1] = _mm512_fmadd_ps(qv, kv1, a[g][1]);
+        a[g][2] = _mm512_fmadd_ps(qv, kv2, a[g][2]);
+        a[g][3] = _mm512_fmadd_ps(qv, kv3, a[g][3]);
+      }
+    }
+    for (int g = 0; g < G; ++g) sums_of_four(a[g], scores + (j0 + g) * bs + t);
+  }
+  for (; t < t1; ++t)
+    for (int g = 0; g < G; ++g) scores[(j0 + g) * bs + t] = dot(q + g * d, k + t * ks2, d);
+}
+
+// acc of G query heads (j0.., d values each) += p-weighted values of keys t0..t1-1 of their KV
+// head (v: token 0's value of it), 16 outputs at a time: each value converted once for the G heads
+template <int G, typename cache_t>
+void values_of_heads(float* acc, const float* p, int64_t bs, int64_t j0, const cache_t* v, int64_t ks2, int64_t t0,
+                     int64_t t1, int64_t d) {
+  for (int64_t x = 0; x < d; x += 16) {
+    __m512 c[G];
+    for (int g = 0; g < G; ++g) c[g] = _mm512_loadu_ps(acc + (j0 + g) * d + x);
+    for (int64_t t = t0; t < t1; ++t) {
+      const __m512 vt = load16(v + t * ks2 + x);
+      for (int g = 0; g < G; ++g) c[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[(j0 + g) * bs + t]), vt, c[g]);
+    }
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(acc + (j0 + g) * d + x, c[g]);
+  }
+}
+#endif
+
 // scores[j * bs + t] = q_j . k_t for the block's keys t0..t1-1 and the work item's query heads j
 // (query head j = hh * groups + g uses KV head hh of the item). AVX2 with d % 8 == 0: four keys
 // at a time, their sums reduced together.
 template <typename cache_t>
 void block_scores(float* scores, int64_t bs, const float* qf, const cache_t* kb, int64_t ks2, int64_t ks3, int64_t t0,
                   int64_t t1, int64_t part_heads, int64_t groups, int64_t d, const NextBlock& next) {
+#ifdef TANDEM_AVX512
+  if (d % 16 == 0) {
+    for (int64_t hh = 0; hh < part_heads; ++hh) {
+      for (int64_t g0 = 0; g0 < groups; g0 += 4) {
+        const int64_t j0 = hh * groups + g0, n = std::min<int64_t>(4, groups - g0);
+        for (int64_t j = j0; j < j0 + n; ++j) next.fetch(j, part_heads * groups);
+        const cache_t* k = kb + hh * ks3;
+        switch (n) {
+          case 1: scores_of_heads<1>(scores, bs, j0, qf + j0 * d, k, ks2, t0, t1, d); break;
+          case 2: scores_of_heads<2>(scores, bs, j0, qf + j0 * d, k, ks2, t0, t1, d); break;
+          case 3: scores_of_heads<3>(scores, bs, j0, qf + j0 * d, k, ks2, t0, t1, d); break;
+          default: scores_of_heads<4>(scores, bs, j0, qf + j0 * d, k, ks2, t0, t1, d); break;
+        }
+      }
+    }
+    return;
+  }
+#endif
   for (int64_t hh = 0; hh < part_heads; ++hh) {
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t j = hh * groups + g;
@@ -138,6 +226,24 @@ void block_scores(float* scores, int64_t bs, const float* qf, const cache_t* kb,
 template <typename cache_t>
 void block_values(float* acc, const float* p, int64_t bs, const cache_t* vb, int64_t ks2, int64_t ks3, int64_t t0,
                   int64_t t1, int64_t part_heads, int64_t groups, int64_t d, const NextBlock& next) {
+#ifdef TANDEM_AVX512
+  if (d % 16 == 0) {
+    for (int64_t hh = 0; hh < part_heads; ++hh) {
+      for (int64_t g0 = 0; g0 < groups; g0 += 4) {
+        const int64_t j0 = hh * groups + g0, n = std::min<int64_t>(4, groups - g0);
+        for (int64_t j = j0; j < j0 + n; ++j) next.fetch(j, part_heads * groups);
+        const cache_t* v = vb + hh * ks3;
+        switch (n) {
+          case 1: values_of_heads<1>(acc, p, bs, j0, v, ks2, t0, t1, d); break;
+          case 2: values_of_heads<2>(acc, p, bs, j0, v, ks2, t0, t1, d); break;
+          case 3: values_of_heads<3>(acc, p, bs, j0, v, ks2, t0, t1, d); break;
+          default: values_of_heads<4>(acc, p, bs, j0, v, ks2, t0, t1, d); break;
+        }
+      }
+    }
+    return;
+  }
+#endif
   for (int64_t hh = 0; hh < part_heads; ++hh) {
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t j = hh * groups + g;

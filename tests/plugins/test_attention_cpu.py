@@ -19,21 +19,22 @@ def test_the_kernel_builds_on_this_machine():
     assert cpu_ops.load()
 
 
-def decode_batch(dtype, seed, contexts, num_blocks=1200):
+def decode_batch(dtype, seed, contexts, num_blocks=1200, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM):
     gen = torch.Generator().manual_seed(seed)
-    pool = torch.randn(num_blocks, 1, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    pool = torch.randn(num_blocks, 1, 2, BLOCK_SIZE, kv_heads, head_dim, generator=gen).to(dtype)
     tables = scattered_tables([c + 1 for c in contexts], BLOCK_SIZE, num_blocks, seed=seed)
     seqs = [SeqSpec(t, c, 1) for t, c in zip(tables, contexts)]
-    q = torch.randn(len(seqs), HEADS, HEAD_DIM, generator=gen).to(dtype)
-    k = torch.randn(len(seqs), KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
-    v = torch.randn(len(seqs), KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    q = torch.randn(len(seqs), heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(len(seqs), kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(len(seqs), kv_heads, head_dim, generator=gen).to(dtype)
     return pool, seqs, q, k, v
 
 
 def run(backend_cls, pool, seqs, q, k, v, window=None):
     md = build_metadata(seqs, BLOCK_SIZE)
     backend_cls.prepare_metadata(md)
-    backend = backend_cls(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5, window)
+    heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
+    backend = backend_cls(heads, kv_heads, head_dim, head_dim**-0.5, window)
     return backend.forward(q, k, v, pool[:, 0], md)
 
 
@@ -47,6 +48,19 @@ def test_decode_batch_matches_the_torch_backend(dtype, atol, window):
     ref_pool = pool.clone()
     ref = run(TorchAttentionBackend, ref_pool, seqs, q, k, v, window)
     torch.testing.assert_close(ours.float(), ref.float(), atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 1, 128), (10, 2, 80), (4, 4, 48), (6, 3, 72), (10, 5, 36)])
+def test_other_head_layouts_match_the_torch_backend(dtype, atol, heads, kv_heads, head_dim):
+    """Query heads per KV head 8 (two passes of four), 5, 1 and 2; head sizes that take the
+    16-wide path (128, 80, 48), the 8-wide one (72) and the plain loop (36); few rows (a row's KV
+    heads split over the threads) and many."""
+    for contexts in ([0, 37, 130], [5, 16, 17, 90, 250, 3, 64, 33, 1]):
+        pool, seqs, q, k, v = decode_batch(dtype, 9, contexts, 200, heads, kv_heads, head_dim)
+        ours = run(CpuAttentionBackend, pool.clone(), seqs, q, k, v)
+        ref = run(TorchAttentionBackend, pool.clone(), seqs, q, k, v)
+        torch.testing.assert_close(ours.float(), ref.float(), atol=atol, rtol=atol)
 
 
 def test_uneven_rows_give_the_same_bits_on_one_thread_and_two():
