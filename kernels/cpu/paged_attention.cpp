@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #if defined(__SSE__)
@@ -165,6 +166,23 @@ void values_of_heads(float* acc, const float* p, int64_t bs, int64_t j0, const c
     for (int g = 0; g < G; ++g) _mm512_storeu_ps(acc + (j0 + g) * d + x, c[g]);
   }
 }
+// f(G, hh, j0) for each run of G <= 4 query heads j0 .. j0 + G - 1 (G a std::integral_constant)
+// that share the KV head hh of the work item, after asking for their share of the next block
+template <typename F>
+void for_head_runs(int64_t part_heads, int64_t groups, const NextBlock& next, const F& f) {
+  for (int64_t hh = 0; hh < part_heads; ++hh) {
+    for (int64_t g0 = 0; g0 < groups; g0 += 4) {
+      const int64_t j0 = hh * groups + g0, n = std::min<int64_t>(4, groups - g0);
+      for (int64_t j = j0; j < j0 + n; ++j) next.fetch(j, part_heads * groups);
+      switch (n) {
+        case 1: f(std::integral_constant<int, 1>(), hh, j0); break;
+        case 2: f(std::integral_constant<int, 2>(), hh, j0); break;
+        case 3: f(std::integral_constant<int, 3>(), hh, j0); break;
+        default: f(std::integral_constant<int, 4>(), hh, j0); break;
+      }
+    }
+  }
+}
 #endif
 
 // scores[j * bs + t] = q_j . k_t for the block's keys t0..t1-1 and the work item's query heads j
@@ -175,19 +193,9 @@ void block_scores(float* scores, int64_t bs, const float* qf, const cache_t* kb,
                   int64_t t1, int64_t part_heads, int64_t groups, int64_t d, const NextBlock& next) {
 #ifdef TANDEM_AVX512
   if (d % 16 == 0) {
-    for (int64_t hh = 0; hh < part_heads; ++hh) {
-      for (int64_t g0 = 0; g0 < groups; g0 += 4) {
-        const int64_t j0 = hh * groups + g0, n = std::min<int64_t>(4, groups - g0);
-        for (int64_t j = j0; j < j0 + n; ++j) next.fetch(j, part_heads * groups);
-        const cache_t* k = kb + hh * ks3;
-        switch (n) {
-          case 1: scores_of_heads<1>(scores, bs, j0, qf + j0 * d, k, ks2, t0, t1, d); break;
-          case 2: scores_of_heads<2>(scores, bs, j0, qf + j0 * d, k, ks2, t0, t1, d); break;
-          case 3: scores_of_heads<3>(scores, bs, j0, qf + j0 * d, k, ks2, t0, t1, d); break;
-          default: scores_of_heads<4>(scores, bs, j0, qf + j0 * d, k, ks2, t0, t1, d); break;
-        }
-      }
-    }
+    for_head_runs(part_heads, groups, next, [&](auto heads, int64_t hh, int64_t j0) {
+      scores_of_heads<decltype(heads)::value>(scores, bs, j0, qf + j0 * d, kb + hh * ks3, ks2, t0, t1, d);
+    });
     return;
   }
 #endif
@@ -228,19 +236,9 @@ void block_values(float* acc, const float* p, int64_t bs, const cache_t* vb, int
                   int64_t t1, int64_t part_heads, int64_t groups, int64_t d, const NextBlock& next) {
 #ifdef TANDEM_AVX512
   if (d % 16 == 0) {
-    for (int64_t hh = 0; hh < part_heads; ++hh) {
-      for (int64_t g0 = 0; g0 < groups; g0 += 4) {
-        const int64_t j0 = hh * groups + g0, n = std::min<int64_t>(4, groups - g0);
-        for (int64_t j = j0; j < j0 + n; ++j) next.fetch(j, part_heads * groups);
-        const cache_t* v = vb + hh * ks3;
-        switch (n) {
-          case 1: values_of_heads<1>(acc, p, bs, j0, v, ks2, t0, t1, d); break;
-          case 2: values_of_heads<2>(acc, p, bs, j0, v, ks2, t0, t1, d); break;
-          case 3: values_of_heads<3>(acc, p, bs, j0, v, ks2, t0, t1, d); break;
-          default: values_of_heads<4>(acc, p, bs, j0, v, ks2, t0, t1, d); break;
-        }
-      }
-    }
+    for_head_runs(part_heads, groups, next, [&](auto heads, int64_t hh, int64_t j0) {
+      values_of_heads<decltype(heads)::value>(acc, p, bs, j0, vb + hh * ks3, ks2, t0, t1, d);
+    });
     return;
   }
 #endif
