@@ -140,3 +140,23 @@ def test_many_rows_shared_over_threads_give_each_rows_own_values(dtype):
         close(got, want, atol=1e-5 if dtype == torch.float32 else 2 ** -6)
     if dtype == torch.bfloat16:  # rotary rounds each product and the sum as torch does: exactly its values
         assert torch.equal(together[4], reference[4])
+
+
+def test_bfloat16_rounding_keeps_nans_and_infinities_as_torch_does():
+    """The passes round on the bits: a NaN stays a NaN, an infinity stays itself,
+    a value past bfloat16's largest becomes infinity — torch's values wherever torch's is not
+    a NaN, and a NaN wherever it is (rotary, SiLU-and-mul)."""
+    q = torch.tensor([0x7FFF, 0x7FC1, 0xFFFF, 0x7F80, 0x7F7F, 0x3F80, 0xC000, 0x4040], dtype=torch.int32).to(torch.int16)
+    q = q.view(torch.bfloat16).view(1, 1, 8)
+    cos = torch.tensor([[0.5, 2.0, -1.0, 0.25] * 2]).bfloat16()
+    sin = torch.tensor([[2.0, 0.5, 3.0, -2.0] * 2]).bfloat16()
+    got = q.clone()
+    cpu_ops.rotary_neox(got, cos, sin)
+    want = q * cos[:, None] + torch.cat((-q[..., 4:], q[..., :4]), -1) * sin[:, None]
+    gate_up = torch.cat([q.view(1, 8), q.view(1, 8).flip(-1)], -1)
+    act = torch.empty(1, 8, dtype=torch.bfloat16)
+    cpu_ops.silu_and_mul(act, gate_up)
+    act_want = F.silu(gate_up[:, :8]) * gate_up[:, 8:]
+    for g, w in ((got, want), (act, act_want)):
+        assert torch.equal(g.isnan(), w.isnan()) and g.isnan().any()
+        assert torch.equal(g[~w.isnan()], w[~w.isnan()])
