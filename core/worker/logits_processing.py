@@ -57,14 +57,17 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
 
 
 def select_rows(logits: torch.Tensor, row_ids: list[int]) -> torch.Tensor:
-    """The rows ``row_ids`` (ascending): a view when they are contiguous, else a copy."""
+    """The rows ``row_ids`` of ``logits`` (any tensor), in that order: a view when they are
+    consecutive and ascending, else a copy (``index_select``; torch's indexing by a list would
+    build the index on every call and share a few rows out to OpenMP's threads)."""
     if _is_contiguous(row_ids):
         return logits[row_ids[0] : row_ids[-1] + 1]
     return logits.index_select(0, torch.tensor(row_ids, device=logits.device))
 
 
 def _is_contiguous(row_ids: list[int]) -> bool:
-    return row_ids[-1] - row_ids[0] + 1 == len(row_ids)
+    first = row_ids[0]
+    return row_ids[-1] - first + 1 == len(row_ids) and row_ids == list(range(first, first + len(row_ids)))
 
 
 def _on_rows(

@@ -22,8 +22,9 @@ from tandem.distributed import ParallelContext
 from tandem.sched.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from tandem.worker.cuda_graphs import DecodeGraphs
 from tandem.worker.input_batch import RunnerRequest, StepInputs, build_step_inputs, split_microbatches
+from tandem.worker.logits_processing import select_rows
 from tandem.worker.sampler import Sampler, compute_logprobs, make_generator
-from tandem.worker.sampling_row import SamplingRow
+from tandem.worker.sampling_row import SamplingRow, TokenSpan
 from tandem.worker.structured import allowed_tokens
 
 
@@ -165,7 +166,7 @@ class ModelRunner:
             sampling_rows.extend(self._sampling_row(req, drafts[:i]) for i in range(len(drafts) + 1))
         if not sampling_rows:
             return
-        logits = self.model.compute_logits(hidden[hidden_rows])
+        logits = self.model.compute_logits(select_rows(hidden, hidden_rows))
         if logits is None:  # a tensor rank other than 0: it lent its vocabulary shard
             return
         if out.grammar is not None:  # constrained sequences have no drafts: rows 0..len(rids)-1
@@ -196,8 +197,8 @@ class ModelRunner:
         return SamplingRow(
             params=req.params,
             generator=req.generator,
-            prompt_token_ids=req.token_ids[: req.num_prompt_tokens],
-            output_token_ids=req.output_token_ids + drafts if drafts else req.output_token_ids,
+            prompt_token_ids=TokenSpan(req.token_ids, 0, req.num_prompt_tokens),
+            output_token_ids=TokenSpan(req.token_ids, req.num_prompt_tokens, len(req.token_ids), drafts or ()),
             eos_token_ids=self.eos_token_ids,
         )
 

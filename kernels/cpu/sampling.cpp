@@ -93,54 +93,54 @@ int64_t draw_row(const float* x, int64_t vocab, float u, float* p, double* block
   return -1;
 }
 
-// The first index of the row's largest value; -1 when the row holds a NaN. Bit tests, not float
-// compares, find NaNs (the file is built with -ffast-math, under which the compiler may assume
-// there are none).
+// The first index of the row's largest value; -1 when the row holds a NaN. Two passes: the
+// largest value (four independent running maxima, so the loop is not one chain of dependent
+// compares) and any NaN, then the first index holding it (from the start, usually stopping early;
+// the row is in the cache by then). Bit tests, not float compares, find NaNs (the file is built
+// with -ffast-math, under which the compiler may assume there are none); -0 and +0 compare equal,
+// so either is the first zero, as torch's max.
 int64_t argmax_row(const float* x, int64_t vocab) {
   int64_t k = 0;
-  float best = x[0];
-  int64_t best_k = 0;
+  float best = -std::numeric_limits<float>::infinity();
   bool nan = false;
 #ifdef __AVX2__
-  if (vocab >= 8) {
-    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), inf_bits = _mm256_set1_epi32(0x7f800000);
-    __m256 lane_best = _mm256_loadu_ps(x);
-    __m256i lane_k = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), lane_idx = lane_k;
-    __m256i nan_seen = _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(lane_best), abs_mask), inf_bits);
-    const __m256i eight = _mm256_set1_epi32(8);
-    for (k = 8; k + 8 <= vocab; k += 8) {
-      const __m256 v = _mm256_loadu_ps(x + k);
-      lane_idx = _mm256_add_epi32(lane_idx, eight);
-      nan_seen = _mm256_or_si256(nan_seen, _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), abs_mask), inf_bits));
-      const __m256 greater = _mm256_cmp_ps(v, lane_best, _CMP_GT_OQ);  // strictly: a lane keeps its first
-      lane_best = _mm256_blendv_ps(lane_best, v, greater);
-      lane_k = _mm256_blendv_epi8(lane_k, lane_idx, _mm256_castps_si256(greater));
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), inf_bits = _mm256_set1_epi32(0x7f800000);
+  if (vocab >= 32) {
+    __m256 m[4];
+    __m256i nan_seen = _mm256_setzero_si256();
+    for (auto& lane : m) lane = _mm256_set1_ps(best);
+    for (; k + 32 <= vocab; k += 32) {
+      for (int i = 0; i < 4; ++i) {
+        const __m256 v = _mm256_loadu_ps(x + k + 8 * i);
+        m[i] = _mm256_max_ps(m[i], v);
+        nan_seen = _mm256_or_si256(nan_seen, _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), abs_mask), inf_bits));
+      }
     }
     nan = !_mm256_testz_si256(nan_seen, nan_seen);
     alignas(32) float vals[8];
-    alignas(32) int32_t idx[8];
-    _mm256_store_ps(vals, lane_best);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(idx), lane_k);
-    best = vals[0];
-    best_k = idx[0];
-    for (int lane = 1; lane < 8; ++lane) {
-      if (vals[lane] > best || (vals[lane] == best && idx[lane] < best_k)) {
-        best = vals[lane];
-        best_k = idx[lane];
-      }
-    }
+    _mm256_store_ps(vals, _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3])));
+    for (float v : vals) best = std::max(best, v);
   }
 #endif
   for (; k < vocab; ++k) {
     uint32_t bits;
     std::memcpy(&bits, x + k, sizeof(bits));
     nan |= (bits & 0x7fffffffu) > 0x7f800000u;
-    if (x[k] > best) {
-      best = x[k];
-      best_k = k;
-    }
+    best = std::max(best, x[k]);
   }
-  return nan ? -1 : best_k;
+  if (nan) return -1;
+  k = 0;
+#ifdef __AVX2__
+  const __m256 target = _mm256_set1_ps(best);
+  for (; k + 8 <= vocab; k += 8) {
+    const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + k), target, _CMP_EQ_OQ));
+    if (hits != 0) return k + __builtin_ctz(static_cast<unsigned>(hits));
+  }
+#endif
+  for (; k < vocab; ++k) {
+    if (x[k] == best) return k;
+  }
+  return 0;  // not reached: best is one of the row's values
 }
 
 }  // namespace

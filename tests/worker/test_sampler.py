@@ -17,7 +17,7 @@ from transformers.generation.logits_process import (
 from tandem.sampling_params import SamplingParams
 from tandem.worker.logits_processing import process_logits
 from tandem.worker.sampler import Sampler, compute_logprobs, make_generator
-from tandem.worker.sampling_row import SamplingRow
+from tandem.worker.sampling_row import SamplingRow, TokenSpan
 
 EOS = 2
 
@@ -36,7 +36,10 @@ def device(request):
 
 
 def row(params: SamplingParams, prompt=(), output=(), generator=None) -> SamplingRow:
-    return SamplingRow(params, generator, list(prompt), list(output), frozenset({EOS}))
+    """A row as the model runner builds it: spans over the request's one token list."""
+    tokens = list(prompt) + list(output)
+    return SamplingRow(params, generator, TokenSpan(tokens, 0, len(prompt)), TokenSpan(tokens, len(prompt), len(tokens)),
+                       frozenset({EOS}))
 
 
 def hf_processed(logits: torch.Tensor, r: SamplingRow) -> torch.Tensor:

@@ -88,7 +88,7 @@ def test_a_token_far_below_the_max_is_never_drawn(draw_rows):
     assert abs(share - torch.tensor(-5.0).exp().item() / (1 + torch.tensor(-5.0).exp().item())) < 2e-3
 
 
-@pytest.mark.parametrize("vocab", [1, 7, 8, 9, 31, 32000])
+@pytest.mark.parametrize("vocab", [1, 7, 8, 9, 31, 32, 33, 71, 32000])
 def test_the_argmax_kernel_picks_what_torch_max_picks(argmax_rows, vocab):
     gen = torch.Generator().manual_seed(vocab)
     logits = torch.randn(50, vocab, generator=gen) * 30
@@ -161,3 +161,15 @@ def test_the_worker_uses_the_kernel_only_with_tandems_kernels(cpu_kernels, expec
     assert sampler.cpu_kernels == expected
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=1.0, seed=3, max_tokens=5))
     assert len(out[0].outputs[0].token_ids) == 5
+
+
+@pytest.mark.parametrize("vocab", [5, 40])
+def test_the_argmax_kernel_takes_the_first_of_signed_zeros(argmax_rows, vocab):
+    logits = torch.full((2, vocab), -1.0)
+    logits[0, 1:] = 0.0
+    logits[0, 2] = -0.0  # equal to +0.0: the first zero (index 1) wins, as torch's max
+    logits[1, 3:] = -0.0
+    logits[1, -1] = 0.0
+    got = torch.empty(2, dtype=torch.long)
+    argmax_rows(got, logits)
+    assert got.tolist() == logits.max(dim=-1).indices.tolist() == [1, 3]
