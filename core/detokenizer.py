@@ -30,6 +30,23 @@ _PROMPT_CONTEXT_TOKENS = 5
 _INCOMPLETE = "\ufffd"
 
 
+def raw_decoder(tokenizer: Any) -> Any:
+    """The ``tokenizers`` library's own ``decode`` behind an HF fast tokenizer whose ``decode``
+    without space clean-up is exactly that call (transformers' wrappers, which convert the ids and
+    dispatch on their type, cost more than the decode of a few tokens each step); None for any
+    other tokenizer (a slow one, or a class that overrides decoding)."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: keep its decode
+        return None
+    cls = type(tokenizer)
+    if (not isinstance(tokenizer, TokenizersBackend) or cls.decode is not PreTrainedTokenizerBase.decode
+            or cls._decode is not TokenizersBackend._decode):
+        return None
+    return getattr(getattr(tokenizer, "_tokenizer", None), "decode", None)
+
+
 @dataclass(slots=True, frozen=True)
 class DetokenizerDelta:
     """Text released by one call, and the stop string that matched in it (None if none did)."""
@@ -63,6 +80,7 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
+        self._raw_decode = raw_decoder(tokenizer)
         self._skip_special_tokens = skip_special_tokens
         self._stops = tuple(stop)
         assert all(self._stops), "stop strings must be non-empty"
@@ -105,6 +123,8 @@ class IncrementalDetokenizer:
         return start
 
     def _decode(self, start: int, end: int) -> str:
+        if self._raw_decode is not None:
+            return self._raw_decode(self._token_ids[start:end], skip_special_tokens=self._skip_special_tokens)
         return self._tokenizer.decode(
             self._token_ids[start:end],
             skip_special_tokens=self._skip_special_tokens,

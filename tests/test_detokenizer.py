@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from tandem.detokenizer import IncrementalDetokenizer
+from tandem.detokenizer import IncrementalDetokenizer, raw_decoder
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -227,3 +227,18 @@ def test_output_completing_byte_runs_after_a_prompt_ending_in_byte_tokens():
     deltas = [detokenizer.add_tokens([token]).new_text for token in output]
     deltas.append(detokenizer.flush().new_text)
     assert "".join(deltas) == output_text(tokenizer, prompt, output) == "ꙮ🦉 ok"
+
+
+def test_a_fast_tokenizer_decodes_through_tokenizers_itself_unless_its_class_decodes_otherwise(byte_level):
+    # the tests above then hold for the raw path, against transformers' own decode as the oracle
+    assert raw_decoder(byte_level) is not None
+
+    class Shouting(type(byte_level)):
+        def _decode(self, token_ids, **kwargs):
+            return super()._decode(token_ids, **kwargs).upper()
+
+    shouting = Shouting(tokenizer_object=byte_level.backend_tokenizer)
+    assert raw_decoder(shouting) is None
+    ids = byte_level.encode("hello there", add_special_tokens=False)
+    deltas, _, _ = feed(IncrementalDetokenizer(shouting, []), ids, random.Random(0))
+    assert "".join(deltas) == shouting.decode(ids) == "HELLO THERE"
