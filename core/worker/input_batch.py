@@ -112,16 +112,26 @@ def build_step_inputs(
         if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens:
             last = min(end, req.num_prompt_tokens - 1)
             prompt_rows[rid] = (row0, start, last)
+    # two conversions from Python lists (int64: ids, positions, slots; int32: offsets, lengths,
+    # padded tables), each sliced into views: one copy to the device, not seven
+    num_tokens, num_seqs = len(ids), len(tables)
     width = max(max((len(t) for t in tables), default=0), 1)
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    longs = torch.tensor(ids + positions + slots, dtype=torch.long, device=device)
+    flat_ints = query_start + seq_lens + context_lens
+    for t in tables:
+        flat_ints.extend(t)
+        if len(t) < width:
+            flat_ints.extend([0] * (width - len(t)))
+    ints = torch.tensor(flat_ints, dtype=torch.int32, device=device)
+    i0, i1 = num_seqs + 1, 2 * num_seqs + 1
     query_lens = [b - a for a, b in zip(query_start, query_start[1:])]
     metadata = AttentionMetadata(
-        num_tokens=len(ids),
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-        block_tables=block_tables.view(len(tables), width).to(device),
+        num_tokens=num_tokens,
+        slot_mapping=longs[2 * num_tokens:],
+        query_start_loc=ints[:i0],
+        seq_lens=ints[i0:i1],
+        context_lens=ints[i1:i1 + num_seqs],
+        block_tables=ints[i1 + num_seqs:].view(num_seqs, width),
         max_query_len=max(query_lens, default=0),
         max_seq_len=max(seq_lens, default=0),
         block_size=block_size,
@@ -130,8 +140,8 @@ def build_step_inputs(
         extra={PROMPT_LENS_KEY: prompt_lens},
     )
     return StepInputs(
-        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        input_ids=longs[:num_tokens],
+        positions=longs[num_tokens:2 * num_tokens],
         metadata=metadata,
         sample_request_ids=sample_ids,
         sample_rows=sample_rows,
