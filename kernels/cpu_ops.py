@@ -249,7 +249,8 @@ def decode_layers(hidden: torch.Tensor, residual: torch.Tensor | None, norms: li
                   cos_local: torch.Tensor | None, sin_local: torch.Tensor | None, local: list[int],
                   pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor,
                   seq_lens: torch.Tensor, windows: list[int], heads: int, kv_heads: int, head_dim: int,
-                  scale: float, eps: float, flags: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  scale: float, eps: float, flags: int,
+                  final_norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step through ``len(windows)`` Llama-family decoder layers (decode_layers.cpp,
     whose header draws the steps): returns the last layer's (MLP output, residual), as
     ``LlamaDecoderLayer.forward`` does (Gemma 3's layers: the residual stream twice), each row
@@ -268,10 +269,12 @@ def decode_layers(hidden: torch.Tensor, residual: torch.Tensor | None, norms: li
     ``[num_blocks, >= layers, 2, block_size, kv_heads, head_dim]`` of the dtype, layer ``l``
     writing and reading ``pool[:, l]``; ``slots`` [M] int64 >= 0, row ``t``'s KV slot; ``rows``,
     ``tables``, ``seq_lens`` as ``paged_decode`` takes them; ``windows`` each layer's sliding
-    window (0: none)."""
+    window (0: none). ``final_norm``: the model's norm after the last layer, applied before
+    returning as ``RMSNorm.forward(output, residual)`` (Gemma: ``GemmaRMSNorm.forward(stream)``)
+    returns it: (normed, residual)."""
     return _ops().decode_layers(hidden, residual, norms, weights, info, parts, cos, sin, cos_local, sin_local,
                                 local, pool, slots, rows, tables, seq_lens, windows, heads, kv_heads, head_dim,
-                                scale, eps, flags)
+                                scale, eps, flags, final_norm)
 
 
 def use_work_pool(on: bool) -> bool:

@@ -73,10 +73,9 @@ class _StepPlan:
     def build(cls, md: AttentionMetadata) -> _StepPlan:
         bs = md.block_size
         slots = md.slot_mapping.long()
-        valid = slots >= 0
         write_rows = None
-        if not bool(valid.all()):
-            write_rows = valid.nonzero().squeeze(1)
+        if slots.numel() and int(slots.min()) < 0:  # padding rows (CUDA graphs) write nothing
+            write_rows = (slots >= 0).nonzero().squeeze(1)
             slots = slots[write_rows]
         starts = [0, *accumulate(md.query_lens_cpu)]
         # Every query row of a short sequence (a decode, drafts being checked, a tiny chunk) joins
@@ -112,10 +111,11 @@ class _StepPlan:
         tables = md.block_tables
         if row_seqs != list(range(md.num_seqs)):  # not one row for each sequence
             tables = tables.index_select(0, torch.tensor(row_seqs, dtype=torch.long, device=device))
-        tables = tables[:, :num_blocks].long().clamp(min=0)
+        tables = tables[:, :num_blocks].to(torch.long, copy=True).clamp_(min=0)
+        rows_and_lens = torch.tensor(rows + row_seq_lens, dtype=torch.long, device=device)
         return _DecodeBatch(
-            rows=torch.tensor(rows, dtype=torch.long, device=device),
-            seq_lens=torch.tensor(row_seq_lens, dtype=torch.long, device=device),
+            rows=rows_and_lens[:len(rows)],
+            seq_lens=rows_and_lens[len(rows):],
             block_ids=tables.reshape(-1),
             num_blocks=num_blocks,
         )

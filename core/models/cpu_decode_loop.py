@@ -41,7 +41,8 @@ FLAGS = {"qk_norm": 1, "gemma": 2, "gelu": 4}
 class CpuDecodeLoop:
     """The layers of one pipeline stage as a single ``decode_layers`` call; see the module doc."""
 
-    def __init__(self, layers: list[nn.Module], flags: int, local_rope: list[bool]) -> None:
+    def __init__(self, layers: list[nn.Module], flags: int, local_rope: list[bool],
+                 final_norm: torch.Tensor | None = None) -> None:
         attn = layers[0].self_attn
         self.layers = layers
         self.flags = flags
@@ -49,6 +50,8 @@ class CpuDecodeLoop:
         self.scale = attn.attn.scale
         self.eps = layers[0].input_layernorm.eps
         self.norms = [n.weight for layer in layers for n in _norms(layer, flags)]
+        self.final_norm = final_norm
+        """The model's norm after the last layer, applied by the call (None: the caller's)."""
         self.windows = [layer.self_attn.attn.sliding_window or 0 for layer in layers]
         self.local = [int(x) for x in local_rope]
         self._linears = [lin for layer in layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
@@ -56,10 +59,13 @@ class CpuDecodeLoop:
         self._by_bucket: dict[int, tuple[list[torch.Tensor], list[int], list[int]] | None] = {}
 
     @classmethod
-    def build(cls, layers: list[nn.Module], local_rope: list[bool] | None = None) -> CpuDecodeLoop | None:
+    def build(cls, layers: list[nn.Module], local_rope: list[bool] | None = None,
+              final_norm: nn.Module | None = None) -> CpuDecodeLoop | None:
         """The loop over ``layers`` (a stage's decoder layers, in order; ``local_rope[i]`` True
         where layer ``i`` takes the model's local rotary tables, Gemma's sliding layers), or None
-        where one of them is not a stack the C++ loop runs (module doc)."""
+        where one of them is not a stack the C++ loop runs (module doc). ``final_norm``: the
+        model's norm after them (the last stage's), which the call then applies itself where it
+        is the fused norm of the layers' kind and epsilon (``final_norm`` is None otherwise)."""
         if not layers or not cpu_ops.load():
             return None
         first = layers[0]
@@ -73,7 +79,10 @@ class CpuDecodeLoop:
                 == (ref.num_heads, ref.num_kv_heads, ref.head_dim, ref.attn.scale)
             if _layer_flags(layer, i) != flags or not same or any(n.eps != eps for n in _norms(layer, flags)):
                 return None
-        loop = cls(layers, flags, local_rope or [False] * len(layers))
+        norm_type = GemmaRMSNorm if flags & FLAGS["gemma"] else RMSNorm
+        fold = (final_norm is not None and type(final_norm) is norm_type and final_norm.kernel is not None
+                and final_norm.eps == eps)
+        loop = cls(layers, flags, local_rope or [False] * len(layers), final_norm.weight if fold else None)
         if all(loop._specs(bucket) is None for bucket in range(len(M_BUCKETS))):
             return None
         return loop
@@ -92,7 +101,8 @@ class CpuDecodeLoop:
                  kv_cache: torch.Tensor, metadata: AttentionMetadata,
                  local: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The layers' (output, residual) for a step ``can_run`` accepted (Gemma's: the residual
-        stream twice); ``local`` the (cos, sin) of the local-rope layers."""
+        stream twice), the output through the final norm when ``final_norm`` is set (the
+        model's norm's (normed, residual)); ``local`` the (cos, sin) of the local-rope layers."""
         plan = metadata.extra[PLAN_KEY]
         d = plan.decode
         weights, info, parts = self._specs(bucket_index(hidden.shape[0]))
@@ -100,7 +110,8 @@ class CpuDecodeLoop:
         return cpu_ops.decode_layers(
             hidden, residual, self.norms, weights, info, parts, cos.contiguous(), sin.contiguous(), cos_local, sin_local,
             self.local, kv_cache, metadata.slot_mapping, d.rows, d.block_ids.view(d.rows.shape[0], d.num_blocks),
-            d.seq_lens, self.windows, self.heads, self.kv_heads, self.head_dim, self.scale, self.eps, self.flags)
+            d.seq_lens, self.windows, self.heads, self.kv_heads, self.head_dim, self.scale, self.eps, self.flags,
+            self.final_norm)
 
     def _specs(self, bucket: int) -> tuple[list[torch.Tensor], list[int], list[int]] | None:
         """The linears' (weights, info, parts) at batch-size bucket ``bucket``, as
@@ -182,5 +193,6 @@ def enable_cpu_decode_loop(model: nn.Module) -> bool:
     stack = getattr(model, "model", None)
     if stack is None or not hasattr(stack, "decode_loop"):
         return False
-    stack.decode_loop = CpuDecodeLoop.build(list(stack.stage_layers()), getattr(stack, "local_rope_layers", None))
+    stack.decode_loop = CpuDecodeLoop.build(list(stack.stage_layers()), getattr(stack, "local_rope_layers", None),
+                                            getattr(stack, "norm", None))
     return stack.decode_loop is not None

@@ -82,6 +82,8 @@ class Gemma3Model(PipelineStage):
         local = rope if self.rotary_emb_local is None else self.rotary_emb_local(positions, h.dtype, metadata)
         if self.decode_loop is not None and self.decode_loop.can_run(h, kv_cache, metadata):
             h, _ = self.decode_loop(h, None, *rope, kv_cache, metadata, local=local)
+            if self.decode_loop.final_norm is not None:
+                return h
         else:
             sliding = self.layer_is_sliding[self.stage.start : self.stage.stop]
             for layer, is_sliding in zip(self.stage_layers(), sliding):

@@ -141,6 +141,8 @@ class LlamaModel(PipelineStage):
         cos, sin = self.rotary_emb(positions, h.dtype, metadata)
         if self.decode_loop is not None and self.decode_loop.can_run(h, kv_cache, metadata):
             h, residual = self.decode_loop(h, residual, cos, sin, kv_cache, metadata)
+            if self.decode_loop.final_norm is not None:
+                return h
         else:
             for layer in self.stage_layers():
                 h, residual = layer(h, residual, cos, sin, kv_cache, metadata)

@@ -21,7 +21,9 @@
 //     h        = h + gemma_rms_norm(attention block(gemma_rms_norm(h, norms[l][0])), norms[l][1])
 //     h        = h + gemma_rms_norm(mlp(gemma_rms_norm(h, norms[l][2])), norms[l][3])
 //
-// returning (h, h). norms[l] is the layer's [input, post-attention, (pre-, post-feedforward with
+// returning (h, h). With final_norm (the model's norm after its last layer) the step ends with it
+// as the model's forward would: (add_rms_norm(h, residual, final_norm), residual), with GEMMA
+// (gemma_rms_norm(h, final_norm), h). norms[l] is the layer's [input, post-attention, (pre-, post-feedforward with
 // GEMMA), (q, k with QK_NORM)]. Every step is the kernel the Python modules call, with the
 // same conversions, so the values are theirs bit for bit. Linear i is parts[i] consecutive
 // entries of weights (a GGUF layer whose shards come in blocks of different types has one per
@@ -191,7 +193,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     const c10::optional<at::Tensor>& cos_local, const c10::optional<at::Tensor>& sin_local, at::IntArrayRef local,
     at::Tensor& pool, const at::Tensor& slots, const at::Tensor& rows, const at::Tensor& tables,
     const at::Tensor& seq_lens, at::IntArrayRef windows, int64_t heads, int64_t kv_heads, int64_t head_dim,
-    double scale, double eps, int64_t flags) {
+    double scale, double eps, int64_t flags, const c10::optional<at::Tensor>& final_norm) {
   const int64_t layers = static_cast<int64_t>(windows.size()), m = hidden.size(0);
   const int64_t per_layer = 2 + ((flags & kGemma) ? 2 : 0) + ((flags & kQkNorm) ? 2 : 0);
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == per_layer * layers &&
@@ -268,6 +270,15 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     }
     h = mlp_block(h, linear, l, flags);
   }
+  if (final_norm.has_value() && final_norm->defined()) {  // the model's norm after its last layer
+    RECORD_FUNCTION("decode_layers.norm", std::vector<c10::IValue>());
+    if (flags & kGemma) {
+      at::Tensor x = at::empty_like(h);
+      gemma_rms_norm(x, h, *final_norm, eps);
+      return {x, h};
+    }
+    add_rms_norm(h, residual, *final_norm, eps);
+  }
   return {h, residual};
 }
 
@@ -275,7 +286,7 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("decode_layers(Tensor(b!) hidden, Tensor(c!)? residual, Tensor[] norms, Tensor[] weights, int[] info, int[] parts, Tensor cos, "
         "Tensor sin, Tensor? cos_local, Tensor? sin_local, int[] local, Tensor(a!) pool, Tensor slots, Tensor rows, "
         "Tensor tables, Tensor seq_lens, int[] windows, int heads, int kv_heads, int head_dim, float scale, float eps, "
-        "int flags) -> (Tensor, Tensor)");
+        "int flags, Tensor? final_norm=None) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("decode_layers", &decode_layers); }

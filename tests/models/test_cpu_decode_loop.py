@@ -40,6 +40,7 @@ def decode_logits(kind, kernels, dtype=torch.float32, loop=True):
     model, arch = load_with_kernels(kind, kernels, dtype)
     if loop:
         assert enable_cpu_decode_loop(model)
+        assert model.model.decode_loop.final_norm is not None  # the model's last norm runs in the loop too
     ids = prompt()
     return run(model, arch, ids, [PREFILL] + [1] * (len(ids) - PREFILL)), ids
 
