@@ -22,9 +22,15 @@ with one when ``mlp_bias``, two RMSNorms per layer, a final norm): the few small
 other families (Qwen2's q/k/v biases, Qwen3's and Gemma 3's q/k norms, Gemma 3's extra norms) are
 left out, well below the measurements' noise. Weights are assumed unquantized, in the bench's dtype.
 
-Read bandwidth: ``x.sum()`` over a float32 buffer several times the last-level cache, on the
+Read bandwidth: ``x.sum()`` over a float32 buffer larger than the last-level cache, on the
 pages tandem's weights get (2 MiB ones where the system gives them, ``tandem.models.huge_pages``:
-a floor read from 4 KiB pages would understate what the machine can read); GEMM rate:
+a floor read from 4 KiB pages would understate what the machine can read). It is sampled *during*
+the run, after every ``BANDWIDTH_SAMPLE_EVERY`` th step (``recording_steps``; the time spent
+sampling is left out of the run's time), and each step is compared with the floor at the sample
+nearest to it: on a shared machine the read bandwidth can double or halve within minutes as
+other tenants come and go, and a floor measured once before or after the run would compare the
+steps with another machine. The ratio printed is the median over the steps of step / floor; a
+run too short for a sample is compared with a bandwidth measured after it. GEMM rate:
 the fastest of ``torch.matmul`` and (on the CPU) tandem's packed kernels of
 ``tandem.models.cpu_linear`` for [B, hidden] × [hidden, intermediate] in the bench's dtype, the
 weight in the model's layout (a weight that fits in cache, so it measures arithmetic, not
@@ -33,6 +39,7 @@ median rate on a noisy machine can fall below what the model's own matmuls reach
 """
 from __future__ import annotations
 
+import bisect
 import statistics
 import time
 from collections.abc import Iterator, Sequence
@@ -46,6 +53,9 @@ if TYPE_CHECKING:
     from tandem.engine import StepStats
 
 BANDWIDTH_BUFFER_BYTES = 512 * 2**20
+BANDWIDTH_SAMPLE_BYTES = 64 * 2**20
+"""Bytes one sample during a run reads (twice a 32 MiB last-level cache)."""
+BANDWIDTH_SAMPLE_EVERY = 16
 REPEATS = 7
 GEMM_CALLS_PER_RUN = 10
 
@@ -57,6 +67,10 @@ class RecordedStep:
 
     stats: StepStats
     contexts: tuple[int, ...]
+    read_bytes_per_s: float | None = None
+    """The read bandwidth sampled right after this step (None: no sample then)."""
+    sampling_s: float = 0.0
+    """Seconds that sample took (not the run's: callers subtract it)."""
 
     @property
     def is_pure_decode(self) -> bool:
@@ -81,12 +95,35 @@ class Machine:
     gemm_flops_per_s: dict[int, float]
 
 
+class BandwidthSampler:
+    """One sample of the read bandwidth between two steps: ``x.sum()`` over a cold
+    ``BANDWIDTH_SAMPLE_BYTES`` half of a buffer, after a sum over the other half (which wakes the
+    sum's threads; the steps in between have streamed the model's weights through the caches)."""
+
+    def __init__(self, num_bytes: int = BANDWIDTH_SAMPLE_BYTES) -> None:
+        import torch
+
+        from tandem.models.huge_pages import HugePageArena
+
+        self._x = HugePageArena().empty((2, num_bytes // 4), torch.float32)
+        self._x.fill_(1)
+
+    def __call__(self) -> float:
+        self._x[0].sum()
+        t0 = time.perf_counter()
+        self._x[1].sum()
+        return self._x[1].numel() * 4 / (time.perf_counter() - t0)
+
+
 @contextmanager
-def recording_steps(engine) -> Iterator[list[RecordedStep]]:
+def recording_steps(engine, sample_every: int = 0) -> Iterator[list[RecordedStep]]:
     """Record every step of ``engine`` while the block runs (wraps ``engine.step`` and, for the
-    contexts, ``engine.executor.execute``, during which the scheduled requests are all alive)."""
+    contexts, ``engine.executor.execute``, during which the scheduled requests are all alive);
+    ``sample_every`` > 0: sample the read bandwidth after every ``sample_every``-th recorded step
+    (``RecordedStep.read_bytes_per_s``, its cost in ``sampling_s``)."""
     step, executor, records = engine.step, engine.executor, []
     execute, contexts = executor.execute, []
+    sampler = BandwidthSampler() if sample_every > 0 else None
 
     def recorded_execute(sched_out):
         requests = (engine.scheduler.get_request(rid) for rid in sched_out.num_scheduled_tokens)
@@ -97,7 +134,12 @@ def recording_steps(engine) -> Iterator[list[RecordedStep]]:
         contexts.clear()
         outputs = step()
         if engine.last_step is not None and contexts:
-            records.append(RecordedStep(engine.last_step, contexts[-1]))
+            bandwidth, sampling_s = None, 0.0
+            if sampler is not None and len(records) % sample_every == 0:
+                t0 = time.perf_counter()
+                bandwidth = sampler()
+                sampling_s = time.perf_counter() - t0
+            records.append(RecordedStep(engine.last_step, contexts[-1], bandwidth, sampling_s))
         return outputs
 
     engine.step, executor.execute = recorded_step, recorded_execute
@@ -209,28 +251,48 @@ def decode_batches(records: Sequence[RecordedStep], full_batch: int) -> list[int
     return [median] + ([full_batch] if full_batch != median and full_batch in sizes else [])
 
 
+def step_bandwidths(records: Sequence[RecordedStep], fallback: float) -> list[float]:
+    """Each record's read bandwidth: the sample nearest to it in step order (the earlier of two
+    as near), ``fallback`` where the run has none."""
+    sampled = [i for i, r in enumerate(records) if r.read_bytes_per_s is not None]
+    if not sampled:
+        return [fallback] * len(records)
+    out = []
+    for i in range(len(records)):
+        at = bisect.bisect_left(sampled, i)
+        near = min(sampled[max(0, at - 1):at + 1], key=lambda j: (abs(j - i), j))
+        out.append(records[near].read_bytes_per_s)
+    return out
+
+
 def roofline_line(arch: ModelArchConfig, records: Sequence[RecordedStep], batch: int, dtype: str,
                   machine: Machine) -> str:
     """One line: the median measured pure decode step at ``batch`` against its floor, the cost
-    averaged over those steps (their own context lengths)."""
-    steps = [r for r in records if r.is_pure_decode and r.stats.num_seqs == batch]
+    averaged over those steps (their own context lengths), the ratio the median over the steps
+    of each one's time over its floor (at the bandwidth sampled nearest to it, module doc)."""
+    bandwidths = step_bandwidths(records, machine.read_bytes_per_s)
+    chosen = [i for i, r in enumerate(records) if r.is_pure_decode and r.stats.num_seqs == batch]
+    steps = [records[i] for i in chosen]
     costs = [decode_cost(arch, r.contexts, _dtype_bytes(dtype)) for r in steps]
     weights, kv, flops = (statistics.fmean(getattr(c, f) for c in costs)
                           for f in ("weight_bytes", "kv_bytes", "flops"))
     gemm = machine.gemm_flops_per_s[batch]
-    compute_s, memory_s = flops / gemm, (weights + kv) / machine.read_bytes_per_s
+    floors = [max(c.flops / gemm, (c.weight_bytes + c.kv_bytes) / bandwidths[i]) for c, i in zip(costs, chosen)]
+    ratio = statistics.median(r.stats.duration_s / f for r, f in zip(steps, floors))
+    bandwidth = statistics.median(bandwidths[i] for i in chosen)
+    compute_s, memory_s = flops / gemm, (weights + kv) / bandwidth
     measured_s = statistics.median(r.stats.duration_s for r in steps)
     mean_context = statistics.fmean(c for r in steps for c in r.contexts)
     compute = f"{flops / 1e9:.3g} GFLOP at {gemm / 1e9:.3g} GFLOP/s = {1e3 * compute_s:.1f} ms"
     memory = (f"weights {weights / 1e6:.3g} MB + KV {kv / 1e6:.3g} MB at "
-              f"{machine.read_bytes_per_s / 1e9:.1f} GB/s = {1e3 * memory_s:.1f} ms")
+              f"{bandwidth / 1e9:.1f} GB/s = {1e3 * memory_s:.1f} ms")
     first, second = (("compute", compute), ("memory", memory)) if compute_s >= memory_s else \
         (("memory", memory), ("compute", compute))
-    floor_s = max(compute_s, memory_s)
+    floor_s = statistics.median(floors)
     return (f"decode step at batch {batch}: {1e3 * measured_s:.1f} ms measured (median of "
             f"{len(steps)} steps, mean context {mean_context:.0f}), floor {1e3 * floor_s:.1f} ms "
             f"({first[0]}-bound: {first[1]}; {second[0]}: {second[1]}) → "
-            f"{measured_s / floor_s:.1f}x the floor")
+            f"{ratio:.2f}x the floor (median over the steps)")
 
 
 def report(arch: ModelArchConfig, records: Sequence[RecordedStep], dtype: str, full_batch: int) -> None:
@@ -241,13 +303,21 @@ def report(arch: ModelArchConfig, records: Sequence[RecordedStep], dtype: str, f
         return
     from tandem.models.huge_pages import available as huge_pages_available
 
-    bandwidth = measure_read_bandwidth()
+    samples = [r.read_bytes_per_s for r in records if r.read_bytes_per_s is not None]
+    pages = " on huge pages" if huge_pages_available() else ""
+    if samples:
+        bandwidth = statistics.median(samples)
+        read = (f"read bandwidth sampled during the run {bandwidth / 1e9:.1f} GB/s (median of "
+                f"{len(samples)}, {min(samples) / 1e9:.1f}-{max(samples) / 1e9:.1f}; float32 sum over "
+                f"{BANDWIDTH_SAMPLE_BYTES // 2**20} MiB{pages} every {BANDWIDTH_SAMPLE_EVERY} steps)")
+    else:
+        bandwidth = measure_read_bandwidth()
+        read = (f"read bandwidth measured now {bandwidth / 1e9:.1f} GB/s (float32 sum over "
+                f"{BANDWIDTH_BUFFER_BYTES // 2**20} MiB{pages})")
     shape = (arch.hidden_size, arch.intermediate_size)
     gemms = {b: measure_gemm_rate(b, *shape, dtype) for b in batches}
     machine = Machine(bandwidth, {b: rate for b, (rate, _) in gemms.items()})
-    pages = " on huge pages" if huge_pages_available() else ""
-    print(f"\nroofline, measured now: read bandwidth {bandwidth / 1e9:.1f} GB/s (float32 sum over "
-          f"{BANDWIDTH_BUFFER_BYTES // 2**20} MiB{pages}), best GEMM [B, {shape[0]}] x {list(shape)} {dtype} "
+    print(f"\nroofline: {read}, best GEMM [B, {shape[0]}] x {list(shape)} {dtype} "
           + ", ".join(f"{rate / 1e9:.3g} GFLOP/s at B={b} ({kind})" for b, (rate, kind) in gemms.items())
           + f" (fastest of {REPEATS} runs); KV reads and attention FLOPs from the steps' own contexts")
     for batch in batches:

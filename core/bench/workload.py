@@ -46,15 +46,15 @@ def run_tandem(llm, wl: Workload, cold: bool = False) -> ModeResult:
     workload computes every prompt again (as a peer's fresh process does) instead of finding
     them cached."""
     from tandem import SamplingParams
-    from tandem.bench.roofline import recording_steps
+    from tandem.bench.roofline import BANDWIDTH_SAMPLE_EVERY, recording_steps
 
     if cold:
         llm.engine.reset_prefix_cache()
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in wl.max_tokens]
     t0 = time.perf_counter()
-    with recording_steps(llm.engine) as steps:
+    with recording_steps(llm.engine, BANDWIDTH_SAMPLE_EVERY) as steps:
         outs = llm.generate(wl.prompts, params)
-    seconds = time.perf_counter() - t0
+    seconds = time.perf_counter() - t0 - sum(s.sampling_s for s in steps)
     drafted = sum(s.stats.num_draft_tokens for s in steps)
     accepted = sum(s.stats.num_accepted_draft_tokens for s in steps)
     if drafted:

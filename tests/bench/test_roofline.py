@@ -14,6 +14,7 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.bench.offline import add_arguments, run
 from tandem.bench.roofline import (
+    Machine,
     RecordedStep,
     decode_batches,
     decode_cost,
@@ -22,6 +23,8 @@ from tandem.bench.roofline import (
     measure_read_bandwidth,
     num_parameters,
     recording_steps,
+    roofline_line,
+    step_bandwidths,
 )
 from tandem.engine import StepStats
 from tandem.models.config import ModelArchConfig
@@ -88,10 +91,33 @@ def test_measurements_return_positive_finite_rates():
         assert kernel in kinds_for(Shape(getattr(torch, dtype), 128, 64))
 
 
-def _step(num_seqs: int, num_prompt_tokens: int = 0) -> RecordedStep:
+def _step(num_seqs: int, num_prompt_tokens: int = 0, duration_s: float = 0.01,
+          bandwidth: float | None = None) -> RecordedStep:
     stats = StepStats(num_tokens=num_seqs + num_prompt_tokens, num_seqs=num_seqs,
-                      num_prompt_tokens=num_prompt_tokens, num_generation_tokens=num_seqs, duration_s=0.01)
-    return RecordedStep(stats, (10,) * num_seqs)
+                      num_prompt_tokens=num_prompt_tokens, num_generation_tokens=num_seqs, duration_s=duration_s)
+    return RecordedStep(stats, (10,) * num_seqs, bandwidth)
+
+
+def test_each_step_takes_the_bandwidth_sampled_nearest_to_it():
+    steps = [_step(1, bandwidth=10.0), _step(1), _step(1), _step(1, bandwidth=40.0), _step(1), _step(1)]
+    # step 1 is nearer sample 0, step 2 nearer sample 3; after the last sample, the last one
+    assert step_bandwidths(steps, fallback=99.0) == [10.0, 10.0, 40.0, 40.0, 40.0, 40.0]
+    assert step_bandwidths([_step(1), _step(1)], fallback=99.0) == [99.0, 99.0]
+
+
+def test_the_ratio_is_the_median_of_each_steps_time_over_its_own_floor():
+    arch = ModelArchConfig.from_dict(TINY)
+    cost = decode_cost(arch, (10,), 4)
+    memory_bytes = cost.weight_bytes + cost.kv_bytes
+    machine = Machine(read_bytes_per_s=1.0, gemm_flops_per_s={1: 1e30})  # memory-bound
+    # three decode steps at bandwidths B, B/2, B/2 (their floors t, 2t, 2t) taking 2t, 3t, 2t: ratios 2, 1.5, 1
+    t = 1e-3
+    bandwidth = memory_bytes / t
+    steps = [_step(1, duration_s=2 * t, bandwidth=bandwidth), _step(1, duration_s=3 * t, bandwidth=bandwidth / 2),
+             _step(1, duration_s=2 * t, bandwidth=bandwidth / 2)]
+    line = roofline_line(arch, steps, 1, "float32", machine)
+    assert re.search(r"→ 1\.50x the floor \(median over the steps\)$", line), line
+    assert "floor 2.0 ms (memory-bound" in line, line  # the median floor
 
 
 def test_decode_batches_are_the_median_and_the_full_batch_when_seen():
@@ -110,6 +136,19 @@ def test_recorded_contexts_follow_the_request_lengths():
     # one prompt step of 5 + 3 tokens, then one decode token per sequence still running
     assert [sorted(s.contexts) for s in steps] == [[3, 5], [4, 6], [7], [8]]
     assert [s.is_pure_decode for s in steps] == [False, True, True, True]
+    assert all(s.read_bytes_per_s is None and s.sampling_s == 0 for s in steps)
+
+
+@pytest.mark.timeout(120)
+def test_the_bandwidth_is_sampled_every_nth_step_and_its_time_kept_apart():
+    llm = LLM(model=str(tiny_model_dir("llama")), max_num_seqs=4)
+    with recording_steps(llm.engine, sample_every=2) as steps:
+        llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    assert len(steps) == 5
+    sampled = [s.read_bytes_per_s is not None for s in steps]
+    assert sampled == [True, False, True, False, True]
+    assert all(s.read_bytes_per_s > 0 and math.isfinite(s.read_bytes_per_s) and s.sampling_s > 0
+               for s in steps if s.read_bytes_per_s is not None)
 
 
 @pytest.mark.timeout(180)
@@ -122,10 +161,10 @@ def test_bench_offline_prints_the_roofline(capsys):
     assert run(args) == 0
     report = capsys.readouterr().out
     expected = [
-        rf"^roofline, measured now: read bandwidth {NUMBER} GB/s .* GEMM \[B, 64\] x \[64, 128\] float32 "
-        rf"{NUMBER} GFLOP/s at B=[0-9]+",
+        rf"^roofline: read bandwidth (sampled during the run|measured now) {NUMBER} GB/s .* GEMM \[B, 64\] x "
+        rf"\[64, 128\] float32 {NUMBER} GFLOP/s at B=[0-9]+",
         rf"^decode step at batch [0-9]+: {NUMBER} ms measured \(median of [0-9]+ steps, mean context [0-9]+\), "
-        rf"floor {NUMBER} ms \((compute|memory)-bound: .* → {NUMBER}x the floor$",
+        rf"floor {NUMBER} ms \((compute|memory)-bound: .* → {NUMBER}x the floor \(median over the steps\)$",
     ]
     for line in expected:
         assert re.search(line, report, re.MULTILINE), f"no line matching {line!r} in:\n{report}"
