@@ -51,6 +51,8 @@
 #include <tuple>
 #include <vector>
 
+#include "work_queue.h"
+
 void panel_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias);
 void panel_linear_dpbf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
                          const c10::optional<at::Tensor>& bias, bool bf16_values);
@@ -117,11 +119,33 @@ struct Linears {
   std::vector<int64_t> first;  // linear i's entries: first[i] .. first[i + 1] - 1
 
   at::Tensor operator()(const at::Tensor& x, int64_t i) const {
-    if (first[i + 1] - first[i] == 1) return linear_part(x, weights[first[i]], info + kInfo * first[i]);
-    std::vector<at::Tensor> outs;
-    for (int64_t j = first[i]; j < first[i + 1]; ++j) outs.push_back(linear_part(x, weights[j], info + kInfo * j));
-    return at::cat(outs, 1);
+    at::Tensor y;
+    if (first[i + 1] - first[i] == 1) {
+      y = linear_part(x, weights[first[i]], info + kInfo * first[i]);
+    } else {
+      std::vector<at::Tensor> outs;
+      for (int64_t j = first[i]; j < first[i + 1]; ++j) outs.push_back(linear_part(x, weights[j], info + kInfo * j));
+      y = at::cat(outs, 1);
+    }
+    warm(i + 1);
+    return y;
   }
+
+  // the idle helpers read the start of their shares of linear i's (first) weight while the caller
+  // does the work in between (work_queue.h); only for the kernels that share a weight out in
+  // order (tandem's panels, AVX512-BF16 pairs, GGUF blocks)
+  void warm(int64_t i) const {
+    if (i + 1 >= static_cast<int64_t>(first.size())) return;
+    const int64_t kind = info[kInfo * first[i]];
+    if (kind != 0 && kind != 3 && kind != 4) return;
+    const at::Tensor& w = weights[first[i]];
+    tandem_cpu::warm_next(w.data_ptr(), w.nbytes());
+  }
+};
+
+// Stops the helpers' reads of the stack's weights when the call ends, however it ends.
+struct StopWarming {
+  ~StopWarming() { tandem_cpu::warm_next(nullptr, 0); }
 };
 
 // k and v of every row of qkv into the layer's pool slots
@@ -223,6 +247,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     TORCH_CHECK(slot[t] >= 0 && slot[t] < pool.size(0) * pool.size(3), "decode_layers: slot out of the pool");
   }
   at::Tensor h = hidden, residual;
+  const StopWarming stop_warming;
+  linear.warm(0);  // while the caller checks in below and the first norm runs
   for (int64_t l = 0; l < layers; ++l) {
     at::TensorList ln = norms.slice(l * per_layer, per_layer);
     const at::Tensor& c = local[l] ? *cos_local : cos;

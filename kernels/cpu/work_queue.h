@@ -21,6 +21,10 @@
 // unbroken range per core, which the hardware prefetchers follow, where taking turns from one
 // counter would have each core skip the chunks the other took; a thread the OS holds up still
 // holds up only the chunk it is in.
+// Between calls the caller often works alone for a while (a decode step's norms, rotary and
+// attention between its matrix products) while memory sits idle: warm() lets the idle helpers
+// read the start of their shares of the next call's weight into their caches meanwhile (each
+// stops at the next job, and at the next warm()).
 // TANDEM_CPU_WORK_POOL=omp (or use_work_pool(false)) goes back to at::parallel_for.
 #pragma once
 
@@ -103,7 +107,30 @@ class WorkPool {
     return true;
   }
 
+  // Helpers read [data, data + bytes) between jobs: helper i the share a for_each_share over
+  // `threads` threads gives it first (bytes * (i + 1) / threads on), at most max_bytes of it, in
+  // order, until a job or another warm() comes. warm(nullptr, ...) stops them and returns once no
+  // helper reads the old range (call it before that memory may go). Nothing happens while
+  // another thread holds the pool or the helpers sleep.
+  void warm(const char* data, int64_t bytes, int64_t max_bytes, int64_t threads) {
+    std::unique_lock<std::mutex> owner(owner_, std::try_to_lock);
+    if (!owner.owns_lock()) return;
+    warm_seq_.fetch_add(1);  // odd while the range changes
+    warm_data_.store(data);
+    warm_bytes_.store(bytes);
+    warm_max_.store(max_bytes);
+    warm_threads_.store(threads);
+    warm_seq_.fetch_add(1);
+    if (data == nullptr) {
+      pause_until([&] { return warming_.load() == 0; });
+    } else if (sleepers_.load() == 0) {
+      generation_.fetch_add(1);  // the spinning helpers look up
+    }
+  }
+
  private:
+  static constexpr int64_t kWarmStride = 1024;  // bytes read between checks for a job
+
   struct Job {
     int64_t total = 0, chunk = 1, helpers = 0, num_shares = 0;
     const void* ctx = nullptr;
@@ -170,7 +197,8 @@ class WorkPool {
   }
 
   void helper(int64_t index) {
-    uint64_t seen = generation_.load();
+    uint64_t seen = generation_.load(), warm_seq = 0;
+    int64_t warmed = 0;
     for (;;) {
       wait_for_change(seen);
       seen = generation_.load();
@@ -178,7 +206,36 @@ class WorkPool {
       Job* job = job_.load();
       if (job != nullptr && index < job->helpers) work(*job, index + 1);
       active_.fetch_sub(1);
+      warm_share(index, seen, warm_seq, warmed);
     }
+  }
+
+  // helper `index`'s part of the warm() range, from where it stopped last time (`warmed` bytes
+  // into it) if the range is the same (`last_seq`)
+  void warm_share(int64_t index, uint64_t seen, uint64_t& last_seq, int64_t& warmed) {
+    warming_.fetch_add(1);
+    const uint64_t seq = warm_seq_.load();
+    const char* data = warm_data_.load();
+    const int64_t bytes = warm_bytes_.load(), max_bytes = warm_max_.load(), threads = warm_threads_.load();
+    if ((seq & 1) == 0 && data != nullptr && index + 1 < threads && warm_seq_.load() == seq) {
+      if (seq != last_seq) {
+        last_seq = seq;
+        warmed = 0;
+      }
+      const int64_t begin = bytes * (index + 1) / threads;
+      const int64_t end = std::min(bytes * (index + 2) / threads, begin + max_bytes);
+      uint32_t sink = 0;
+      while (begin + warmed < end) {
+        const int64_t from = begin + warmed, to = std::min(end, from + kWarmStride);
+        for (int64_t at = from; at < to; at += 64) sink += *reinterpret_cast<const volatile uint8_t*>(data + at);
+        warmed = to - begin;
+        if (generation_.load(std::memory_order_relaxed) != seen || warm_seq_.load(std::memory_order_relaxed) != seq) {
+          break;
+        }
+      }
+      warm_sink_.store(sink, std::memory_order_relaxed);
+    }
+    warming_.fetch_sub(1);
   }
 
   void wait_for_change(uint64_t seen) {
@@ -199,7 +256,11 @@ class WorkPool {
   std::condition_variable wake_;
   std::atomic<Job*> job_{nullptr};
   std::atomic<uint64_t> generation_{0};
-  std::atomic<int> active_{0}, sleepers_{0};
+  std::atomic<int> active_{0}, sleepers_{0}, warming_{0};
+  std::atomic<uint64_t> warm_seq_{0};
+  std::atomic<const char*> warm_data_{nullptr};
+  std::atomic<int64_t> warm_bytes_{0}, warm_max_{0}, warm_threads_{0};
+  std::atomic<uint32_t> warm_sink_{0};
   int64_t started_ = 0;
   pid_t pid_;
   int64_t spin_micros_ = kSpinMicros;
@@ -243,6 +304,18 @@ inline void for_each_chunk(int64_t total, int64_t chunk, const F& f) {
 template <typename F>
 inline void for_each_share(int64_t total, int64_t chunk, const F& f) {
   run_chunks(total, chunk, f, true);
+}
+
+// WorkPool::warm for the next for_each_share over [data, data + bytes) (no-op without the pool
+// or with one thread); max_bytes per helper, TANDEM_CPU_WARM_KB (KiB; 0: never) by default.
+inline void warm_next(const void* data, int64_t bytes) {
+  static const int64_t max_bytes = [] {
+    const char* kb = std::getenv("TANDEM_CPU_WARM_KB");
+    return kb == nullptr ? int64_t{512} << 10 : std::max<int64_t>(0, std::atoll(kb)) << 10;
+  }();
+  if (max_bytes == 0 || !WorkPool::enabled().load(std::memory_order_relaxed)) return;
+  const int64_t threads = at::get_num_threads();
+  if (threads > 1 || data == nullptr) WorkPool::get().warm(static_cast<const char*>(data), bytes, max_bytes, threads);
 }
 
 // A chunk that gives each of the threads about `per_thread` chunks of `total` items.
