@@ -87,6 +87,9 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.delta_outputs = False
         """Outputs of ``step()`` carry only what changed (the async engine sets it)."""
+        self.final_outputs_only = False
+        """``step()`` returns a request's output only once it is finished (``LLM.generate``,
+        which keeps nothing else, sets it while it runs; vLLM's ``FINAL_ONLY``)."""
         self._ids = count()
         self.last_step: StepStats | None = None
         self.kv_transfer = self._build_kv_transfer()
@@ -505,6 +508,8 @@ class LLMEngine:
 
     def _output(self, request_id: str, failed: dict[str, BaseException]) -> RequestOutput | None:
         try:
+            if self.final_outputs_only and not self.outputs.is_finished(request_id):
+                return None
             return self.outputs.output(request_id, self.delta_outputs)
         except Exception as exc:  # noqa: BLE001 - this request alone fails
             failed[request_id] = exc

@@ -113,14 +113,18 @@ class LLM:
             from tqdm import tqdm
 
             bar = tqdm(total=len(ids), desc="requests", unit="req")
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
+        final_only, self.engine.final_outputs_only = self.engine.final_outputs_only, True
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            self.engine.final_outputs_only = final_only
+            if bar is not None:
+                bar.close()
         return [done[i] for i in ids]
 
 

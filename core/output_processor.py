@@ -172,6 +172,11 @@ class OutputProcessor:
             return None
         return self.tokenizer.decode([token_id])
 
+    def is_finished(self, request_id: str) -> bool:
+        """Whether every sequence of ``request_id`` has ended (True for a request not held)."""
+        state = self.states.get(request_id)
+        return state is None or state.finished
+
     def output(self, request_id: str, delta: bool = False) -> RequestOutput | None:
         """The output of ``request_id``: cumulative, or with ``delta`` only what the request's
         previous delta output did not carry (every sequence is listed; the prompt token ids are
