@@ -47,6 +47,7 @@
 #include <ATen/record_function.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <tuple>
 #include <vector>
@@ -164,6 +165,35 @@ void write_kv(const at::Tensor& qkv, const at::Tensor& kv, const int64_t* slots,
   }
 }
 
+// The layer's KV blocks this step's attention reads, asked for (into this core's L2) before the
+// layer's qkv product: the weights streamed since the previous step have evicted them, and
+// attention would otherwise wait on memory for each sequence's first blocks. At most
+// TANDEM_CPU_PREFETCH_KV_KB KiB (1024 by default, a core's L2 on the machines measured; 0:
+// none), the first rows' blocks first.
+void prefetch_kv(const at::Tensor& kv, const at::Tensor& tables, const at::Tensor& seq_lens, int64_t window) {
+  static const int64_t max_bytes = [] {
+    const char* kb = std::getenv("TANDEM_CPU_PREFETCH_KV_KB");
+    return kb == nullptr ? int64_t{1024} << 10 : std::max<int64_t>(0, std::atoll(kb)) << 10;
+  }();
+  if (max_bytes == 0) return;
+  // kv: one layer of the pool, [blocks, 2, bs, Hkv, D], a block's K and V one contiguous run
+  const int64_t el = kv.element_size(), bs = kv.size(2), block_step = kv.stride(0) * el,
+                block_bytes = 2 * kv.stride(1) * el, ld = tables.stride(0), cols = tables.size(1),
+                col_step = tables.stride(1);
+  const char* base = static_cast<const char*>(kv.data_ptr());
+  const int64_t* table = tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  int64_t budget = max_bytes;
+  for (int64_t i = 0; i < tables.size(0) && budget > 0; ++i) {
+    const int64_t first = window > 0 ? std::max<int64_t>(0, lens[i] - window) / bs : 0;
+    const int64_t last = std::min(cols, (lens[i] + bs - 1) / bs);  // prefetches do not fault; the reads must not
+    for (int64_t b = first; b < last && budget > 0; ++b, budget -= block_bytes) {
+      const char* block = base + table[i * ld + b * col_step] * block_step;
+      for (int64_t off = 0; off < block_bytes; off += 64) __builtin_prefetch(block + off, 0, 2);
+    }
+  }
+}
+
 // The layer's attention block from its normed input x: q/k norms, rotary, KV write, paged decode
 // attention, o_proj.
 at::Tensor attention_block(const at::Tensor& x, at::TensorList norms, const Linears& linear, int64_t l,
@@ -172,6 +202,7 @@ at::Tensor attention_block(const at::Tensor& x, at::TensorList norms, const Line
                            int64_t window, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, double eps,
                            int64_t flags) {
   const int64_t m = x.size(0);
+  prefetch_kv(kv, tables, seq_lens, window);
   at::Tensor qkv = linear(x, 4 * l);
   at::Tensor qk = qkv.narrow(1, 0, (heads + kv_heads) * head_dim).view({m, heads + kv_heads, head_dim});
   if (flags & kQkNorm) {
