@@ -78,15 +78,8 @@ class PagedKVAllocator(KVAllocator):
         bs = self.block_size
         table = self._tables.get(rid, [])
         assert num_cached_tokens % bs == 0 and not (num_cached_tokens and table)
-        if table and not num_cached_tokens:  # a running request's next tokens (most calls)
-            start = request.num_computed_tokens
-            end_block = self.blocks_for(start + num_new_tokens)
-            if end_block <= len(table) and all(table[i].ref_count == 1 for i in range(start // bs, end_block)):
-                # they land in blocks it alone holds: nothing to append, copy or revive
-                self._requests[rid] = request  # a forked child's first call comes this way
-                self._register_computed(rid, start)
-                return KVAllocation()
-        hits = self._lookup_blocks(request, num_cached_tokens // bs)
+        # no lookup without cached tokens (a running request's next tokens, most calls)
+        hits = self._lookup_blocks(request, num_cached_tokens // bs) if num_cached_tokens else []
         start = request.num_computed_tokens + num_cached_tokens
         num_blocks_after = self.blocks_for(start + num_new_tokens)
         written = range(start // bs, min(len(table), num_blocks_after))
