@@ -18,6 +18,12 @@ What each knob (``[server]``) does, and which layer does it:
   when every connection has a request in flight the new one is closed at once. uvicorn's
   ``limit_concurrency`` is left unset: it counts open connections too and answers 503 to every
   request past it, /health included, so half-open sockets would make the instance look down.
+
+Every close while the client may still be sending (after a 408, or a 413 with the body unread)
+lingers, as nginx's ``lingering_close`` does: the write side is shut first, late bytes are read
+and dropped for up to ``LINGER_S``, then the socket closes (``_LingeringTransport``). A plain
+close would answer those bytes with a TCP reset, and a client's HTTP library (httpx included)
+then reports a broken connection instead of the 408 or 413.
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ _TIMEOUT_BODY = b"the request head did not arrive in time"
 _TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
                      b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
                      % (len(_TIMEOUT_BODY), _TIMEOUT_BODY))
+LINGER_S = 2.0
 
 
 class _BodyTooLarge(Exception):
@@ -103,9 +110,47 @@ def _content_length(scope) -> int | None:
     return None
 
 
+class _LingeringTransport:
+    """A connection's transport whose ``close`` lingers while the client may still be sending
+    (a partial request head, or a request body the server did not read): the write side is shut
+    once the answer is flushed, what still arrives is read and dropped (``LimitedH11Protocol.
+    data_received``), and the socket closes at the client's EOF or after ``LINGER_S``. A plain
+    close with unread bytes, or bytes arriving after it, draws a TCP reset, which can destroy
+    the answer (a 408 or 413) before the client reads it. Everything else is the transport's."""
+
+    def __init__(self, transport, protocol: LimitedH11Protocol) -> None:
+        self._transport = transport
+        self._protocol = protocol
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing() or self._protocol.lingering
+
+    def close(self) -> None:
+        protocol, transport = self._protocol, self._transport
+        if protocol.lingering or transport.is_closing():
+            self.close_now()
+        elif protocol.client_may_be_sending() and transport.can_write_eof():
+            transport.write_eof()  # sent once what is buffered is flushed
+            protocol.flow.resume_reading()  # uvicorn pauses reading on a body the app left
+            protocol._linger = protocol.loop.call_later(LINGER_S, self.close_now)
+        else:
+            transport.close()
+
+    def close_now(self) -> None:
+        """Close without lingering (buffered output is still flushed first)."""
+        if self._protocol._linger is not None:
+            self._protocol._linger.cancel()
+            self._protocol._linger = None
+        self._transport.close()
+
+
 class LimitedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a request-head deadline and a cap on open connections (see
-    the module docstring). Configured by subclassing: ``limited_h11_protocol``."""
+    """uvicorn's h11 protocol with a request-head deadline, a cap on open connections and
+    lingering closes (see the module docstring). Configured by subclassing:
+    ``limited_h11_protocol``."""
 
     header_timeout_s: float = 10.0
     max_connections: int = 1000
@@ -114,18 +159,25 @@ class LimitedH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self._head_deadline: asyncio.TimerHandle | None = None
         self._waiting_since = 0.0
+        self._linger: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        self.transport = _LingeringTransport(self.transport, self)
         self._await_head()
         if len(self.connections) > self.max_connections:
             self._make_room()
 
     def connection_lost(self, exc) -> None:
         self._head_arrived()
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._linger is not None:
+            return  # answered and half-closed: drop what is still coming
         super().data_received(data)
         if self._head_deadline is not None and self.conn.their_state is not h11.IDLE:
             self._head_arrived()
@@ -136,8 +188,18 @@ class LimitedH11Protocol(H11Protocol):
             self._await_head()
 
     @property
+    def lingering(self) -> bool:
+        return self._linger is not None
+
+    @property
     def waiting_for_head(self) -> bool:
-        return self._head_deadline is not None
+        """Waiting for a request head, or lingering after an answer (evictable either way)."""
+        return self._head_deadline is not None or self._linger is not None
+
+    def client_may_be_sending(self) -> bool:
+        """A request body the server has not read to its end, or a partial request head."""
+        their = self.conn.their_state
+        return their is h11.SEND_BODY or (their is h11.IDLE and bool(self.conn.trailing_data[0]))
 
     def _await_head(self) -> None:
         self._head_arrived()
@@ -163,7 +225,7 @@ class LimitedH11Protocol(H11Protocol):
                 if c is not self and isinstance(c, LimitedH11Protocol) and c.waiting_for_head]
         victim = min(idle, key=lambda c: c._waiting_since) if idle else self
         victim._head_arrived()
-        victim.transport.close()
+        victim.transport.close_now()
 
 
 def limited_h11_protocol(server: ServerConfig) -> type[LimitedH11Protocol]:

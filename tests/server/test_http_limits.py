@@ -8,7 +8,10 @@ token count of a long prompt."""
 from __future__ import annotations
 
 import gc
+import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -81,6 +84,21 @@ def test_a_64_mib_content_length_is_refused_before_the_body_is_read(limited):
     assert error["code"] == "request_too_large" and error["type"] == "invalid_request_error"
     assert "server.max_request_body_bytes" in error["message"]
     assert took < 2.0
+
+
+def test_a_client_still_sending_a_large_body_reads_the_413(limited):
+    """httpx posts twice the limit with a Content-Length: the server answers 413 before
+    reading the body and closes while the client is still sending it. The close lingers, so
+    every post gets the 413 rather than a reset connection."""
+    outcomes = []
+    for _ in range(12):
+        try:
+            outcomes.append(httpx.post(f"{limited.url}/v1/completions", content=b"x" * (2 * BODY_LIMIT),
+                                       headers={"content-type": "application/json"},
+                                       timeout=10).status_code)
+        except httpx.HTTPError as exc:
+            outcomes.append(repr(exc))
+    assert outcomes == [413] * 12, outcomes
 
 
 def test_a_chunked_body_is_cut_off_at_the_limit_while_health_answers(limited):
@@ -179,6 +197,50 @@ def test_slow_request_heads_are_closed_at_the_header_timeout(limited):
         slow.close()
     assert answer.startswith(b"HTTP/1.1 408 "), answer
     assert slow_took < HEADER_TIMEOUT_S + 2 and idle_took < HEADER_TIMEOUT_S + 2, (slow_took, idle_took)
+
+
+_TRICKLING_CLIENTS = """
+import json, socket, sys, threading
+port, count, timeout_s = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+socks = [socket.create_connection(("127.0.0.1", port), timeout=timeout_s) for _ in range(count)]
+for sock in socks:
+    sock.sendall(b"POST /v1/completions HTTP/1.1\\r\\nHost: x\\r\\nX-Slow: ")
+stop = threading.Event()
+def trickle(sock):
+    while not stop.wait(0.0005):
+        try:
+            sock.sendall(b"a")
+        except OSError:
+            return
+threads = [threading.Thread(target=trickle, args=(s,), daemon=True) for s in socks]
+for t in threads:
+    t.start()
+answers = []
+for sock in socks:
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+        answers.append(data.decode("latin-1"))
+    except OSError as exc:
+        answers.append(repr(exc))
+stop.set()
+print(json.dumps(answers))
+"""
+
+
+def test_a_408_survives_bytes_the_client_sends_around_it(limited):
+    """Clients (another process, so their bytes race the server's close) keep sending header
+    bytes every half millisecond across the deadline: each still reads the whole 408 and then
+    an orderly end. A plain close with a late byte unread in the server's socket sends a TCP
+    reset instead of a FIN, and the client's next read fails with ECONNRESET; the server
+    closes lingeringly (its write side first, late bytes read and dropped)."""
+    run = subprocess.run([sys.executable, "-c", _TRICKLING_CLIENTS, str(limited.port), "16",
+                          str(HEADER_TIMEOUT_S + 5)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    answers = json.loads(run.stdout)
+    bad = [a for a in answers if not a.startswith("HTTP/1.1 408 ")]
+    assert len(answers) == 16 and not bad, bad
 
 
 def test_hundreds_of_half_open_sockets_leave_health_answering(model_dir):
