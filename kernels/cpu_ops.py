@@ -66,6 +66,21 @@ def build_name() -> str:
     return _build()[0]
 
 
+LINEAR_SOURCES = ("linear.cpp", "linear_dpbf16.cpp", "work_pool.cpp", "work_queue.h")
+"""The files the linear kernels' speed depends on (their code and the thread pool's)."""
+
+
+@functools.cache
+def linear_build() -> str:
+    """The ISA and a hash of ``LINEAR_SOURCES``, the flags and torch: what a timing of the linear
+    kernels depends on, so that a change elsewhere in the library (attention, sampling) keeps
+    the kernel choices measured before it (``tandem.models.cpu_tuning``)."""
+    _, isa, flags = _build()
+    paths = [p for p in SOURCES + HEADERS if p.name in LINEAR_SOURCES]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in paths) + " ".join(flags).encode())
+    return f"{isa.lower()}_{digest.hexdigest()[:12]}"
+
+
 @functools.cache
 def load() -> bool:
     """Build (once per process; the build itself is cached on disk) and register the operators.

@@ -70,7 +70,9 @@ class _StepPlan:
     buffers: dict[tuple, torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, md: AttentionMetadata) -> _StepPlan:
+    def build(cls, md: AttentionMetadata, decode_query_max: int = DECODE_QUERY_MAX) -> _StepPlan:
+        """The step's plan: sequences with at most ``decode_query_max`` query rows go into the
+        batched one-query-row call, the others get a prefill call each."""
         bs = md.block_size
         slots = md.slot_mapping.long()
         write_rows = None
@@ -84,7 +86,7 @@ class _StepPlan:
         row_seqs: list[int] = []
         row_seq_lens: list[int] = []
         for i, n in enumerate(md.query_lens_cpu):
-            if n <= DECODE_QUERY_MAX:
+            if n <= decode_query_max:
                 context = md.seq_lens_cpu[i] - n
                 rows.extend(range(starts[i], starts[i] + n))
                 row_seqs.extend([i] * n)
@@ -92,7 +94,7 @@ class _StepPlan:
         prefills = [
             _PrefillSeq(starts[i], starts[i + 1], md.seq_lens_cpu[i] - n, md.seq_lens_cpu[i],
                         md.block_tables[i, : -(-md.seq_lens_cpu[i] // bs)].long())
-            for i, n in enumerate(md.query_lens_cpu) if n > DECODE_QUERY_MAX
+            for i, n in enumerate(md.query_lens_cpu) if n > decode_query_max
         ]
         return cls(
             write_rows=write_rows,

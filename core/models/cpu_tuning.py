@@ -260,7 +260,7 @@ def machine_is_busy(probe_s: float = BUSY_PROBE_S) -> float | None:
 
 def machine_key() -> dict[str, object]:
     """What a measurement depends on besides the shape: CPU model, ISA flags, torch version,
-    threads, and the build of tandem's kernels."""
+    threads, and the build of tandem's linear kernels (not of the rest of the library)."""
     from tandem.kernels import cpu_ops
 
     model, flags = platform.processor() or platform.machine(), set()
@@ -274,7 +274,7 @@ def machine_key() -> dict[str, object]:
                 break
     return {"version": CACHE_VERSION, "cpu": model, "isa": sorted(flags & set(ISA_FLAGS)),
             "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "kernels": cpu_ops.build_name() if cpu_ops.load() else None}
+            "kernels": cpu_ops.linear_build() if cpu_ops.load() else None}
 
 
 def cache_path(key: Mapping[str, object]) -> Path:

@@ -12,6 +12,12 @@
 // Built for AVX512 with a head size that divides by 16, the query heads that share a KV head (up
 // to four at a time) take each key and value converted to float32 once, 16 lanes wide; otherwise
 // each query head reads them itself (8 lanes with AVX2, scalar without).
+// bfloat16 queries and pool, a head size that divides by 32 and 16-token blocks, on a CPU with
+// AVX512-BF16 (row_dpbf16): a row's blocks go in chunks of eight, each chunk's scores first (16
+// keys at once by vdpbf16ps on the bfloat16 values, whose products are exact in float32), then
+// one softmax pass over the chunk, then its values in float32 FMAs.
+// A prefill is rows too (the cpu backend sends every token of a step as a row that sees the keys
+// up to its own position): the rows of one sequence read the same blocks, from cache.
 //
 //   q, out   [T, H, D]                    rows[i] is the token row of query row i
 //   kv       [num_blocks, 2, bs, Hkv, D]  one layer of the pool (index 0: K, 1: V), D contiguous
@@ -39,6 +45,8 @@
 #include <immintrin.h>
 #define TANDEM_AVX2 1
 #endif
+
+bool dpbf16_supported();  // linear_dpbf16.cpp: the CPU has AVX512-BF16
 
 namespace {
 
@@ -81,11 +89,13 @@ struct NextBlock {
     }
   }
 
+  // into L2, not L1: the L1's few miss buffers fill up and stall the prefetching loop; L2 has
+  // more, and a line comes from L2 fast enough when its block is reached
   [[gnu::always_inline]] static inline void prefetch_line(const char* p) {
 #if defined(__SSE__)
-    _mm_prefetch(p, _MM_HINT_T0);
+    _mm_prefetch(p, _MM_HINT_T1);
 #else
-    __builtin_prefetch(p, 0, 3);
+    __builtin_prefetch(p, 0, 2);
 #endif
   }
 };
@@ -152,20 +162,40 @@ void scores_of_heads(float* scores, int64_t bs, int64_t j0, const float* q, cons
 }
 
 // acc of G query heads (j0.., d values each) += p-weighted values of keys t0..t1-1 of their KV
-// head (v: token 0's value of it), 16 outputs at a time: each value converted once for the G heads
-template <int G, typename cache_t>
-void values_of_heads(float* acc, const float* p, int64_t bs, int64_t j0, const cache_t* v, int64_t ks2, int64_t t0,
-                     int64_t t1, int64_t d) {
-  for (int64_t x = 0; x < d; x += 16) {
-    __m512 c[G];
-    for (int g = 0; g < G; ++g) c[g] = _mm512_loadu_ps(acc + (j0 + g) * d + x);
-    for (int64_t t = t0; t < t1; ++t) {
-      const __m512 vt = load16(v + t * ks2 + x);
-      for (int g = 0; g < G; ++g) c[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[(j0 + g) * bs + t]), vt, c[g]);
+// head (v: token 0's value of it; p[(j0 + g) * ps + t] the weight of key t for head j0 + g): each
+// value converted once for the G heads, X 16-lane chunks of the head at a time so that G * X sums
+// are in flight (one chunk at a time, each token's FMA would wait on the previous one's)
+template <int G, int X, typename cache_t>
+inline void values_tile(float* acc, const float* p, int64_t ps, const cache_t* v, int64_t ks2, int64_t t0,
+                        int64_t t1, int64_t d, int64_t x0) {
+  __m512 c[G][X];
+  for (int g = 0; g < G; ++g)
+    for (int u = 0; u < X; ++u) c[g][u] = _mm512_loadu_ps(acc + g * d + x0 + 16 * u);
+  for (int64_t t = t0; t < t1; ++t) {
+    const cache_t* vt = v + t * ks2 + x0;
+    __m512 vv[X];
+    for (int u = 0; u < X; ++u) vv[u] = load16(vt + 16 * u);
+    for (int g = 0; g < G; ++g) {
+      const __m512 pg = _mm512_set1_ps(p[g * ps + t]);
+      for (int u = 0; u < X; ++u) c[g][u] = _mm512_fmadd_ps(pg, vv[u], c[g][u]);
     }
-    for (int g = 0; g < G; ++g) _mm512_storeu_ps(acc + (j0 + g) * d + x, c[g]);
   }
+  for (int g = 0; g < G; ++g)
+    for (int u = 0; u < X; ++u) _mm512_storeu_ps(acc + g * d + x0 + 16 * u, c[g][u]);
 }
+
+template <int G, typename cache_t>
+void values_of_heads(float* acc, const float* p, int64_t ps, int64_t j0, const cache_t* v, int64_t ks2, int64_t t0,
+                     int64_t t1, int64_t d) {
+  constexpr int X = G <= 2 ? 8 : 4;  // at most 16 sums held
+  float* a = acc + j0 * d;
+  const float* pj = p + j0 * ps;
+  int64_t x0 = 0;
+  for (; x0 + 16 * X <= d; x0 += 16 * X) values_tile<G, X>(a, pj, ps, v, ks2, t0, t1, d, x0);
+  for (; x0 + 32 <= d; x0 += 32) values_tile<G, 2>(a, pj, ps, v, ks2, t0, t1, d, x0);
+  for (; x0 < d; x0 += 16) values_tile<G, 1>(a, pj, ps, v, ks2, t0, t1, d, x0);
+}
+
 // f(G, hh, j0) for each run of G <= 4 query heads j0 .. j0 + G - 1 (G a std::integral_constant)
 // that share the KV head hh of the work item, after asking for their share of the next block
 template <typename F>
@@ -273,6 +303,122 @@ void block_values(float* acc, const float* p, int64_t bs, const cache_t* vb, int
   }
 }
 
+#ifdef TANDEM_AVX512
+#define TANDEM_ATTN_DPBF16 1
+#define TANDEM_DPBF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+// lane t of the result = the sum of v[t]'s 16 lanes, t < 16 (a transpose folded into the adds)
+TANDEM_DPBF16_TARGET inline __m512 sums_of_sixteen(const __m512* v) {
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; ++i)  // 128-bit lane k: [v2i: 4k + {0, 2}, v2i+1: .., v2i: 4k + {1, 3}, v2i+1: ..]
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // 128-bit lane k of x[i]: one partial of each of v4i .. v4i+3
+    x[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// scores[t] = scale * q . k_t for the 16 token slots of one block (k: token 0's key of the head,
+// d % 32 == 0), by vdpbf16ps on the bfloat16 values themselves (their products are exact in
+// float32); slots outside [t0, t1) get kNoScore (whatever bits the pool holds there)
+TANDEM_DPBF16_TARGET inline void block_scores_dpbf16(float* scores, const c10::BFloat16* q, const c10::BFloat16* k,
+                                                     int64_t ks2, int64_t t0, int64_t t1, int64_t d, float scale) {
+  __m512 a[16];
+  for (int t = 0; t < 16; ++t) a[t] = _mm512_setzero_ps();
+  for (int64_t x = 0; x < d; x += 32) {
+    const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + x);
+    for (int t = 0; t < 16; ++t)
+      a[t] = _mm512_dpbf16_ps(a[t], qv, (__m512bh)_mm512_loadu_si512(k + t * ks2 + x));
+  }
+  const __mmask16 live = static_cast<__mmask16>(((1u << t1) - 1u) & ~((1u << t0) - 1u));
+  _mm512_storeu_ps(scores, _mm512_mask_mul_ps(_mm512_set1_ps(kNoScore), live, sums_of_sixteen(a), _mm512_set1_ps(scale)));
+}
+
+// One work item of decode_dpbf16: query row i's heads h0 * groups .. over its KV, in chunks of
+// up to kChunkBlocks blocks: every score of a chunk first (keys of the next block asked for while
+// one is scored), then one softmax pass over the chunk per head (the running max and sum move
+// once a chunk), then the chunk's values.
+constexpr int64_t kChunkBlocks = 8;
+
+TANDEM_DPBF16_TARGET void row_dpbf16(const c10::BFloat16* q, int64_t qs1, c10::BFloat16* o, int64_t os1,
+                                     const c10::BFloat16* kvp, const int64_t* table, int64_t len, int64_t first,
+                                     int64_t bs, int64_t ks0, int64_t ks1, int64_t ks2, int64_t ks3, int64_t part_heads,
+                                     int64_t groups, int64_t d, float scale, float* acc, float* scores, float* m,
+                                     float* l) {
+  const int64_t nq = part_heads * groups, cw = kChunkBlocks * 16;  // cw: a head's row of chunk scores
+  std::fill(acc, acc + nq * d, 0.f);
+  std::fill(m, m + nq, kNoScore);
+  std::fill(l, l + nq, 0.f);
+  const int64_t last_block = len > 0 ? (len - 1) / bs : -1;  // no keys: a zero output
+  for (int64_t c0 = first / bs; c0 <= last_block; c0 += kChunkBlocks) {
+    const int64_t c1 = std::min(last_block + 1, c0 + kChunkBlocks);
+    for (int64_t b = c0; b < c1; ++b) {
+      const int64_t t0 = std::max(b * bs, first) - b * bs, t1 = std::min(bs, len - b * bs);
+      const c10::BFloat16* kb = kvp + table[b] * ks0;
+      // while it is scored: this block's values and the next block's keys
+      const NextBlock next_v{reinterpret_cast<const char*>(kb + ks1), ks2 * 2, part_heads * ks3 * 2, t1};
+      NextBlock next_k;
+      if (b < last_block)
+        next_k = {reinterpret_cast<const char*>(kvp + table[b + 1] * ks0), ks2 * 2, part_heads * ks3 * 2,
+                  std::min(bs, len - (b + 1) * bs)};
+      for (int64_t j = 0; j < nq; ++j) {
+        next_v.fetch(j, nq);
+        next_k.fetch(j, nq);
+        block_scores_dpbf16(scores + j * cw + (b - c0) * 16, q + j * qs1, kb + (j / groups) * ks3, ks2, t0, t1, d,
+                            scale);
+      }
+    }
+    const int64_t n = (c1 - c0) * 16;
+    for (int64_t j = 0; j < nq; ++j) {
+      float* sj = scores + j * cw;
+      __m512 mx = _mm512_set1_ps(kNoScore);
+      for (int64_t t = 0; t < n; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sj + t));
+      const float m_new = std::max(m[j], _mm512_reduce_max_ps(mx));
+      const float keep = std::exp(m[j] - m_new);  // 0 before the first chunk
+      m[j] = m_new;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < n; ++t) {
+        sj[t] = std::exp(sj[t] - m_new);
+        sum += sj[t];
+      }
+      l[j] = l[j] * keep + sum;
+      if (keep != 1.f) {
+        float* a = acc + j * d;
+#pragma omp simd
+        for (int64_t x = 0; x < d; ++x) a[x] *= keep;
+      }
+    }
+    for (int64_t b = c0; b < c1; ++b) {
+      const int64_t t0 = std::max(b * bs, first) - b * bs, t1 = std::min(bs, len - b * bs);
+      const c10::BFloat16* vb = kvp + table[b] * ks0 + ks1;
+      const float* pb = scores + (b - c0) * 16;
+      for (int64_t hh = 0; hh < part_heads; ++hh) {
+        for (int64_t g0 = 0; g0 < groups; g0 += 4) {
+          const int64_t j0 = hh * groups + g0, g = std::min<int64_t>(4, groups - g0);
+          const c10::BFloat16* v = vb + hh * ks3;
+          switch (g) {
+            case 1: values_of_heads<1>(acc, pb, cw, j0, v, ks2, t0, t1, d); break;
+            case 2: values_of_heads<2>(acc, pb, cw, j0, v, ks2, t0, t1, d); break;
+            case 3: values_of_heads<3>(acc, pb, cw, j0, v, ks2, t0, t1, d); break;
+            default: values_of_heads<4>(acc, pb, cw, j0, v, ks2, t0, t1, d); break;
+          }
+        }
+      }
+    }
+  }
+  for (int64_t j = 0; j < nq; ++j) {
+    const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
+    for (int64_t x = 0; x < d; ++x) o[j * os1 + x] = static_cast<c10::BFloat16>(acc[j * d + x] * inv);
+  }
+}
+#endif
+
 template <typename scalar_t, typename cache_t>
 void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& rows,
             const at::Tensor& tables, const at::Tensor& seq_lens, double scale, int64_t window) {
@@ -293,6 +439,25 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at
   const int64_t head_parts = n_rows >= 4 * at::get_num_threads() ? 1 : kv_heads;
   const int64_t part_heads = kv_heads / head_parts;
 
+#ifdef TANDEM_ATTN_DPBF16
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16> && std::is_same_v<cache_t, at::BFloat16>) {
+    if (d % 32 == 0 && bs == 16 && dpbf16_supported()) {
+      tandem_cpu::for_each_chunk(n_rows * head_parts, 1, [&](int64_t begin, int64_t end) {
+        const int64_t nq = part_heads * groups;
+        std::vector<float> acc(nq * d), scores(nq * kChunkBlocks * 16), m(nq), l(nq);
+        for (int64_t work = begin; work < end; ++work) {
+          const int64_t i = work / head_parts, h0 = (work % head_parts) * part_heads;
+          const int64_t row = rp[i], len = lp[i];
+          const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+          row_dpbf16(qp + row * qs0 + h0 * groups * qs1, qs1, op + row * os0 + h0 * groups * os1, os1,
+                     kvp + h0 * ks3, tp + i * max_blocks, len, first, bs, ks0, ks1, ks2, ks3, part_heads, groups, d,
+                     fscale, acc.data(), scores.data(), m.data(), l.data());
+        }
+      });
+      return;
+    }
+  }
+#endif
   tandem_cpu::for_each_chunk(n_rows * head_parts, 1, [&](int64_t begin, int64_t end) {
     const int64_t nq = part_heads * groups;  // query heads of one work item
     std::vector<float> qf(nq * d), acc(nq * d), scores(nq * bs), m(nq), l(nq);

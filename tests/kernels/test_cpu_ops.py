@@ -36,3 +36,28 @@ def test_only_cpu_ops_names_the_library():
     users = [path.relative_to(REPO) for folder in ("core", "plugins", "quant", "transport", "kernels")
              for path in (REPO / folder).rglob("*.py") if "torch.ops.tandem_cpu" in path.read_text()]
     assert users == [Path("kernels/cpu_ops.py")]
+
+
+def test_the_linear_build_follows_the_linear_sources_only(tmp_path, monkeypatch):
+    """The tuner's cache key (``linear_build``) changes with a linear kernel's source and not
+    with an attention kernel's: editing paged_attention.cpp keeps the measured choices."""
+    copies = []
+    for path in cpu_ops.SOURCES:
+        copy = tmp_path / path.name
+        copy.write_bytes(path.read_bytes())
+        copies.append(copy)
+
+    def build_with(edited: str | None) -> str:
+        if edited is not None:
+            (tmp_path / edited).write_bytes((tmp_path / edited).read_bytes() + b"\n// edited\n")
+        monkeypatch.setattr(cpu_ops, "SOURCES", copies)
+        cpu_ops.linear_build.cache_clear()
+        try:
+            return cpu_ops.linear_build()
+        finally:
+            cpu_ops.linear_build.cache_clear()
+
+    before = build_with(None)
+    assert build_with("paged_attention.cpp") == before
+    assert build_with("sampling.cpp") == before
+    assert build_with("linear_dpbf16.cpp") != before

@@ -15,6 +15,7 @@ from tandem.models.cpu_fusion import enable_cpu_fusion
 from tandem.models.cpu_linear import pack_cpu_linears
 from tandem.models.loader import load_model
 from tandem.plugins.attention_cpu import CpuAttentionBackend
+from tandem.plugins.attention_torch import TorchAttentionBackend
 from tests.helpers.paged_batch import SeqSpec, build_metadata, positions_of, scattered_tables
 from tests.helpers.tiny_models import builtin_registry, hf_model, load_tiny_model, tiny_model_dir
 from tests.models.test_model_vs_hf import ATOL, BLOCK_SIZE, KINDS, NUM_BLOCKS, hf_logits, prompt
@@ -22,10 +23,10 @@ from tests.models.test_model_vs_hf import ATOL, BLOCK_SIZE, KINDS, NUM_BLOCKS, h
 CPU = torch.device("cpu")
 
 
-def load_with_kernels(kind: str, kernels: str, dtype=torch.float32, fuse=True):
+def load_with_kernels(kind: str, kernels: str, dtype=torch.float32, fuse=True, attention=CpuAttentionBackend):
     registry = builtin_registry()
     model, arch = load_model(tiny_model_dir(kind), dtype=dtype, device=CPU, registry=registry,
-                             attn_backend_cls=CpuAttentionBackend,
+                             attn_backend_cls=attention,
                              quant_method=registry.get("quant_method", "unquantized")())
     assert pack_cpu_linears(model, kernels, CPU) == kernels
     if fuse:
@@ -39,14 +40,14 @@ def models(kind, kernels):
 
 
 @torch.inference_mode()
-def run(model, arch, ids, chunks):
+def run(model, arch, ids, chunks, attention=CpuAttentionBackend):
     pool = torch.zeros(kv_cache_shape(arch, NUM_BLOCKS, BLOCK_SIZE), dtype=next(model.parameters()).dtype)
     table = scattered_tables([len(ids)], BLOCK_SIZE, NUM_BLOCKS, seed=11)[0]
     outs, start = [], 0
     for n in chunks:
         seqs = [SeqSpec(table, start, n)]
         md = build_metadata(seqs, BLOCK_SIZE)
-        CpuAttentionBackend.prepare_metadata(md)
+        attention.prepare_metadata(md)
         hidden = model(torch.tensor(ids[start:start + n]), positions_of(seqs), pool, md)
         outs.append(model.compute_logits(hidden))
         start += n
@@ -72,13 +73,13 @@ def test_logits_match_hf_with_onednn_linears(kind):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "granite"])
 def test_fused_passes_give_torchs_bfloat16_values_exactly(kind):
-    """Linear layers and attention on torch's kernels in both (one prefill pass: the cpu
-    backend's prefill is the torch backend's), so only the fused norm/activation/rotary differ."""
-    ours, arch = load_with_kernels(kind, "torch", torch.bfloat16, fuse=True)
+    """Linear layers and attention on torch's kernels in both, so only the fused
+    norm/activation/rotary differ."""
+    ours, arch = load_with_kernels(kind, "torch", torch.bfloat16, fuse=True, attention=TorchAttentionBackend)
     ref, _ = load_tiny_model(tiny_model_dir(kind), dtype=torch.bfloat16)
     ids = prompt(2)
-    got = run(ours, arch, ids, [len(ids)])
-    want = run(ref, arch, ids, [len(ids)])
+    got = run(ours, arch, ids, [len(ids)], TorchAttentionBackend)
+    want = run(ref, arch, ids, [len(ids)], TorchAttentionBackend)
     assert torch.equal(got, want)
 
 

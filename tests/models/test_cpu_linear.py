@@ -159,6 +159,40 @@ def test_dpbf16_sums_the_exact_bfloat16_products_in_float32(rows, k):
 
 
 @needs_dpbf16
+def test_dpbf16_rounds_its_bfloat16_outs_exactly_as_torch_converts():
+    """The bfloat16 out (and the float32 out of bfloat16 values) hold the float32 sums rounded
+    as torch's ``.to(torch.bfloat16)`` rounds them, bit for bit: ties to even (1 + 2^-8 down,
+    1 + 2^-7 + 2^-8 up), infinities, a bias, columns past the last full panel; a NaN stays a
+    NaN (its bits are not torch's: torch's own scalar and vector conversions differ there)."""
+    n, k = 21, 4
+    w = torch.zeros(n, k, dtype=torch.bfloat16)
+    w[:, 0] = w[:, 1] = 1  # column c: x0 + x1, exactly, in float32
+    w[n - 3:, 2] = torch.tensor([3.0, -1.5, 2.0**-9], dtype=torch.bfloat16)
+    firsts = [1.0, 1 + 2**-7, -(1 + 2**-7), 2**100, float("inf"), float("nan"), -0.0, 3.0, 2**-126]
+    seconds = [2**-8, 2**-8, -(2**-8), 2**93, 1.0, 1.0, -0.0, 2**-9, 2**-134]
+    x = torch.zeros(len(firsts) + 8, k)
+    x[:len(firsts), 0], x[:len(firsts), 1] = torch.tensor(firsts), torch.tensor(seconds)
+    x[len(firsts):] = torch.randn(8, k)
+    x = x.to(torch.bfloat16)
+    packed = PackedLinear.pack("dpbf16", w)
+    for bias in (None, torch.randn(n)):
+        exact = torch.empty(x.shape[0], n)
+        cpu_ops.panel_linear_dpbf16(exact, x, packed.weight, bias)
+        rounded = exact.to(torch.bfloat16)
+        out16 = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+        cpu_ops.panel_linear_dpbf16(out16, x, packed.weight, bias)
+        nan = rounded.isnan()
+        assert nan.any() and torch.equal(out16.isnan(), nan)
+        assert torch.equal(out16.view(torch.int16)[~nan], rounded.view(torch.int16)[~nan])
+        widened = torch.empty(x.shape[0], n)
+        cpu_ops.panel_linear_dpbf16(widened, x, packed.weight, bias, bf16_values=True)
+        assert torch.equal(widened.isnan(), nan)
+        assert torch.equal(widened.view(torch.int32)[~nan], rounded.float().view(torch.int32)[~nan])
+        if bias is None:  # the two ties
+            assert out16[0, 0].item() == 1.0 and out16[1, 0].item() == 1 + 2**-6
+
+
+@needs_dpbf16
 def test_dpbf16_takes_strided_rows_and_any_thread_count():
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(16 * 37 + 5, 64, generator=gen).to(torch.bfloat16)
