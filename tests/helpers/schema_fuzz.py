@@ -5,7 +5,7 @@ instance's own ``/openapi.json``, for a bounded time, plus a watch on ``/health`
     fuzz(schema, base_url, seconds, seed, watch, headers=None) -> FuzzReport
     only_paths(schema, prefix)   the schema reduced to the paths under ``prefix``
     HealthWatch(urls)        polls each url's /health every 0.1 s in a thread; .failures
-    fuzz_seconds(), fuzz_seed()   TANDEM_FUZZ_SECONDS (default 30), TANDEM_FUZZ_SEED (default random)
+    fuzz_seconds(), fuzz_seed()   TANDEM_FUZZ_SECONDS (default 20), TANDEM_FUZZ_SEED (default random)
 
 Generated requests are hostile in every field but their cost: a ``before_call`` hook lowers a
 ``max_tokens`` / ``max_completion_tokens`` above MAX_TOKENS to MAX_TOKENS (and sets ``max_tokens``
@@ -39,7 +39,7 @@ MAX_N = 2
 _LENGTH_FIELDS = ("max_tokens", "max_completion_tokens")
 
 
-def fuzz_seconds(default: int = 30) -> int:
+def fuzz_seconds(default: int = 20) -> int:
     return int(os.environ.get("TANDEM_FUZZ_SECONDS", default))
 
 

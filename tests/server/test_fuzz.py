@@ -1,6 +1,6 @@
 """Hostile input from a schema fuzzer (issue 11, point 8): schemathesis's coverage and fuzzing
 phases, from the instance's own /openapi.json, against a ``tandem serve`` subprocess of the tiny
-Llama for TANDEM_FUZZ_SECONDS (30 by default), with the ``not_a_server_error`` check.
+Llama for TANDEM_FUZZ_SECONDS (20 by default), with the ``not_a_server_error`` check.
 
 The instance is a subprocess so that whatever a request does to it (an engine that dies, a
 process that exits) is seen from outside, as a client sees it. Must hold: no answer ≥ 500 and
