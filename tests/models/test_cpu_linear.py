@@ -2,6 +2,8 @@
 pack_cpu_linears does to a model: which layers it packs, what it frees, the errors it gives."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -175,7 +177,7 @@ def test_dpbf16_rounds_its_bfloat16_outs_exactly_as_torch_converts():
     x[len(firsts):] = torch.randn(8, k)
     x = x.to(torch.bfloat16)
     packed = PackedLinear.pack("dpbf16", w)
-    for bias in (None, torch.randn(n)):
+    for x, bias in itertools.product((x[:8], x), (None, torch.randn(n))):  # a decode's few rows, a block
         exact = torch.empty(x.shape[0], n)
         cpu_ops.panel_linear_dpbf16(exact, x, packed.weight, bias)
         rounded = exact.to(torch.bfloat16)
