@@ -40,6 +40,7 @@ constexpr int64_t kTile = 8;
 constexpr int64_t kRowBlock = 96;
 constexpr int64_t kPairBlock = 128;  // pair rows of a panel per K-slice: 8 KiB, stays in L1
 constexpr int64_t kPrefetchSlices = 2;
+constexpr int64_t kWideRows = 64;
 
 #ifdef TANDEM_DPBF16
 // rows x 16 outputs of one panel over `pairs` pair rows: tile[r * 16 + c] (+)= sum_j x-pair . w-pair.
@@ -137,8 +138,9 @@ TANDEM_DPBF16_TARGET inline __m256i round_to_bf16(__m512 v) {
   return _mm512_cvtepi32_epi16(rounded);
 }
 
-// store_rows for a row block (many rows): 16 lanes at a time, the columns past N masked off.
-// Not for a decode step's few rows: there the scalar loop is faster (measured on Zen 4).
+// store_rows for a row block of at least kWideRows rows (a prefill's): 16 lanes at a time, the
+// columns past N masked off. Fewer rows (a decode step's) keep the scalar loop, which measured
+// faster there on Zen 4 (batch 1 and 16 steps slower with this one).
 TANDEM_DPBF16_TARGET void store_rows_wide(const Problem& p, const float* acc, int64_t row0, int64_t row_end,
                                           int64_t col0, int64_t cols) {
   const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
@@ -173,7 +175,10 @@ TANDEM_DPBF16_TARGET void run_items(const Problem& p, int64_t begin, int64_t end
                  acc + (r0 - row0) * kPanel, j0 > 0, r0 == row0 ? ahead : nullptr);
       }
     }
-    store_rows_wide(p, acc, row0, row_end, col0, cols);
+    if (row_end - row0 >= kWideRows)
+      store_rows_wide(p, acc, row0, row_end, col0, cols);
+    else
+      store_rows(p, acc, row0, row_end, col0, cols);
   }
 }
 

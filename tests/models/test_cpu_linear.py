@@ -172,12 +172,12 @@ def test_dpbf16_rounds_its_bfloat16_outs_exactly_as_torch_converts():
     w[n - 3:, 2] = torch.tensor([3.0, -1.5, 2.0**-9], dtype=torch.bfloat16)
     firsts = [1.0, 1 + 2**-7, -(1 + 2**-7), 2**100, float("inf"), float("nan"), -0.0, 3.0, 2**-126]
     seconds = [2**-8, 2**-8, -(2**-8), 2**93, 1.0, 1.0, -0.0, 2**-9, 2**-134]
-    x = torch.zeros(len(firsts) + 8, k)
+    x = torch.zeros(len(firsts) + 64, k)
     x[:len(firsts), 0], x[:len(firsts), 1] = torch.tensor(firsts), torch.tensor(seconds)
-    x[len(firsts):] = torch.randn(8, k)
+    x[len(firsts):] = torch.randn(64, k)
     x = x.to(torch.bfloat16)
     packed = PackedLinear.pack("dpbf16", w)
-    for x, bias in itertools.product((x[:8], x), (None, torch.randn(n))):  # a decode's few rows, a block
+    for x, bias in itertools.product((x[:8], x[:12], x), (None, torch.randn(n))):  # a tile, two, a wide row block
         exact = torch.empty(x.shape[0], n)
         cpu_ops.panel_linear_dpbf16(exact, x, packed.weight, bias)
         rounded = exact.to(torch.bfloat16)
