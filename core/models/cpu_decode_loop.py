@@ -30,7 +30,7 @@ from tandem.models.cpu_linear import BucketedLinear, PackedLinear
 from tandem.models.cpu_tuning import M_BUCKETS, bucket_index
 from tandem.models.layers import GemmaRMSNorm, RMSNorm
 from tandem.plugins.attention_cpu import CpuAttentionBackend
-from tandem.plugins.attention_torch import PLAN_KEY
+from tandem.plugins.attention_torch import DECODE_QUERY_MAX, PLAN_KEY
 
 KINDS = {"tandem": 0, "onednn": 1, "torch": 2, "gguf": 3, "dpbf16": 4}
 """Linear kinds as ``decode_layers.cpp`` numbers them."""
@@ -88,11 +88,14 @@ class CpuDecodeLoop:
         return loop
 
     def can_run(self, hidden: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata) -> bool:
-        """True when this step is one the loop takes: every row a one-query attention row with a
+        """True when this step is one the loop takes: a decode step (no sequence with more than
+        ``DECODE_QUERY_MAX`` query rows: the cpu backend makes a prefill's tokens one-query rows
+        too, but prefills keep the modules' path), every row a one-query attention row with a
         slot, on the CPU, the pool of the hidden state's dtype, and this batch size's linear
         kernels ones the loop calls."""
         plan = metadata.extra.get(PLAN_KEY)
         return (plan is not None and plan.decode is not None and not plan.prefills and plan.write_rows is None
+                and metadata.max_query_len <= DECODE_QUERY_MAX
                 and not plan.padded and hidden.device.type == "cpu" and kv_cache.dtype == hidden.dtype
                 and hidden.is_contiguous()
                 and self._specs(bucket_index(hidden.shape[0])) is not None)
