@@ -72,8 +72,8 @@ LINEAR_SOURCES = ("linear.cpp", "linear_dpbf16.cpp", "work_pool.cpp", "work_queu
 
 @functools.cache
 def linear_build() -> str:
-    """The ISA and a hash of ``LINEAR_SOURCES``, the flags and torch: what a timing of the linear
-    kernels depends on, so that a change elsewhere in the library (attention, sampling) keeps
+    """The ISA and a hash of ``LINEAR_SOURCES`` and the flags (torch's version is in the tuner's
+    key beside it): what a timing of the linear kernels depends on, so that a change elsewhere in the library (attention, sampling) keeps
     the kernel choices measured before it (``tandem.models.cpu_tuning``)."""
     _, isa, flags = _build()
     paths = [p for p in SOURCES + HEADERS if p.name in LINEAR_SOURCES]

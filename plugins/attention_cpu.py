@@ -1,4 +1,4 @@
-"""The "cpu" attention backend: the torch backend with decode attention read in place.
+"""The "cpu" attention backend: the torch backend with attention read from the pool in place.
 
 The KV writes are the torch backend's (tandem.plugins.attention_torch). Every query row of the
 step (decodes, drafts being checked, and each token of a prefill or a chunk, after the step's K
@@ -6,11 +6,12 @@ and V are written) goes to the C++ kernel of ``tandem.kernels.cpu_ops`` as a one
 sees the keys up to its own position: the kernel walks each row's block table over the pool
 itself instead of gathering every sequence's context into a padded buffer per layer and masking
 it, and a prefill is causal attention without a mask or a call per sequence (the rows of one
-sequence read the same blocks, which stay in cache). Timings: docs/benchmarks.md. Rows go to the threads one at a time from a shared counter,
-so long and short contexts even out and a thread the OS holds up delays only its own row.
+sequence read the same blocks, which stay in cache). Timings: docs/benchmarks.md.
+Rows go to the threads one at a time from a shared counter, so long and short contexts even out
+and a thread the OS holds up delays only its own row.
 
-CPU only; where the kernel cannot be built (no compiler) it logs a warning once and decodes
-through the torch path, so the backend always runs. ``engine.attention_backend = "auto"``
+CPU only; where the kernel cannot be built (no compiler) it logs a warning once and runs the
+torch backend's plan and paths, so the backend always runs. ``engine.attention_backend = "auto"``
 picks it on the CPU.
 """
 from __future__ import annotations
