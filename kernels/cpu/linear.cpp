@@ -9,7 +9,9 @@
 // The weight streams from memory once per block of rows (kRowBlock of them, whose x stays in
 // L2 while every panel goes by), a slice of K at a time (kKBlock rows of the panel, which stay in
 // L1 for every tile of the row block); a 6 x 16 register tile accumulates, so each weight element
-// loaded feeds up to 12 FMAs. 16-bit weights widen to float32 as they load (for 32 rows or more,
+// loaded feeds up to 12 FMAs. Built for AVX512, float32 panels go two at a time under a 12 x 32
+// tile (each x value broadcast feeds two 512-bit FMAs) from 32 rows on, one at a time under a
+// 12 x 16 tile below that. 16-bit weights widen to float32 as they load (for 32 rows or more,
 // once per slice into a float32 buffer that every tile reads): half the bytes of a float32
 // copy, float32 products and sums. Threads take the panels (and, for long
 // inputs, the row blocks) a few at a time from a shared counter (work_queue.h). Without AVX2
@@ -81,6 +83,68 @@ inline void tile_kernel(const float* x, int64_t ldx, const W* panel, int64_t k_s
     _mm256_storeu_ps(tile + r * kPanel + 8, acc[r][1]);
   }
 }
+#ifdef __AVX512F__
+// float32 weights (or 16-bit ones widened once per slice) with AVX512: rows x 16 outputs of one
+// panel, one 512-bit sum per row, up to kTile512 rows a tile (each weight row loaded feeds up to
+// 12 FMAs, as the 256-bit tile's does, in half the instructions); with fewer than four rows the
+// k rows go round-robin into `chains` sums per row so that four or more FMAs are in flight.
+constexpr int64_t kTile512 = 12;
+template <int rows>
+inline void tile_kernel512(const float* x, int64_t ldx, const float* panel, int64_t k_size, float* tile,
+                           bool accumulate, const float* prefetch) {
+  constexpr int chains = rows >= 4 ? 1 : (rows >= 2 ? 2 : 4);
+  __m512 acc[chains][rows];
+  for (int r = 0; r < rows; ++r) {
+    acc[0][r] = accumulate ? _mm512_loadu_ps(tile + r * kPanel) : _mm512_setzero_ps();
+    for (int c = 1; c < chains; ++c) acc[c][r] = _mm512_setzero_ps();
+  }
+  int64_t k = 0;
+  for (; k + chains <= k_size; k += chains) {
+    if (prefetch != nullptr) _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * kPanel), _MM_HINT_T1);
+    for (int c = 0; c < chains; ++c) {
+      const __m512 w = _mm512_loadu_ps(panel + (k + c) * kPanel);
+      for (int r = 0; r < rows; ++r) acc[c][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k + c]), w, acc[c][r]);
+    }
+  }
+  for (; k < k_size; ++k) {
+    const __m512 w = _mm512_loadu_ps(panel + k * kPanel);
+    for (int r = 0; r < rows; ++r) acc[0][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w, acc[0][r]);
+  }
+  for (int r = 0; r < rows; ++r) {
+    __m512 sum = acc[0][r];
+    for (int c = 1; c < chains; ++c) sum = _mm512_add_ps(sum, acc[c][r]);
+    _mm512_storeu_ps(tile + r * kPanel, sum);
+  }
+}
+// two adjacent panels at once (32 columns): each x value broadcast feeds two FMAs
+template <int rows>
+inline void tile_kernel512x2(const float* x, int64_t ldx, const float* panel0, const float* panel1, int64_t k_size,
+                             float* tile0, float* tile1, bool accumulate, const float* prefetch) {
+  __m512 acc0[rows], acc1[rows];
+  for (int r = 0; r < rows; ++r) {
+    acc0[r] = accumulate ? _mm512_loadu_ps(tile0 + r * kPanel) : _mm512_setzero_ps();
+    acc1[r] = accumulate ? _mm512_loadu_ps(tile1 + r * kPanel) : _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < k_size; ++k) {
+    if (prefetch != nullptr) {
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * kPanel), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + (k_size + k) * kPanel), _MM_HINT_T1);
+    }
+    const __m512 w0 = _mm512_loadu_ps(panel0 + k * kPanel);
+    const __m512 w1 = _mm512_loadu_ps(panel1 + k * kPanel);
+    for (int r = 0; r < rows; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);
+      acc0[r] = _mm512_fmadd_ps(xb, w0, acc0[r]);
+      acc1[r] = _mm512_fmadd_ps(xb, w1, acc1[r]);
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    _mm512_storeu_ps(tile0 + r * kPanel, acc0[r]);
+    _mm512_storeu_ps(tile1 + r * kPanel, acc1[r]);
+  }
+}
+#define TANDEM_AVX512 1
+#endif
 #else
 template <typename W, int rows>
 inline void tile_kernel(const float* x, int64_t ldx, const W* panel, int64_t k_size, float* tile, bool accumulate,
@@ -124,6 +188,21 @@ inline void widen_slice(const W* panel, int64_t kc, float* wide, const W* prefet
   }
 }
 
+#ifdef TANDEM_AVX512
+// float32 panels: kTile512 rows a tile
+constexpr int64_t kFloatTile = kTile512;
+inline void run_float_tile(int64_t rows, const float* x, int64_t ldx, const float* panel, int64_t k_size, float* tile,
+                           bool accumulate, const float* prefetch) {
+  switch (rows) {
+#define TANDEM_CASE(n) case n: return tile_kernel512<n>(x, ldx, panel, k_size, tile, accumulate, prefetch);
+    TANDEM_CASE(1) TANDEM_CASE(2) TANDEM_CASE(3) TANDEM_CASE(4) TANDEM_CASE(5) TANDEM_CASE(6)
+    TANDEM_CASE(7) TANDEM_CASE(8) TANDEM_CASE(9) TANDEM_CASE(10) TANDEM_CASE(11)
+#undef TANDEM_CASE
+    default: return tile_kernel512<12>(x, ldx, panel, k_size, tile, accumulate, prefetch);
+  }
+}
+#endif
+
 template <typename W>
 void run_tile(int64_t rows, const float* x, int64_t ldx, const W* panel, int64_t k_size, float* tile, bool accumulate,
               const W* prefetch) {
@@ -137,6 +216,92 @@ void run_tile(int64_t rows, const float* x, int64_t ldx, const W* panel, int64_t
   }
 }
 
+// rows [row0, row_end) of one panel's sums (acc, 16 a row) into out's columns [col0, col0 + cols),
+// plus the bias
+inline void store_panel(float* op, int64_t ldo, const float* acc, int64_t row0, int64_t row_end, int64_t col0,
+                        int64_t cols, const float* bias) {
+  for (int64_t r = row0; r < row_end; ++r) {
+    float* dst = op + r * ldo + col0;
+    const float* src = acc + (r - row0) * kPanel;
+    if (bias != nullptr) {
+      for (int64_t c = 0; c < cols; ++c) dst[c] = src[c] + bias[col0 + c];
+    } else {
+      std::memcpy(dst, src, cols * sizeof(float));
+    }
+  }
+}
+
+// the tiles of rows [row0, row_end) over one float32 K-slice of a panel (or a widened one); the
+// first asks for `prefetch` (see linear_impl)
+inline void float_tiles(int64_t row0, int64_t row_end, const float* x, int64_t ldx, const float* panel, int64_t kc,
+                        float* acc, bool accumulate, const float* prefetch) {
+#ifdef TANDEM_AVX512
+  for (int64_t r0 = row0; r0 < row_end; r0 += kFloatTile) {
+    run_float_tile(std::min(kFloatTile, row_end - r0), x + (r0 - row0) * ldx, ldx, panel, kc, acc + (r0 - row0) * kPanel,
+                   accumulate, r0 == row0 ? prefetch : nullptr);
+  }
+#else
+  for (int64_t r0 = row0; r0 < row_end; r0 += kTile) {
+    run_tile<float>(std::min(kTile, row_end - r0), x + (r0 - row0) * ldx, ldx, panel, kc, acc + (r0 - row0) * kPanel,
+                    accumulate, r0 == row0 ? prefetch : nullptr);
+  }
+#endif
+}
+
+#ifdef TANDEM_AVX512
+// float32 panels two at a time (see tile_kernel512x2), for kPairRows rows or more (fewer rows
+// stream the weight from memory, where one panel at a time measured faster); an odd last panel
+// alone. The loop nest is linear_impl's.
+constexpr int64_t kPairRows = 32;
+void linear_float_pairs(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels, const float* bias) {
+  const int64_t m_size = x.size(0), k_size = x.size(1), n_size = out.size(1);
+  const int64_t n_panels = panels.size(0), ldx = x.stride(0), ldo = out.stride(0);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = panels.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t row_blocks = (m_size + kRowBlock - 1) / kRowBlock;
+  const int64_t n_pairs = (n_panels + 1) / 2;
+  const int64_t total = row_blocks * n_pairs;
+  tandem_cpu::for_each_chunk(total, tandem_cpu::chunk_for(total, 4), [&](int64_t begin, int64_t end) {
+    alignas(64) float acc[2][kRowBlock * kPanel];
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t rb = work / n_pairs, q = work % n_pairs;
+      const int64_t p0 = 2 * q, count = std::min<int64_t>(2, n_panels - p0);
+      const float* panel0 = wp + p0 * k_size * kPanel;
+      const float* panel1 = panel0 + k_size * kPanel;
+      const int64_t row0 = rb * kRowBlock, row_end = std::min(m_size, row0 + kRowBlock);
+      for (int64_t k0 = 0; k0 < k_size; k0 += kKBlock) {
+        const int64_t kc = std::min(kKBlock, k_size - k0);
+        const float* xs = xp + row0 * ldx + k0;
+        if (count == 1) {
+          float_tiles(row0, row_end, xs, ldx, panel0 + k0 * kPanel, kc, acc[0], k0 > 0, nullptr);
+          continue;
+        }
+        const float* ahead = panel0 + (k0 + kPrefetchSlices * kc) * kPanel;
+        for (int64_t r0 = row0; r0 < row_end; r0 += kFloatTile) {
+          const int64_t rows = std::min(kFloatTile, row_end - r0);
+          const float* xr = xs + (r0 - row0) * ldx;
+          float* t0 = acc[0] + (r0 - row0) * kPanel;
+          float* t1 = acc[1] + (r0 - row0) * kPanel;
+          const float* pf = r0 == row0 ? ahead : nullptr;
+          switch (rows) {
+#define TANDEM_CASE(n) case n: tile_kernel512x2<n>(xr, ldx, panel0 + k0 * kPanel, panel1 + k0 * kPanel, kc, t0, t1, k0 > 0, pf); break;
+            TANDEM_CASE(1) TANDEM_CASE(2) TANDEM_CASE(3) TANDEM_CASE(4) TANDEM_CASE(5) TANDEM_CASE(6)
+            TANDEM_CASE(7) TANDEM_CASE(8) TANDEM_CASE(9) TANDEM_CASE(10) TANDEM_CASE(11)
+#undef TANDEM_CASE
+            default: tile_kernel512x2<12>(xr, ldx, panel0 + k0 * kPanel, panel1 + k0 * kPanel, kc, t0, t1, k0 > 0, pf);
+          }
+        }
+      }
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t col0 = (p0 + i) * kPanel;
+        store_panel(op, ldo, acc[i], row0, row_end, col0, std::min(kPanel, n_size - col0), bias);
+      }
+    }
+  });
+}
+#endif
+
 template <typename W>
 void linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels, const float* bias) {
   const int64_t m_size = x.size(0), k_size = x.size(1), n_size = out.size(1);
@@ -149,7 +314,7 @@ void linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
   // a few panels per chunk: each chunk streams one contiguous run of the weight
   const int64_t total = row_blocks * n_panels;
   tandem_cpu::for_each_chunk(total, tandem_cpu::chunk_for(total, 8), [&](int64_t begin, int64_t end) {
-    alignas(32) float acc[kRowBlock * kPanel];  // the row block's sums for one panel
+    alignas(64) float acc[kRowBlock * kPanel];  // the row block's sums for one panel
     alignas(64) static thread_local float wide[kKBlock * kPanel];  // see kWidenOnceRows
     for (int64_t work = begin; work < end; ++work) {
       // consecutive work items walk the panels of one row block: each thread streams a
@@ -168,10 +333,11 @@ void linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
         const W* ahead = panel + (k0 + kPrefetchSlices * kc) * kPanel;
         if (widen_once) {
           widen_slice(panel + k0 * kPanel, kc, wide, ahead);
-          for (int64_t r0 = row0; r0 < row_end; r0 += kTile) {
-            run_tile<float>(std::min(kTile, row_end - r0), xp + r0 * ldx + k0, ldx, wide, kc,
-                            acc + (r0 - row0) * kPanel, k0 > 0, nullptr);
-          }
+          float_tiles(row0, row_end, xp + row0 * ldx + k0, ldx, wide, kc, acc, k0 > 0, nullptr);
+          continue;
+        }
+        if constexpr (std::is_same_v<W, float>) {
+          float_tiles(row0, row_end, xp + row0 * ldx + k0, ldx, panel + k0 * kPanel, kc, acc, k0 > 0, ahead);
           continue;
         }
         for (int64_t r0 = row0; r0 < row_end; r0 += kTile) {
@@ -179,19 +345,7 @@ void linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
                       acc + (r0 - row0) * kPanel, k0 > 0, r0 == row0 ? ahead : nullptr);
         }
       }
-      for (int64_t r0 = row0; r0 < row_end; r0 += kTile) {
-        const int64_t rows = std::min(kTile, row_end - r0);
-        const float* tile = acc + (r0 - row0) * kPanel;
-        for (int64_t r = 0; r < rows; ++r) {
-          float* dst = op + (r0 + r) * ldo + col0;
-          const float* src = tile + r * kPanel;
-          if (bias != nullptr) {
-            for (int64_t c = 0; c < cols; ++c) dst[c] = src[c] + bias[col0 + c];
-          } else {
-            std::memcpy(dst, src, cols * sizeof(float));
-          }
-        }
-      }
+      store_panel(op, ldo, acc, row0, row_end, col0, cols, bias);
     }
   });
 }
@@ -214,7 +368,12 @@ void panel_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels
   }
   if (x.size(0) == 0) return;
   switch (panels.scalar_type()) {
+#ifdef TANDEM_AVX512
+    case at::kFloat:
+      return x.size(0) >= kPairRows ? linear_float_pairs(out, x, panels, bp) : linear_impl<float>(out, x, panels, bp);
+#else
     case at::kFloat: return linear_impl<float>(out, x, panels, bp);
+#endif
     case at::kBFloat16: return linear_impl<c10::BFloat16>(out, x, panels, bp);
     case at::kHalf: return linear_impl<c10::Half>(out, x, panels, bp);
     default: TORCH_CHECK(false, "panel_linear: unsupported weight dtype ", panels.scalar_type());

@@ -57,6 +57,21 @@ def test_16_bit_weights_over_several_k_slices(dtype, rows):
     torch.testing.assert_close(got, reference(x, w, None), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 4, 31, 32, 33, 97, 200])
+def test_float32_weights_over_several_k_slices_and_an_odd_panel(rows):
+    # K = 600: three K-slices, the last partial; N = 67: five panels, the last partial, so that
+    # panels taken two at a time (32 rows or more on AVX512 builds) leave one alone; rows not a
+    # multiple of any tile
+    gen = torch.Generator().manual_seed(rows)
+    n, k = 67, 600
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(rows, k, generator=gen)
+    packed = PackedLinear.pack("tandem", w)
+    for b in (None, bias):
+        torch.testing.assert_close(packed(x, b), reference(x, w, b), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("rows", [3, 64, 200])
 def test_the_result_does_not_depend_on_the_number_of_threads(rows):
     # Threads take panels (and row blocks) a few at a time from a shared counter: every output
