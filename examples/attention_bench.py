@@ -17,6 +17,7 @@ import time
 import torch
 
 from tandem.kernels import cpu_ops
+from tandem.models import huge_pages
 
 BLOCK_SIZE = 16
 
@@ -38,7 +39,9 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(0)
     shape = (args.num_blocks, 2, BLOCK_SIZE, args.kv_heads, args.head_dim)
-    pools = [torch.randn(shape, generator=gen).to(dtype) for _ in range(args.pools)]
+    # on 2 MiB pages where the system gives them, as the engine's pool is (scattered blocks on
+    # 4 KiB pages would time TLB misses the engine does not have)
+    pools = [huge_pages.HugePageArena().copy(torch.randn(shape, generator=gen).to(dtype)) for _ in range(args.pools)]
     blocks = -(-args.context // BLOCK_SIZE)
     tables = torch.randperm(args.num_blocks, generator=gen)[: args.rows * blocks].view(args.rows, blocks).contiguous()
     q = torch.randn(args.rows, args.heads, args.head_dim, generator=gen).to(dtype)

@@ -344,6 +344,7 @@ TANDEM_DPBF16_TARGET inline void block_scores_dpbf16(float* scores, const c10::B
 // one is scored), then one softmax pass over the chunk per head (the running max and sum move
 // once a chunk), then the chunk's values.
 constexpr int64_t kChunkBlocks = 8;
+constexpr int64_t kKeysAhead = 2;  // blocks; one ahead left the core waiting on each row's keys
 
 TANDEM_DPBF16_TARGET void row_dpbf16(const c10::BFloat16* q, int64_t qs1, c10::BFloat16* o, int64_t os1,
                                      const c10::BFloat16* kvp, const int64_t* table, int64_t len, int64_t first,
@@ -355,17 +356,21 @@ TANDEM_DPBF16_TARGET void row_dpbf16(const c10::BFloat16* q, int64_t qs1, c10::B
   std::fill(m, m + nq, kNoScore);
   std::fill(l, l + nq, 0.f);
   const int64_t last_block = len > 0 ? (len - 1) / bs : -1;  // no keys: a zero output
+  // the keys of block b, to be asked for kKeysAhead blocks before they are scored
+  const auto keys_of = [&](int64_t b) {
+    return b <= last_block ? NextBlock{reinterpret_cast<const char*>(kvp + table[b] * ks0), ks2 * 2,
+                                       part_heads * ks3 * 2, std::min(bs, len - b * bs)}
+                           : NextBlock{};
+  };
+  for (int64_t b = first / bs + 1; b < first / bs + kKeysAhead; ++b) keys_of(b).fetch(0, 1);
   for (int64_t c0 = first / bs; c0 <= last_block; c0 += kChunkBlocks) {
     const int64_t c1 = std::min(last_block + 1, c0 + kChunkBlocks);
     for (int64_t b = c0; b < c1; ++b) {
       const int64_t t0 = std::max(b * bs, first) - b * bs, t1 = std::min(bs, len - b * bs);
       const c10::BFloat16* kb = kvp + table[b] * ks0;
-      // while it is scored: this block's values and the next block's keys
+      // while it is scored: this block's values and the keys kKeysAhead blocks on
       const NextBlock next_v{reinterpret_cast<const char*>(kb + ks1), ks2 * 2, part_heads * ks3 * 2, t1};
-      NextBlock next_k;
-      if (b < last_block)
-        next_k = {reinterpret_cast<const char*>(kvp + table[b + 1] * ks0), ks2 * 2, part_heads * ks3 * 2,
-                  std::min(bs, len - (b + 1) * bs)};
+      const NextBlock next_k = keys_of(b + kKeysAhead);
       for (int64_t j = 0; j < nq; ++j) {
         next_v.fetch(j, nq);
         next_k.fetch(j, nq);
