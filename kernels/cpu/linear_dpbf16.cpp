@@ -58,7 +58,8 @@ TANDEM_DPBF16_TARGET inline void tile_kernel(const uint16_t* x, int64_t ldx, con
   }
   int64_t j = 0;
   for (; j + chains <= pairs; j += chains) {
-    if (prefetch != nullptr) _mm_prefetch(reinterpret_cast<const char*>(prefetch + j * 2 * kPanel), _MM_HINT_T1);
+    for (int c = 0; c < chains && prefetch != nullptr; ++c)
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + (j + c) * 2 * kPanel), _MM_HINT_T1);
     for (int c = 0; c < chains; ++c) {
       const __m512i w = _mm512_loadu_si512(panel + (j + c) * 2 * kPanel);
       for (int r = 0; r < rows; ++r) {
@@ -182,15 +183,19 @@ TANDEM_DPBF16_TARGET void run_items(const Problem& p, int64_t begin, int64_t end
   }
 }
 
-// M <= kTile (a decode step's few rows): one tile over the whole of K per panel, no software
-// prefetch — the weight is read once, in order, and each thread's share of the panels is one
-// contiguous range (for_each_share) that the hardware prefetchers follow on their own.
+// M <= kTile (a decode step's few rows): one tile over the whole of K per panel. The weight is
+// read once, in order, and each thread's share of the panels is one contiguous range
+// (for_each_share): the hardware prefetchers follow it on their own at one to three rows, while
+// from kPrefetchRows rows on each panel row asks for the next panel's, which measured faster
+// there and slower at two rows (docs/benchmarks.md).
+constexpr int64_t kPrefetchRows = 4;
 TANDEM_DPBF16_TARGET void run_few_rows(const Problem& p, int64_t begin, int64_t end) {
   alignas(64) float acc[kTile * kPanel];
+  const int64_t panel_size = p.pairs * 2 * kPanel;
   for (int64_t panel_index = begin; panel_index < end; ++panel_index) {
-    const uint16_t* panel = p.w + panel_index * p.pairs * 2 * kPanel;
+    const uint16_t* panel = p.w + panel_index * panel_size;
     const int64_t col0 = panel_index * kPanel, cols = std::min(kPanel, p.n - col0);
-    run_tile(p.m, p.x, p.ldx, panel, p.pairs, acc, false, nullptr);
+    run_tile(p.m, p.x, p.ldx, panel, p.pairs, acc, false, p.m >= kPrefetchRows ? panel + panel_size : nullptr);
     store_rows(p, acc, 0, p.m, col0, cols);
   }
 }
