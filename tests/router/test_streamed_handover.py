@@ -43,6 +43,8 @@ instance's set-up (handshake, admission), and a fault test stops it well before 
 TCP = {"UCX_TLS": "tcp"}
 STOPPED_TOKENS = 29 * BLOCK + 3
 """The prompt whose prefill a fault test stops (the tiny Llama takes 512 positions)."""
+KILL_GRACE_S = 1.5
+"""How long a frozen prefill instance is left alive before it is killed (stopped_mid_stream)."""
 
 
 @dataclass
@@ -168,8 +170,11 @@ def stopped_mid_stream(cluster: Cluster, decode: InstanceProcess, seed: int,
 
     A freeze that lands after the prefill instance announced the whole prompt (a loaded machine
     can hold up the test's polling that long) leaves nothing to fail: the decode instance
-    answers in full, and a frozen prefill is tried again with a fresh prompt (twice at most)."""
-    last_attempt = 0 if kill else 2
+    answers in full. The prefill instance is then resumed and tried again with a fresh prompt
+    (twice at most). To be killed, it is frozen first and killed only if no answer came within
+    KILL_GRACE_S (well under the decode instance's 5 s transfer timeout), so that a freeze that
+    came too late is tried again while the instance is still alive."""
+    last_attempt = 2
     attempt = 0
     while True:
         prompt = _prompts(seed + 1000 * attempt, [STOPPED_TOKENS])[0]
@@ -187,17 +192,24 @@ def stopped_mid_stream(cluster: Cluster, decode: InstanceProcess, seed: int,
         thread.start()
         assert until_read(decode.url, reads)
         cluster.prefill.send_signal(signal.SIGSTOP)
-        if kill:
-            cluster.prefill.kill()
+        killed = False
         try:
+            if kill:
+                thread.join(KILL_GRACE_S)
+                if thread.is_alive() or attempt == last_attempt:
+                    cluster.prefill.kill()
+                    killed = True
             thread.join(120)
             failed = peer_failures(decode.url) - failures
-            too_late = not kill and failed == 0 and answer["response"].status_code == 200
+            too_late = failed == 0 and answer["response"].status_code == 200
             if not too_late or attempt == last_attempt:
                 assert failed == 1
+                if kill and not killed:
+                    cluster.prefill.kill()
+                    killed = True
                 return answer["response"], prompt
         finally:
-            if not kill:
+            if not killed:
                 cluster.prefill.send_signal(signal.SIGCONT)
         attempt += 1
 
