@@ -25,8 +25,8 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=["3072x576", "960x576", "576x1536", "576x576", "49152x576"],
                    help="N x K of the layers (default: SmolLM2-135M's)")
     p.add_argument("--rows", nargs="+", type=int, default=[1, 16, 64, 256, 2048])
-    p.add_argument("--kinds", nargs="+", default=None, help=f"kernels (default: every one this machine has: "
-                   f"{', '.join(available_kinds())}, but torch's)")
+    p.add_argument("--kinds", nargs="+", default=None,
+                   help="kernels: tandem, dpbf16, onednn, torch (default: every one this machine has but torch's)")
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
     kinds = args.kinds or [k for k in available_kinds() if k != "torch" and (k != "dpbf16" or dtype == torch.bfloat16)]

@@ -85,10 +85,10 @@ inline void tile_kernel(const float* x, int64_t ldx, const W* panel, int64_t k_s
 }
 #ifdef __AVX512F__
 // float32 weights (or 16-bit ones widened once per slice) with AVX512: rows x 16 outputs of one
-// panel, one 512-bit sum per row, up to kTile512 rows a tile (each weight row loaded feeds up to
+// panel, one 512-bit sum per row, up to kFloatTile rows a tile (each weight row loaded feeds up to
 // 12 FMAs, as the 256-bit tile's does, in half the instructions); with fewer than four rows the
 // k rows go round-robin into `chains` sums per row so that four or more FMAs are in flight.
-constexpr int64_t kTile512 = 12;
+constexpr int64_t kFloatTile = 12;
 template <int rows>
 inline void tile_kernel512(const float* x, int64_t ldx, const float* panel, int64_t k_size, float* tile,
                            bool accumulate, const float* prefetch) {
@@ -192,16 +192,15 @@ inline void widen_slice(const W* panel, int64_t kc, float* wide, const W* prefet
 }
 
 #ifdef TANDEM_AVX512
-// float32 panels: kTile512 rows a tile
-constexpr int64_t kFloatTile = kTile512;
-inline void run_float_tile(int64_t rows, const float* x, int64_t ldx, const float* panel, int64_t k_size, float* tile,
-                           bool accumulate, const float* prefetch) {
+// f(std::integral_constant<int, n>()) for the tile of n = min(rows, kFloatTile) rows, rows >= 1
+template <typename F>
+inline void with_float_tile_rows(int64_t rows, const F& f) {
   switch (rows) {
-#define TANDEM_CASE(n) case n: return tile_kernel512<n>(x, ldx, panel, k_size, tile, accumulate, prefetch);
+#define TANDEM_CASE(n) case n: return f(std::integral_constant<int, n>());
     TANDEM_CASE(1) TANDEM_CASE(2) TANDEM_CASE(3) TANDEM_CASE(4) TANDEM_CASE(5) TANDEM_CASE(6)
     TANDEM_CASE(7) TANDEM_CASE(8) TANDEM_CASE(9) TANDEM_CASE(10) TANDEM_CASE(11)
 #undef TANDEM_CASE
-    default: return tile_kernel512<12>(x, ldx, panel, k_size, tile, accumulate, prefetch);
+    default: return f(std::integral_constant<int, kFloatTile>());
   }
 }
 #endif
@@ -240,8 +239,10 @@ inline void float_tiles(int64_t row0, int64_t row_end, const float* x, int64_t l
                         float* acc, bool accumulate, const float* prefetch) {
 #ifdef TANDEM_AVX512
   for (int64_t r0 = row0; r0 < row_end; r0 += kFloatTile) {
-    run_float_tile(std::min(kFloatTile, row_end - r0), x + (r0 - row0) * ldx, ldx, panel, kc, acc + (r0 - row0) * kPanel,
-                   accumulate, r0 == row0 ? prefetch : nullptr);
+    with_float_tile_rows(row_end - r0, [&](auto rows) {
+      tile_kernel512<decltype(rows)::value>(x + (r0 - row0) * ldx, ldx, panel, kc, acc + (r0 - row0) * kPanel,
+                                            accumulate, r0 == row0 ? prefetch : nullptr);
+    });
   }
 #else
   for (int64_t r0 = row0; r0 < row_end; r0 += kTile) {
@@ -254,7 +255,8 @@ inline void float_tiles(int64_t row0, int64_t row_end, const float* x, int64_t l
 #ifdef TANDEM_AVX512
 // float32 panels two at a time (see tile_kernel512x2), for kPairRows rows or more (fewer rows
 // stream the weight from memory, where one panel at a time measured faster); an odd last panel
-// alone. The loop nest is linear_impl's.
+// alone. The loop nest is linear_impl's; a slice of both panels (2 x kKBlock x 16 floats, 32 KiB)
+// no longer fits L1 beside x (shorter slices for pairs are not measured yet).
 constexpr int64_t kPairRows = 32;
 void linear_float_pairs(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels, const float* bias) {
   const int64_t m_size = x.size(0), k_size = x.size(1), n_size = out.size(1);
@@ -282,18 +284,12 @@ void linear_float_pairs(at::Tensor& out, const at::Tensor& x, const at::Tensor& 
         }
         const float* ahead = panel0 + (k0 + kPrefetchSlices * kc) * kPanel;
         for (int64_t r0 = row0; r0 < row_end; r0 += kFloatTile) {
-          const int64_t rows = std::min(kFloatTile, row_end - r0);
-          const float* xr = xs + (r0 - row0) * ldx;
-          float* t0 = acc[0] + (r0 - row0) * kPanel;
-          float* t1 = acc[1] + (r0 - row0) * kPanel;
-          const float* pf = r0 == row0 ? ahead : nullptr;
-          switch (rows) {
-#define TANDEM_CASE(n) case n: tile_kernel512x2<n>(xr, ldx, panel0 + k0 * kPanel, panel1 + k0 * kPanel, kc, t0, t1, k0 > 0, pf); break;
-            TANDEM_CASE(1) TANDEM_CASE(2) TANDEM_CASE(3) TANDEM_CASE(4) TANDEM_CASE(5) TANDEM_CASE(6)
-            TANDEM_CASE(7) TANDEM_CASE(8) TANDEM_CASE(9) TANDEM_CASE(10) TANDEM_CASE(11)
-#undef TANDEM_CASE
-            default: tile_kernel512x2<12>(xr, ldx, panel0 + k0 * kPanel, panel1 + k0 * kPanel, kc, t0, t1, k0 > 0, pf);
-          }
+          with_float_tile_rows(row_end - r0, [&](auto rows) {
+            tile_kernel512x2<decltype(rows)::value>(xs + (r0 - row0) * ldx, ldx, panel0 + k0 * kPanel,
+                                                    panel1 + k0 * kPanel, kc, acc[0] + (r0 - row0) * kPanel,
+                                                    acc[1] + (r0 - row0) * kPanel, k0 > 0,
+                                                    r0 == row0 ? ahead : nullptr);
+          });
         }
       }
       for (int64_t i = 0; i < count; ++i) {
