@@ -168,12 +168,13 @@ class EngineConfig(_Section):
     """Attention backend plugin name; auto = triton on CUDA, cpu on CPU (torch: the reference)."""
     num_threads: int | None = Field(None, ge=1)
     """torch threads on CPU; unset = torch's default."""
-    cpu_kernels: Literal["auto", "tandem", "dpbf16", "onednn", "torch"] = "auto"
+    cpu_kernels: Literal["auto", "tandem", "dpbf16", "amx", "onednn", "torch"] = "auto"
     """On CPU: the kernels of the model's unquantized linear layers, LM head and element-wise
     steps. tandem: tandem's own C++ kernels (built on first use): linear layers on weights
     packed once (16-bit weights stay 16-bit), residual add + RMSNorm, SiLU-and-mul and rotary
     each in one pass; dpbf16: as tandem, but bfloat16 layers multiplied by AVX512-BF16's
-    pair dot products (a CPU without them is refused); onednn: linear layers on oneDNN's packed weights (16-bit weights on a CPU
+    pair dot products (a CPU without them is refused); amx: as dpbf16, on AMX tiles (a CPU or
+    kernel without AMX-BF16 is refused; layers whose K is not a multiple of 32 use dpbf16); onednn: linear layers on oneDNN's packed weights (16-bit weights on a CPU
     without instructions for them are kept in float32, twice their memory), torch for the
     rest; torch: torch everywhere (``F.linear``; the reference); auto: each linear layer shape
     and batch-size bucket on the kernel measured fastest on this machine (timed once at the

@@ -37,7 +37,8 @@ SOURCES = [Path(__file__).parent / "cpu" / name
            for name in ("paged_attention.cpp", "linear.cpp", "linear_dpbf16.cpp", "elementwise.cpp",
                         "sampling.cpp", "gguf_matmul.cpp", "decode_layers.cpp", "work_pool.cpp")]
 HEADERS = [Path(__file__).parent / "cpu" / "work_queue.h"]
-OPS = ("paged_decode", "panel_linear", "panel_linear_dpbf16", "dpbf16_supported", "rms_norm", "add_rms_norm",
+OPS = ("paged_decode", "panel_linear", "panel_linear_dpbf16", "dpbf16_supported", "panel_linear_amx",
+       "amx_supported", "rms_norm", "add_rms_norm",
        "silu_and_mul", "rotary_neox", "draw_rows", "argmax_rows", "gguf_linear", "gguf_dequantize_rows",
        "decode_layers", "use_work_pool", "head_rms_norm", "gemma_rms_norm", "gemma_add_rms_norm",
        "gelu_tanh_and_mul")
@@ -157,6 +158,20 @@ def panel_linear_dpbf16(out: torch.Tensor, x: torch.Tensor, panels: torch.Tensor
     (float32 ``out`` only): each sum rounded to bfloat16 as above, then stored widened back —
     ``.to(torch.bfloat16).float()`` of the float32 out, without those passes."""
     _ops().panel_linear_dpbf16(out, x, panels, bias, bf16_values)
+
+
+def amx_supported() -> bool:
+    """Whether ``panel_linear_amx`` runs here: a CPU with AMX-TILE, AMX-BF16 and AVX512-BF16, and
+    a Linux kernel that lets the process use the tile state (asked once, by the library)."""
+    return bool(_ops().amx_supported())
+
+
+def panel_linear_amx(out: torch.Tensor, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
+                     bf16_values: bool = False) -> None:
+    """``panel_linear_dpbf16`` on AMX tiles: the same arguments, panels and results (products
+    exact in float32, float32 sums in another order), K a multiple of 32; call only where
+    ``amx_supported()``."""
+    _ops().panel_linear_amx(out, x, panels, bias, bf16_values)
 
 
 def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:

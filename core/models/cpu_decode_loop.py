@@ -32,7 +32,7 @@ from tandem.models.layers import GemmaRMSNorm, RMSNorm
 from tandem.plugins.attention_cpu import CpuAttentionBackend
 from tandem.plugins.attention_torch import DECODE_QUERY_MAX, PLAN_KEY
 
-KINDS = {"tandem": 0, "onednn": 1, "torch": 2, "gguf": 3, "dpbf16": 4}
+KINDS = {"tandem": 0, "onednn": 1, "torch": 2, "gguf": 3, "dpbf16": 4, "amx": 5}
 """Linear kinds as ``decode_layers.cpp`` numbers them."""
 FLAGS = {"qk_norm": 1, "gemma": 2, "gelu": 4}
 """The layer shape's flags as ``decode_layers.cpp`` numbers them."""

@@ -14,6 +14,9 @@ Kernels (``mode``):
 - ``dpbf16``: tandem's panels of bfloat16 weight pairs multiplied by AVX512-BF16's pair dot
   products (``kernels/cpu/linear_dpbf16.cpp``), for bfloat16 layers on a CPU that has them
   (other layers fall back to ``tandem``);
+- ``amx``: the same panels multiplied on AMX tiles (``panel_linear_amx``, same file), for
+  bfloat16 layers with K a multiple of 32 on a CPU with AMX-BF16 (other layers fall back to
+  ``dpbf16``, then ``tandem``); ``dpbf16`` and ``amx`` share one packing;
 - ``onednn``: oneDNN's reordered weights (``torch.ops.mkldnn``), in the model's dtype where the
   CPU has instructions for it, else in float32 (twice the memory of a 16-bit model);
 - ``torch``: ``F.linear`` on the plain weights — the reference the tests compare against;
@@ -39,8 +42,10 @@ from tandem.models.cpu_tuning import M_BUCKETS, Shape, ShapeChoice, bucket_index
 
 logger = logging.getLogger("tandem")
 
-MODES = ("auto", "tandem", "dpbf16", "onednn", "torch")
+MODES = ("auto", "tandem", "dpbf16", "amx", "onednn", "torch")
 PANEL = 16
+PAIR_KINDS = ("dpbf16", "amx")
+"""The kernels of the bfloat16 pair panels (one packing serves both)."""
 
 
 class PackedLinear:
@@ -61,7 +66,7 @@ class PackedLinear:
         n, k = weight.shape
         if kind == "torch":
             packed = weight
-        elif kind in ("tandem", "dpbf16"):
+        elif kind == "tandem" or kind in PAIR_KINDS:
             if not cpu_ops.load():
                 raise ValueError("tandem's CPU kernels could not be built (see the warning above)")
             panels = -(-n // PANEL)
@@ -70,7 +75,7 @@ class PackedLinear:
             if kind == "tandem":
                 packed = padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
             else:
-                assert dpbf16_fits(weight.dtype, k), (weight.dtype, k)
+                assert (amx_fits if kind == "amx" else dpbf16_fits)(weight.dtype, k), (kind, weight.dtype, k)
                 packed = padded.view(panels, PANEL, k // 2, 2).transpose(1, 2).contiguous()
         else:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(onednn_dtype(weight.dtype)).contiguous(), 1)
@@ -88,17 +93,18 @@ class PackedLinear:
         if self.kind == "torch":
             out = F.linear(x2 if x2.dtype == self.weight.dtype else x2.to(self.weight.dtype), self.weight,
                            None if bias is None else bias.to(self.weight.dtype))
-        elif self.kind in ("tandem", "dpbf16"):
-            # tandem's panels read float32 rows; dpbf16's bfloat16 rows at an even stride
+        elif self.kind == "tandem" or self.kind in PAIR_KINDS:
+            # tandem's panels read float32 rows; the pair kernels bfloat16 rows at an even stride
             want = torch.float32 if self.kind == "tandem" else torch.bfloat16
-            # dpbf16 writes a bfloat16 layer's out itself, rounded as .to() would round it
-            out_dtype = torch.bfloat16 if self.kind == "dpbf16" and x.dtype == torch.bfloat16 else torch.float32
+            # the pair kernels write a bfloat16 layer's out themselves, rounded as .to() would round it
+            out_dtype = torch.bfloat16 if self.kind != "tandem" and x.dtype == torch.bfloat16 else torch.float32
             if x2.dtype != want or x2.stride(-1) != 1 or (want == torch.bfloat16 and x2.stride(0) % 2):
                 x2 = x2.to(want).contiguous()
             out = torch.empty(x2.shape[0], self.out_features, dtype=out_dtype)
             if bias is not None and bias.dtype != torch.float32:
                 bias = bias.float()
-            kernel = cpu_ops.panel_linear if self.kind == "tandem" else cpu_ops.panel_linear_dpbf16
+            kernel = {"tandem": cpu_ops.panel_linear, "dpbf16": cpu_ops.panel_linear_dpbf16,
+                      "amx": cpu_ops.panel_linear_amx}[self.kind]
             kernel(out, x2, self.weight, bias)
         else:
             compute = self.weight.dtype
@@ -111,16 +117,17 @@ class PackedLinear:
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """``self(x).float()``: float32 values of ``x``'s dtype (an LM head's logits, rounded as
-        the model's dtype rounds them). A bfloat16 layer on dpbf16 has the kernel store them so,
-        without the two conversion passes (torch's pass over the vocabulary wakes its thread
+        the model's dtype rounds them). A bfloat16 layer on dpbf16 or amx has the kernel store them
+        so, without the two conversion passes (torch's pass over the vocabulary wakes its thread
         team every step)."""
-        if self.kind != "dpbf16" or x.dtype != torch.bfloat16:
+        if self.kind not in PAIR_KINDS or x.dtype != torch.bfloat16:
             return self(x).float()
         x2 = x.reshape(-1, self.in_features)
         if x2.stride(-1) != 1 or x2.stride(0) % 2:
             x2 = x2.contiguous()
         out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
-        cpu_ops.panel_linear_dpbf16(out, x2, self.weight, None, bf16_values=True)
+        kernel = cpu_ops.panel_linear_amx if self.kind == "amx" else cpu_ops.panel_linear_dpbf16
+        kernel(out, x2, self.weight, None, bf16_values=True)
         return out.view(*x.shape[:-1], self.out_features)
 
 
@@ -172,8 +179,31 @@ def dpbf16_fits(dtype: torch.dtype, in_features: int) -> bool:
     return dtype == torch.bfloat16 and in_features % 2 == 0
 
 
+@functools.cache
+def amx_available() -> bool:
+    """Whether the ``amx`` kernel runs here: tandem's kernels built, a CPU with AMX-BF16 and a
+    kernel that lets the process use it."""
+    return cpu_ops.load() and cpu_ops.amx_supported()
+
+
+def amx_fits(dtype: torch.dtype, in_features: int) -> bool:
+    """Whether a layer of ``dtype`` weights with ``in_features`` inputs can use ``amx`` (K in
+    whole tiles of 32)."""
+    return dtype == torch.bfloat16 and in_features % 32 == 0
+
+
+def fitting_kind(kind: str, dtype: torch.dtype, in_features: int) -> str:
+    """``kind``, or the kernel a layer it does not take falls back to (``amx``: ``dpbf16``, then
+    ``tandem``; ``dpbf16``: ``tandem``)."""
+    if kind == "amx" and not amx_fits(dtype, in_features):
+        kind = "dpbf16"
+    if kind == "dpbf16" and not dpbf16_fits(dtype, in_features):
+        kind = "tandem"
+    return kind
+
+
 def resolve_kind(mode: str, device: torch.device) -> str:
-    """The kernel ``mode`` stands for on ``device``: "tandem", "dpbf16", "onednn" or "torch"."""
+    """The kernel ``mode`` stands for on ``device``: "tandem", "dpbf16", "amx", "onednn" or "torch"."""
     if mode not in MODES:
         raise ValueError(f"engine.cpu_kernels = {mode!r}; allowed: {', '.join(MODES)}")
     if device.type != "cpu" or mode == "torch":
@@ -183,6 +213,12 @@ def resolve_kind(mode: str, device: torch.device) -> str:
             raise ValueError("engine.cpu_kernels = 'dpbf16' but this CPU has no AVX512-BF16 instructions "
                              "(or tandem's CPU kernels could not be built); use 'auto', 'tandem', 'onednn' "
                              "or 'torch'")
+        return mode
+    if mode == "amx":
+        if not amx_available():
+            raise ValueError("engine.cpu_kernels = 'amx' but this CPU (or its operating system) gives no AMX-BF16 "
+                             "instructions (or tandem's CPU kernels could not be built); use 'auto', 'tandem', "
+                             "'dpbf16', 'onednn' or 'torch'")
         return mode
     if mode in ("auto", "tandem") and cpu_ops.load():
         return "tandem"
@@ -200,16 +236,17 @@ def resolve_kind(mode: str, device: torch.device) -> str:
 def available_kinds() -> list[str]:
     """The CPU kernels that run here, in the order of the fixed rule (the first is what
     ``auto`` meant before kernels were measured)."""
-    return [k for k, ok in (("tandem", cpu_ops.load()), ("dpbf16", dpbf16_available()),
+    return [k for k, ok in (("tandem", cpu_ops.load()), ("dpbf16", dpbf16_available()), ("amx", amx_available()),
                             ("onednn", torch.backends.mkldnn.is_available()), ("torch", True)) if ok]
 
 
 def kinds_for(shape: Shape) -> list[str]:
     """The kernels of ``available_kinds()`` that take a layer of ``shape``, the fixed rule's first:
-    ``dpbf16`` where it takes the layer (the CPU's own bfloat16 instructions rather than
-    bfloat16 widened to float32), else the order of ``available_kinds()``."""
-    kinds = [k for k in available_kinds() if k != "dpbf16"]
-    return ["dpbf16", *kinds] if dpbf16_available() and dpbf16_fits(shape.dtype, shape.k) else kinds
+    ``amx``, then ``dpbf16``, where they take the layer (the CPU's own bfloat16 instructions
+    rather than bfloat16 widened to float32), else the order of ``available_kinds()``."""
+    kinds = [k for k in available_kinds() if k not in PAIR_KINDS]
+    pairs = [k for k in ("amx", "dpbf16") if k in available_kinds() and fitting_kind(k, shape.dtype, shape.k) == k]
+    return [*pairs, *kinds]
 
 
 def pack_cpu_linears(model: nn.Module, mode: str, device: torch.device, lm_head_rows: int | None = None) -> str:
@@ -240,8 +277,7 @@ def pack_cpu_linears(model: nn.Module, mode: str, device: torch.device, lm_head_
     with torch.no_grad():
         for _, module in layers:
             dtypes.add(module.weight.dtype)
-            fits = kind != "dpbf16" or dpbf16_fits(module.weight.dtype, module.weight.shape[1])
-            _install(module, PackedLinear.pack(kind if fits else "tandem", module.weight))
+            _install(module, PackedLinear.pack(fitting_kind(kind, *_dtype_and_k(module)), module.weight))
     if layers:
         names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
         upcast = kind == "onednn" and any(onednn_dtype(d) != d for d in dtypes)
@@ -258,8 +294,17 @@ def _install(module: nn.Module, packed: PackedLinear | BucketedLinear) -> None:
         module.weight = None
 
 
+def _dtype_and_k(module: nn.Module) -> tuple[torch.dtype, int]:
+    return module.weight.dtype, module.weight.shape[1]
+
+
+def _layout(kind: str) -> str:
+    """Kernels with the same layout multiply one packing."""
+    return "pairs" if kind in PAIR_KINDS else kind
+
+
 def _packed_bytes(kind: str, shape: Shape) -> int:
-    if kind in ("tandem", "dpbf16"):
+    if kind == "tandem" or kind in PAIR_KINDS:
         return -(-shape.n // PANEL) * PANEL * shape.k * shape.dtype.itemsize
     dtype = onednn_dtype(shape.dtype) if kind == "onednn" else shape.dtype
     return shape.n * shape.k * dtype.itemsize
@@ -284,7 +329,8 @@ def _pack_tuned(layers: list[tuple[str, nn.Module]], lm_head_rows: int | None = 
     extra = {}
     for shape, mods in by_shape.items():
         for kind in choices[shape].kinds[1:]:
-            extra[(shape, kind)] = sum(0 if kind == "torch" and getattr(m, "tied", False)
+            shared = _layout(kind) == _layout(choices[shape].primary)
+            extra[(shape, kind)] = sum(0 if shared or kind == "torch" and getattr(m, "tied", False)
                                        else _packed_bytes(kind, shape) for _, m in mods)
     primary_bytes = sum(_packed_bytes(choices[s].primary, s) * len(m) for s, m in by_shape.items())
     choices = cpu_tuning.within_budget(choices, extra, int(primary_bytes * cpu_tuning.EXTRA_BYTES_SHARE))
@@ -292,7 +338,13 @@ def _pack_tuned(layers: list[tuple[str, nn.Module]], lm_head_rows: int | None = 
         for shape, mods in by_shape.items():
             choice = choices[shape]
             for _, module in mods:
-                packings = {k: PackedLinear.pack(k, module.weight) for k in choice.kinds}
+                layouts: dict[str, PackedLinear] = {}
+                packings = {}
+                for k in choice.kinds:
+                    if _layout(k) not in layouts:
+                        layouts[_layout(k)] = PackedLinear.pack(k, module.weight)
+                    same = layouts[_layout(k)]
+                    packings[k] = PackedLinear(k, same.weight, same.out_features, same.in_features)
                 packed = packings[choice.primary] if len(packings) == 1 else \
                     BucketedLinear([packings[k] for k in choice.buckets])
                 _install(module, packed)

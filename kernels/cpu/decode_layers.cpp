@@ -35,6 +35,7 @@
 //   kind 2  a dense weight    (at::linear in the weight's dtype)
 //   kind 3  GGUF blocks       (gguf_linear of ggml_type)
 //   kind 4  bfloat16 pairs    (x in bfloat16, panel_linear_dpbf16, rounded back to T)
+//   kind 5  the same on AMX   (panel_linear_amx)
 //
 // Each part runs under a profiler scope ("decode_layers.linear" with the panel kernel itself as
 // ".matmul" inside it, ".norm", ".rotary", ".kv_write", ".attention", ".act_and_mul"; free when
@@ -57,6 +58,8 @@
 void panel_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias);
 void panel_linear_dpbf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
                          const c10::optional<at::Tensor>& bias, bool bf16_values);
+void panel_linear_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
+                      const c10::optional<at::Tensor>& bias, bool bf16_values);
 void paged_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& rows,
                   const at::Tensor& tables, const at::Tensor& seq_lens, double scale, int64_t window);
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
@@ -103,10 +106,15 @@ at::Tensor linear_part(const at::Tensor& x, const at::Tensor& w, const int64_t* 
     case 1: return in_dtype(onednn_linear(in_dtype(x, w.scalar_type()), w), dtype);
     case 2: return in_dtype(at::linear(in_dtype(x, w.scalar_type()), w), dtype);
     case 3: return gguf_linear(x, w, info[3], info[2]);
-    case 4: {  // a bfloat16 model's out straight from the kernel, rounded as .to() rounds it
+    case 4:
+    case 5: {  // a bfloat16 model's out straight from the kernel, rounded as .to() rounds it
       const at::ScalarType out_dtype = dtype == at::kBFloat16 ? dtype : at::kFloat;
       at::Tensor out = at::empty({x.size(0), info[1]}, x.options().dtype(out_dtype));
-      panel_linear_dpbf16(out, in_dtype(x, at::kBFloat16).contiguous(), w, c10::nullopt, false);
+      const at::Tensor x16 = in_dtype(x, at::kBFloat16).contiguous();
+      if (info[0] == 4)
+        panel_linear_dpbf16(out, x16, w, c10::nullopt, false);
+      else
+        panel_linear_amx(out, x16, w, c10::nullopt, false);
       return in_dtype(out, dtype);
     }
     default: TORCH_CHECK(false, "decode_layers: unknown linear kind ", info[0]);
@@ -134,11 +142,11 @@ struct Linears {
 
   // the idle helpers read the start of their shares of linear i's (first) weight while the caller
   // does the work in between (work_queue.h); only for the kernels that share a weight out in
-  // order (tandem's panels, AVX512-BF16 pairs, GGUF blocks)
+  // order (tandem's panels, AVX512-BF16 pairs on either kernel, GGUF blocks)
   void warm(int64_t i) const {
     if (i + 1 >= static_cast<int64_t>(first.size())) return;
     const int64_t kind = info[kInfo * first[i]];
-    if (kind != 0 && kind != 3 && kind != 4) return;
+    if (kind != 0 && kind != 3 && kind != 4 && kind != 5) return;
     const at::Tensor& w = weights[first[i]];
     tandem_cpu::warm_next(w.data_ptr(), w.nbytes());
   }

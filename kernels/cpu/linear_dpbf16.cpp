@@ -17,6 +17,16 @@
 // out from a counter). The AVX512-BF16 code is compiled for that ISA alone (a target attribute),
 // whatever the rest of the library targets, and runs only where the CPU reports it
 // (dpbf16_supported): on other CPUs it is built but never called.
+//
+// panel_linear_amx multiplies the same panels on AMX tiles (TDPBF16PS: a 16 x 32 bfloat16 tile
+// of x times a 32 x 16 tile of W into 16 x 16 float32 sums, 16K products an instruction). An AMX
+// B tile is 16 rows of 64 bytes, row i holding the 16 columns' weights 2i and 2i + 1 side by
+// side: 16 consecutive pair rows of a panel, so the panels are B tiles as they lie (K a multiple
+// of 32). Two panels and 32 rows at a time: C tiles 0-3 (rows 0-15 and 16-31 by panel 0 and 1),
+// A tiles 4-5, B tiles 6-7. Rows past M in a last partial block of 16 come from a zero-padded
+// copy, so a tile never reads past x. It needs Linux's permission for the tile state
+// (arch_prctl ARCH_REQ_XCOMP_PERM), asked once; amx_supported() is false where the CPU lacks the
+// instructions or the kernel refuses.
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
@@ -31,6 +41,14 @@
 #include <immintrin.h>
 #define TANDEM_DPBF16 1
 #define TANDEM_DPBF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#if defined(__linux__) && __GNUC__ >= 11
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <vector>
+#define TANDEM_AMX 1
+#define TANDEM_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+#endif
 #endif
 
 namespace {
@@ -41,6 +59,16 @@ constexpr int64_t kRowBlock = 96;
 constexpr int64_t kPairBlock = 128;  // pair rows of a panel per K-slice: 8 KiB, stays in L1
 constexpr int64_t kPrefetchSlices = 2;
 constexpr int64_t kWideRows = 64;
+
+struct Problem {
+  const uint16_t* x;
+  const uint16_t* w;
+  float* out;           // float32 out, or
+  c10::BFloat16* out16;  // bfloat16 out
+  const float* bias;
+  bool bf16_values;      // float32 out rounded to bfloat16 values
+  int64_t m, pairs, n, n_panels, ldx, ldo;
+};
 
 #ifdef TANDEM_DPBF16
 // rows x 16 outputs of one panel over `pairs` pair rows: tile[r * 16 + c] (+)= sum_j x-pair . w-pair.
@@ -97,16 +125,6 @@ TANDEM_DPBF16_TARGET void run_tile(int64_t rows, const uint16_t* x, int64_t ldx,
     default: return tile_kernel<8>(x, ldx, panel, pairs, tile, accumulate, prefetch);
   }
 }
-
-struct Problem {
-  const uint16_t* x;
-  const uint16_t* w;
-  float* out;           // float32 out, or
-  c10::BFloat16* out16;  // bfloat16 out
-  const float* bias;
-  bool bf16_values;      // float32 out rounded to bfloat16 values
-  int64_t m, pairs, n, n_panels, ldx, ldo;
-};
 
 // rows [row0, row_end) of one panel's output from acc (row r at acc + (r - row0) * 16), bias added
 inline void store_rows(const Problem& p, const float* acc, int64_t row0, int64_t row_end, int64_t col0, int64_t cols) {
@@ -201,6 +219,109 @@ TANDEM_DPBF16_TARGET void run_few_rows(const Problem& p, int64_t begin, int64_t 
 }
 #endif
 
+#ifdef TANDEM_AMX
+constexpr int64_t kAmxRows = 16;        // rows of an A or C tile
+constexpr int64_t kAmxPairs = 16;       // pair rows of a B tile (32 values of K)
+constexpr int64_t kAmxShareRows = 64;   // up to these rows, each thread streams one range of panels
+constexpr int64_t kAmxChunkRows = 128;  // more rows go in chunks of this many (x's chunk stays in L2)
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// every tile 16 rows of 64 bytes
+TileConfig full_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = kAmxRows;
+  return cfg;
+}
+
+// x's rows for the AMX tiles: rows [0, full) straight from x, the rest (fewer than 16) from a
+// zero-padded copy
+struct AmxRows {
+  const Problem& p;
+  int64_t full;
+  const uint16_t* tail;  // 16 rows of K values, row i = x row full + i (zeros past M)
+  const uint16_t* at(int64_t row, int64_t& stride_bytes) const {
+    if (row < full) return stride_bytes = p.ldx * 2, p.x + row * p.ldx;
+    return stride_bytes = p.pairs * 4, tail + (row - full) * p.pairs * 2;
+  }
+};
+
+// rows [r, r + 16 or 32) by panel `panel` (and the next with two): sums into acc0 (and acc1),
+// 16 floats a row; `ahead`, when given, is asked for as the K loop reads the panels
+template <bool two, bool both>
+TANDEM_AMX_TARGET void amx_block(const AmxRows& xs, int64_t r, const uint16_t* panel, int64_t panel_size,
+                                 const uint16_t* ahead, float* acc0, float* acc1) {
+  int64_t s0 = 0, s1 = 0;
+  const uint16_t* a0 = xs.at(r, s0);
+  const uint16_t* a1 = both ? xs.at(r + kAmxRows, s1) : nullptr;
+  _tile_zero(0);
+  if (two) _tile_zero(1);
+  if (both) _tile_zero(2);
+  if (two && both) _tile_zero(3);
+  const int64_t steps = xs.p.pairs / kAmxPairs, step = kAmxPairs * 2 * kPanel;
+  for (int64_t ks = 0; ks < steps; ++ks) {
+    if (ahead != nullptr) {
+      for (int line = 0; line < 16; ++line) {
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + ks * step + line * 32), _MM_HINT_T1);
+        if (two) _mm_prefetch(reinterpret_cast<const char*>(ahead + panel_size + ks * step + line * 32), _MM_HINT_T1);
+      }
+    }
+    _tile_loadd(6, panel + ks * step, 64);
+    if (two) _tile_loadd(7, panel + panel_size + ks * step, 64);
+    _tile_loadd(4, a0 + ks * 2 * kAmxPairs, s0);
+    if (both) _tile_loadd(5, a1 + ks * 2 * kAmxPairs, s1);
+    _tile_dpbf16ps(0, 4, 6);
+    if (two) _tile_dpbf16ps(1, 4, 7);
+    if (both) _tile_dpbf16ps(2, 5, 6);
+    if (two && both) _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, acc0, 64);
+  if (two) _tile_stored(1, acc1, 64);
+  if (both) _tile_stored(2, acc0 + kAmxRows * kPanel, 64);
+  if (two && both) _tile_stored(3, acc1 + kAmxRows * kPanel, 64);
+}
+
+// work items [begin, end): item = row chunk * groups + group of two panels (the last group may
+// have one); `chunk_rows` rows a chunk
+TANDEM_AMX_TARGET void amx_items(const AmxRows& xs, int64_t chunk_rows, int64_t begin, int64_t end) {
+  const Problem& p = xs.p;
+  const TileConfig cfg = full_tiles();
+  _tile_loadconfig(&cfg);
+  alignas(64) float acc0[2 * kAmxRows * kPanel], acc1[2 * kAmxRows * kPanel];
+  const int64_t groups = (p.n_panels + 1) / 2, panel_size = p.pairs * 2 * kPanel;
+  const bool wide = p.m >= kWideRows;
+  for (int64_t work = begin; work < end; ++work) {
+    const int64_t chunk = work / groups, first = (work % groups) * 2;
+    const bool two = first + 1 < p.n_panels;
+    const uint16_t* panel = p.w + first * panel_size;
+    // the next group's weights while this one's first rows read these (a thread's items are
+    // consecutive groups)
+    const uint16_t* ahead = work + 1 < end && first + 2 < p.n_panels ? panel + 2 * panel_size : nullptr;
+    const int64_t row_end = std::min(p.m, (chunk + 1) * chunk_rows);
+    for (int64_t r = chunk * chunk_rows; r < row_end; r += 2 * kAmxRows) {
+      const bool both = row_end - r > kAmxRows;
+      const uint16_t* pf = r == chunk * chunk_rows ? ahead : nullptr;
+      if (two && both) amx_block<true, true>(xs, r, panel, panel_size, pf, acc0, acc1);
+      else if (two) amx_block<true, false>(xs, r, panel, panel_size, pf, acc0, acc1);
+      else if (both) amx_block<false, true>(xs, r, panel, panel_size, pf, acc0, acc1);
+      else amx_block<false, false>(xs, r, panel, panel_size, pf, acc0, acc1);
+      const int64_t rows_end = std::min(row_end, r + 2 * kAmxRows);
+      for (int64_t q = 0; q < (two ? 2 : 1); ++q) {
+        const int64_t col0 = (first + q) * kPanel, cols = std::min(kPanel, p.n - col0);
+        const float* acc = q == 0 ? acc0 : acc1;
+        if (wide) store_rows_wide(p, acc, r, rows_end, col0, cols);
+        else store_rows(p, acc, r, rows_end, col0, cols);
+      }
+    }
+  }
+  _tile_release();
+}
+#endif
+
 bool cpu_has_dpbf16() {
 #ifdef TANDEM_DPBF16
   static const bool supported = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
@@ -211,40 +332,68 @@ bool cpu_has_dpbf16() {
 #endif
 }
 
+// AMX-TILE and AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22), and Linux's leave to use the tile
+// data state (asked once for the process; kernels before 5.16 or without AMX support refuse)
+bool cpu_has_amx() {
+#ifdef TANDEM_AMX
+  static const bool supported = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!cpu_has_dpbf16() || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!(d & (1u << 24)) || !(d & (1u << 22))) return false;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return supported;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 bool dpbf16_supported() { return cpu_has_dpbf16(); }
 
-void panel_linear_dpbf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
-                         const c10::optional<at::Tensor>& bias, bool bf16_values) {
-  TORCH_CHECK(cpu_has_dpbf16(), "panel_linear_dpbf16: this CPU has no AVX512-BF16 instructions");
-  TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu() && out.device().is_cpu(),
-              "panel_linear_dpbf16 runs on the CPU");
+bool amx_supported() { return cpu_has_amx(); }
+
+namespace {
+
+// The arguments' checks (both kernels take the same), and the problem they describe.
+Problem checked_problem(const char* name, at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
+                        const c10::optional<at::Tensor>& bias, bool bf16_values) {
+  TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu() && out.device().is_cpu(), name, " runs on the CPU");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.size(1) % 2 == 0 &&
                   x.stride(0) % 2 == 0,
-              "panel_linear_dpbf16: x must be bfloat16 [M, K], K even, with contiguous rows at even strides");
+              name, ": x must be bfloat16 [M, K], K even, with contiguous rows at even strides");
   TORCH_CHECK(panels.dim() == 4 && panels.scalar_type() == at::kBFloat16 && panels.size(1) * 2 == x.size(1) &&
                   panels.size(2) == kPanel && panels.size(3) == 2 && panels.is_contiguous(),
-              "panel_linear_dpbf16: panels must be contiguous bfloat16 [P, K / 2, 16, 2]");
+              name, ": panels must be contiguous bfloat16 [P, K / 2, 16, 2]");
   const bool out16 = out.scalar_type() == at::kBFloat16;
   TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && (out16 || out.scalar_type() == at::kFloat) &&
                   out.stride(1) == 1 && out.size(1) <= panels.size(0) * kPanel &&
                   out.size(1) > (panels.size(0) - 1) * kPanel,
-              "panel_linear_dpbf16: out must be float32 or bfloat16 [M, N] with N filling the panels");
-  TORCH_CHECK(!(bf16_values && out16), "panel_linear_dpbf16: bf16_values is for a float32 out");
+              name, ": out must be float32 or bfloat16 [M, N] with N filling the panels");
+  TORCH_CHECK(!(bf16_values && out16), name, ": bf16_values is for a float32 out");
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out.size(1),
-                "panel_linear_dpbf16: bias must be float32 [N]");
+                name, ": bias must be float32 [N]");
     bp = bias->data_ptr<float>();
   }
-  if (x.size(0) == 0) return;
+  return Problem{reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()),
+                 reinterpret_cast<const uint16_t*>(panels.data_ptr<c10::BFloat16>()),
+                 out16 ? nullptr : out.data_ptr<float>(), out16 ? out.data_ptr<c10::BFloat16>() : nullptr, bp, bf16_values,
+                 x.size(0), panels.size(1), out.size(1), panels.size(0),
+                 x.stride(0), out.stride(0)};
+}
+
+}  // namespace
+
+void panel_linear_dpbf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
+                         const c10::optional<at::Tensor>& bias, bool bf16_values) {
+  TORCH_CHECK(cpu_has_dpbf16(), "panel_linear_dpbf16: this CPU has no AVX512-BF16 instructions");
+  const Problem p = checked_problem("panel_linear_dpbf16", out, x, panels, bias, bf16_values);
+  if (p.m == 0) return;
 #ifdef TANDEM_DPBF16
-  const Problem p{reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()),
-                  reinterpret_cast<const uint16_t*>(panels.data_ptr<c10::BFloat16>()),
-                  out16 ? nullptr : out.data_ptr<float>(), out16 ? out.data_ptr<c10::BFloat16>() : nullptr, bp, bf16_values,
-                  x.size(0), panels.size(1), out.size(1), panels.size(0),
-                  x.stride(0), out.stride(0)};
   if (p.m <= kTile) {
     tandem_cpu::for_each_share(p.n_panels, tandem_cpu::chunk_for(p.n_panels, 8),
                                [&](int64_t begin, int64_t end) { run_few_rows(p, begin, end); });
@@ -257,9 +406,38 @@ void panel_linear_dpbf16(at::Tensor& out, const at::Tensor& x, const at::Tensor&
 #endif
 }
 
+void panel_linear_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
+                      const c10::optional<at::Tensor>& bias, bool bf16_values) {
+  TORCH_CHECK(cpu_has_amx(), "panel_linear_amx: this CPU (or its kernel) gives no AMX-BF16 instructions");
+  const Problem p = checked_problem("panel_linear_amx", out, x, panels, bias, bf16_values);
+#ifdef TANDEM_AMX
+  TORCH_CHECK(p.pairs % kAmxPairs == 0, "panel_linear_amx: K must be a multiple of 32");
+  if (p.m == 0) return;
+  const int64_t full = p.m / kAmxRows * kAmxRows;
+  std::vector<uint16_t> tail(full < p.m ? kAmxRows * p.pairs * 2 : 0, 0);
+  for (int64_t r = full; r < p.m; ++r)
+    std::memcpy(tail.data() + (r - full) * p.pairs * 2, p.x + r * p.ldx, p.pairs * 4);
+  const AmxRows xs{p, full, tail.data()};
+  const int64_t groups = (p.n_panels + 1) / 2;
+  if (p.m <= kAmxShareRows) {
+    tandem_cpu::for_each_share(groups, tandem_cpu::chunk_for(groups, 8),
+                               [&](int64_t begin, int64_t end) { amx_items(xs, kAmxShareRows, begin, end); });
+    return;
+  }
+  const int64_t total = (p.m + kAmxChunkRows - 1) / kAmxChunkRows * groups;
+  tandem_cpu::for_each_chunk(total, tandem_cpu::chunk_for(total, 8),
+                             [&](int64_t begin, int64_t end) { amx_items(xs, kAmxChunkRows, begin, end); });
+#endif
+}
+
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("panel_linear_dpbf16(Tensor(a!) out, Tensor x, Tensor panels, Tensor? bias, bool bf16_values=False) -> ()");
   m.def("dpbf16_supported() -> bool", &dpbf16_supported);
+  m.def("panel_linear_amx(Tensor(a!) out, Tensor x, Tensor panels, Tensor? bias, bool bf16_values=False) -> ()");
+  m.def("amx_supported() -> bool", &amx_supported);
 }
 
-TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("panel_linear_dpbf16", &panel_linear_dpbf16); }
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
+  m.impl("panel_linear_dpbf16", &panel_linear_dpbf16);
+  m.impl("panel_linear_amx", &panel_linear_amx);
+}

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from tandem import LLM, SamplingParams
 from tandem.kernels import cpu_ops
 from tandem.models.cpu_decode_loop import CpuDecodeLoop, enable_cpu_decode_loop
-from tandem.models.cpu_linear import dpbf16_available
+from tandem.models.cpu_linear import amx_available, dpbf16_available
 from tests.helpers.gguf_files import write_tiny_gguf
 from tests.helpers.tiny_models import hf_model, tiny_model_dir
 from tests.models.test_cpu_kernels_vs_hf import load_with_kernels, run
@@ -55,10 +55,12 @@ def test_decode_steps_through_the_loop_match_hf(kind, kernels, loop_calls):
 
 
 @pytest.mark.parametrize(("kind", "kernels"), [("llama", "tandem"), ("llama", "dpbf16"), ("gemma3", "tandem"),
-                                               ("qwen3", "dpbf16")])
+                                               ("qwen3", "dpbf16"), ("llama", "amx"), ("qwen3", "amx")])
 def test_bfloat16_loop_gives_the_modules_values_exactly(loop_calls, kind, kernels):
     if kernels == "dpbf16" and not dpbf16_available():
         pytest.skip("this CPU has no AVX512-BF16 instructions")
+    if kernels == "amx" and not amx_available():
+        pytest.skip("this CPU (or its kernel) gives no AMX-BF16 instructions")
     got, _ = decode_logits(kind, kernels, torch.bfloat16)
     assert loop_calls
     want, _ = decode_logits(kind, kernels, torch.bfloat16, loop=False)

@@ -83,17 +83,19 @@ def test_fused_passes_give_torchs_bfloat16_values_exactly(kind):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("kernels", ["tandem", "dpbf16", "onednn", "torch"])
+@pytest.mark.parametrize("kernels", ["tandem", "dpbf16", "amx", "onednn", "torch"])
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_bfloat16_next_tokens_match_hf_on_each_kernel(kind, kernels):
     """Every kernel ``auto`` may pick, forced in turn, on a bfloat16 model: at each position where
     HF's own bfloat16 forward is not near a tie, the next token it predicts is HF's, and the
     logits stay within bfloat16's reach of HF's (the kernels sum in float32, HF rounds as torch
     does: exact agreement is not to be had)."""
-    from tandem.models.cpu_linear import dpbf16_available
+    from tandem.models.cpu_linear import amx_available, dpbf16_available
 
     if kernels == "dpbf16" and not dpbf16_available():
         pytest.skip("this CPU has no AVX512-BF16 instructions")
+    if kernels == "amx" and not amx_available():
+        pytest.skip("this CPU (or its kernel) gives no AMX-BF16 instructions")
     model, arch = load_with_kernels(kind, kernels, torch.bfloat16)
     hf = hf_model(tiny_model_dir(kind)).to(torch.bfloat16)
     ids = prompt(0)

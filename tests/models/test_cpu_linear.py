@@ -10,13 +10,17 @@ import torch.nn.functional as F
 
 from tandem.config import TandemConfig
 from tandem.kernels import cpu_ops
-from tandem.models.cpu_linear import PackedLinear, dpbf16_available, pack_cpu_linears, resolve_kind
+from tandem.models.cpu_linear import PackedLinear, amx_available, dpbf16_available, pack_cpu_linears, resolve_kind
 from tandem.models.layers import LinearLayer, LMHead
 from tests.helpers.tiny_models import load_tiny_model, tiny_model_dir
 
 CPU = torch.device("cpu")
 needs_dpbf16 = pytest.mark.skipif(not dpbf16_available(), reason="this CPU has no AVX512-BF16 instructions: "
                                   "the dpbf16 kernel is built but cannot run here")
+needs_amx = pytest.mark.skipif(not amx_available(), reason="this CPU (or its kernel) gives no AMX-BF16 instructions: "
+                               "the amx kernel is built but cannot run here")
+PAIR_KERNELS = [pytest.param("dpbf16", marks=needs_dpbf16), pytest.param("amx", marks=needs_amx)]
+PAIR_OPS = {"dpbf16": cpu_ops.panel_linear_dpbf16, "amx": cpu_ops.panel_linear_amx}
 
 
 def reference(x, w, bias):
@@ -146,28 +150,34 @@ def test_auto_picks_tandems_kernel_here():
 
 
 def test_unknown_mode_names_the_field_and_the_choices():
-    with pytest.raises(ValueError, match=r"engine.cpu_kernels = 'fast'; allowed: auto, tandem, dpbf16, onednn, torch"):
+    with pytest.raises(ValueError, match=r"engine.cpu_kernels = 'fast'; allowed: auto, tandem, dpbf16, amx, onednn, torch"):
         resolve_kind("fast", CPU)
     with pytest.raises(ValueError, match="cpu_kernels"):
         TandemConfig.model_validate({"model": {"path": "x"}, "engine": {"cpu_kernels": "fast"}})
 
 
-@needs_dpbf16
-@pytest.mark.parametrize("rows", [1, 7, 8, 9, 96, 97, 200])
-@pytest.mark.parametrize("k", [48, 258, 600])
-def test_dpbf16_sums_the_exact_bfloat16_products_in_float32(rows, k):
+EXACT_CASES = [pytest.param("dpbf16", rows, k, marks=needs_dpbf16)
+               for rows in (1, 7, 8, 9, 96, 97, 200) for k in (48, 258, 600)] + \
+              [pytest.param("amx", rows, k, marks=needs_amx)
+               for rows in (1, 15, 16, 17, 31, 32, 33, 64, 65, 129, 300) for k in (32, 96, 608)]
+
+
+@pytest.mark.parametrize(("kernel", "rows", "k"), EXACT_CASES)
+def test_pair_kernels_sum_the_exact_bfloat16_products_in_float32(kernel, rows, k):
     # Products of two bfloat16 values are exact in float32: the float32 result must be as close to
-    # float64 sums of the same values as float32 arithmetic gets — across K-slices of 128 pairs
-    # (600 = 2 full and 1 partial), tiles of 8 rows and row blocks of 96.
+    # float64 sums of the same values as float32 arithmetic gets. dpbf16: across K-slices of 128
+    # pairs (600 = 2 full and 1 partial), tiles of 8 rows and row blocks of 96; amx: tiles of 16
+    # rows (a partial last one from the padded copy), blocks of 32, the shared path (<= 64 rows)
+    # and chunks of 128, groups of two panels with a last one alone (7 panels)
     gen = torch.Generator().manual_seed(rows * k)
-    n = 83  # not a multiple of the 16-column panel
+    n = 16 * 6 + 3
     w = (torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16)
     x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
     bias = torch.randn(n, generator=gen)
-    packed = PackedLinear.pack("dpbf16", w)
+    packed = PackedLinear.pack(kernel, w)
     for b in (None, bias):
         out = torch.empty(rows, n)
-        cpu_ops.panel_linear_dpbf16(out, x, packed.weight, b)
+        PAIR_OPS[kernel](out, x, packed.weight, b)
         expected = x.double() @ w.double().t() + (0 if b is None else b.double())
         torch.testing.assert_close(out, expected.float(), atol=1e-4, rtol=1e-4)
         got = packed(x, b)
@@ -209,29 +219,29 @@ def test_dpbf16_rounds_its_bfloat16_outs_exactly_as_torch_converts():
             assert out16[0, 0].item() == 1.0 and out16[1, 0].item() == 1 + 2**-6
 
 
-@needs_dpbf16
-def test_dpbf16_takes_strided_rows_and_any_thread_count():
+@pytest.mark.parametrize("kernel", PAIR_KERNELS)
+def test_pair_kernels_take_strided_rows_and_any_thread_count(kernel):
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(16 * 37 + 5, 64, generator=gen).to(torch.bfloat16)
     wide = torch.randn(70, 192, generator=gen).to(torch.bfloat16)
     x = wide[:, 64:128]  # rows 192 apart: a slice of a fused projection's output
-    many = on_one_thread_and_more(PackedLinear.pack("dpbf16", w), x)
+    many = on_one_thread_and_more(PackedLinear.pack(kernel, w), x)
     torch.testing.assert_close(many.float(), F.linear(x.float(), w.float()), atol=2e-2, rtol=2e-2)
 
 
-@needs_dpbf16
-def test_dpbf16_mode_packs_bfloat16_layers_and_leaves_others_on_tandems_panels():
+@pytest.mark.parametrize("kernel", PAIR_KERNELS)
+def test_pair_kernel_modes_pack_bfloat16_layers_and_leave_others_on_tandems_panels(kernel):
     ref, _ = load_tiny_model(tiny_model_dir("llama"), dtype=torch.bfloat16)
     model, _ = load_tiny_model(tiny_model_dir("llama"), dtype=torch.bfloat16)
-    assert pack_cpu_linears(model, "dpbf16", CPU) == "dpbf16"
+    assert pack_cpu_linears(model, kernel, CPU) == kernel
     linears = [m for m in model.modules() if isinstance(m, LinearLayer)]
-    assert linears and {m.packed.kind for m in linears} == {"dpbf16"}
+    assert linears and {m.packed.kind for m in linears} == {kernel}  # hidden 64, intermediate 128: K fits amx
     hidden = torch.randn(5, model.config.hidden_size).to(torch.bfloat16)
     with torch.inference_mode():
         ours, theirs = model.compute_logits(hidden), ref.compute_logits(hidden)
     torch.testing.assert_close(ours.float(), theirs.float(), atol=5e-2, rtol=2e-2)
     fp32, _ = load_tiny_model(tiny_model_dir("llama"))
-    assert pack_cpu_linears(fp32, "dpbf16", CPU) == "dpbf16"
+    assert pack_cpu_linears(fp32, kernel, CPU) == kernel
     assert {m.packed.kind for m in fp32.modules() if isinstance(m, LinearLayer)} == {"tandem"}
 
 
@@ -243,26 +253,53 @@ def test_dpbf16_mode_without_the_instructions_is_refused(monkeypatch):
         resolve_kind("dpbf16", CPU)
 
 
-@needs_dpbf16
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 100])
-def test_dpbf16_bfloat16_out_is_the_float32_out_rounded_by_torch(rows):
+@pytest.mark.parametrize("kernel", PAIR_KERNELS)
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 65, 100])
+def test_pair_kernels_bfloat16_out_is_the_float32_out_rounded_by_torch(kernel, rows):
     """A bfloat16 ``out`` gets each float32 sum (plus bias) rounded exactly as torch's
-    conversion rounds it, on the few-rows path (M <= 8) and the blocked one; a float32 ``out``
-    with ``bf16_values`` those rounded values widened back (``PackedLinear.logits``)."""
+    conversion rounds it, on every path (dpbf16: M <= 8 and blocked; amx: the shared and the
+    chunked ones, a partial block of 16 rows); a float32 ``out`` with ``bf16_values`` those
+    rounded values widened back (``PackedLinear.logits``)."""
+    op = PAIR_OPS[kernel]
     gen = torch.Generator().manual_seed(rows)
     n, k = 16 * 5 + 3, 96
     w = (torch.randn(n, k, generator=gen) / k**0.5).bfloat16()
     x = torch.randn(rows, k, generator=gen).bfloat16()
     bias = torch.randn(n, generator=gen)
-    panels = PackedLinear.pack("dpbf16", w).weight
+    panels = PackedLinear.pack(kernel, w).weight
     for b in (None, bias):
         wide = torch.empty(rows, n)
-        cpu_ops.panel_linear_dpbf16(wide, x, panels, b)
+        op(wide, x, panels, b)
         narrow = torch.empty(rows, n, dtype=torch.bfloat16)
-        cpu_ops.panel_linear_dpbf16(narrow, x, panels, b)
+        op(narrow, x, panels, b)
         assert torch.equal(narrow.view(torch.int16), wide.to(torch.bfloat16).view(torch.int16))
         widened = torch.empty(rows, n)      # an LM head's logits: the rounded values in float32
-        cpu_ops.panel_linear_dpbf16(widened, x, panels, b, bf16_values=True)
+        op(widened, x, panels, b, bf16_values=True)
         assert torch.equal(widened, wide.to(torch.bfloat16).float())
-    packed = PackedLinear.pack("dpbf16", w)
+    packed = PackedLinear.pack(kernel, w)
     assert torch.equal(packed.logits(x), packed(x).float())
+
+
+def test_layers_a_pair_kernel_cannot_take_fall_back_in_order():
+    from tandem.models.cpu_linear import fitting_kind
+
+    assert fitting_kind("amx", torch.bfloat16, 64) == "amx"
+    assert fitting_kind("amx", torch.bfloat16, 48) == "dpbf16"  # K not whole tiles of 32
+    assert fitting_kind("amx", torch.bfloat16, 47) == fitting_kind("dpbf16", torch.bfloat16, 47) == "tandem"
+    assert fitting_kind("amx", torch.float32, 64) == "tandem"
+    assert fitting_kind("onednn", torch.float32, 47) == "onednn"
+
+
+def test_amx_mode_without_the_instructions_is_refused(monkeypatch):
+    from tandem.models import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "amx_available", lambda: False)
+    with pytest.raises(ValueError, match=r"cpu_kernels = 'amx' but this CPU \(or its operating system\) gives no AMX"):
+        resolve_kind("amx", CPU)
+
+
+@pytest.mark.skipif(amx_available() or not cpu_ops.load(), reason="runs where the amx kernel is built but cannot run")
+def test_amx_kernel_refuses_a_cpu_without_amx():
+    w = PackedLinear.pack("dpbf16", torch.zeros(16, 32, dtype=torch.bfloat16)).weight
+    with pytest.raises(RuntimeError, match="no AMX-BF16"):
+        cpu_ops.panel_linear_amx(torch.empty(1, 16), torch.zeros(1, 32, dtype=torch.bfloat16), w, None)

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from tandem.models import cpu_tuning
-from tandem.models.cpu_linear import BucketedLinear, PackedLinear, dpbf16_available, kinds_for, pack_cpu_linears
+from tandem.models.cpu_linear import (BucketedLinear, PackedLinear, amx_available, dpbf16_available, kinds_for,
+                                      pack_cpu_linears)
 from tandem.models.cpu_tuning import M_BUCKETS, Shape, ShapeChoice, bucket_index, choose, measure, within_budget
 from tandem.models.layers import LinearLayer, LMHead
 from tests.helpers.tiny_models import load_tiny_model, tiny_model_dir
@@ -236,7 +237,8 @@ def test_on_a_busy_machine_bfloat16_layers_take_the_cpus_own_bfloat16_kernel(cac
     monkeypatch.setattr(cpu_tuning, "machine_is_busy", lambda: 0.6)
     model, _ = load_tiny_model(tiny_model_dir("llama"), dtype=torch.bfloat16)
     assert pack_cpu_linears(model, "auto", CPU) == "tuned"
-    assert all(k == ["dpbf16"] * len(M_BUCKETS) for k in kinds_of(model))
+    own = "amx" if amx_available() else "dpbf16"
+    assert all(k == [own] * len(M_BUCKETS) for k in kinds_of(model))
 
 
 @pytest.mark.skipif(not dpbf16_available(), reason="this CPU has no AVX512-BF16 instructions")
@@ -245,5 +247,7 @@ def test_bfloat16_shapes_are_timed_on_dpbf16_too_and_float32_ones_are_not(cache_
     pack_cpu_linears(model, "auto", CPU)
     cached = cpu_tuning.read_cache(cpu_tuning.cache_path(cpu_tuning.machine_key()))
     assert cached and all(key.startswith("bfloat16") and "dpbf16" in c.seconds for key, c in cached.items())
-    assert kinds_for(Shape(torch.bfloat16, 64, 32))[0] == "dpbf16"
+    assert kinds_for(Shape(torch.bfloat16, 64, 32))[:2] == (["amx", "dpbf16"] if amx_available() else ["dpbf16"])
+    assert kinds_for(Shape(torch.bfloat16, 64, 48))[0] == "dpbf16"  # K not whole tiles of 32: not amx
     assert "dpbf16" not in kinds_for(Shape(torch.float32, 64, 32)) + kinds_for(Shape(torch.bfloat16, 64, 33))
+    assert "amx" not in kinds_for(Shape(torch.float32, 64, 32)) + kinds_for(Shape(torch.bfloat16, 64, 48))
