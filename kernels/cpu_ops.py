@@ -280,7 +280,8 @@ def decode_layers(hidden: torch.Tensor, residual: torch.Tensor | None, norms: li
                   pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor,
                   seq_lens: torch.Tensor, windows: list[int], heads: int, kv_heads: int, head_dim: int,
                   scale: float, eps: float, flags: int,
-                  final_norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  final_norm: torch.Tensor | None = None,
+                  prefetch_kv_bytes: int = 1 << 20) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step through ``len(windows)`` Llama-family decoder layers (decode_layers.cpp,
     whose header draws the steps): returns the last layer's (MLP output, residual), as
     ``LlamaDecoderLayer.forward`` does (Gemma 3's layers: the residual stream twice), each row
@@ -301,10 +302,12 @@ def decode_layers(hidden: torch.Tensor, residual: torch.Tensor | None, norms: li
     ``tables``, ``seq_lens`` as ``paged_decode`` takes them; ``windows`` each layer's sliding
     window (0: none). ``final_norm``: the model's norm after the last layer, applied before
     returning as ``RMSNorm.forward(output, residual)`` (Gemma: ``GemmaRMSNorm.forward(stream)``)
-    returns it: (normed, residual)."""
+    returns it: (normed, residual). ``prefetch_kv_bytes``: before each layer's qkv product, ask
+    for up to this many bytes of the KV blocks its attention will read (0: none; the values do
+    not depend on it)."""
     return _ops().decode_layers(hidden, residual, norms, weights, info, parts, cos, sin, cos_local, sin_local,
                                 local, pool, slots, rows, tables, seq_lens, windows, heads, kv_heads, head_dim,
-                                scale, eps, flags, final_norm)
+                                scale, eps, flags, final_norm, prefetch_kv_bytes)
 
 
 def use_work_pool(on: bool) -> bool:

@@ -20,6 +20,12 @@ run.
 """
 from __future__ import annotations
 
+import logging
+import os
+import statistics
+import time
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
@@ -31,6 +37,63 @@ from tandem.models.cpu_tuning import M_BUCKETS, bucket_index
 from tandem.models.layers import GemmaRMSNorm, RMSNorm
 from tandem.plugins.attention_cpu import CpuAttentionBackend
 from tandem.plugins.attention_torch import DECODE_QUERY_MAX, PLAN_KEY
+
+logger = logging.getLogger("tandem")
+
+PREFETCH_KV_BYTES = 1 << 20
+"""The KV bytes a layer asks for ahead when it does (a core's L2 on the machines measured)."""
+
+
+class KvPrefetchChoice:
+    """Whether a decode step's layers ask for their KV blocks before their qkv products
+    (``decode_layers``' ``prefetch_kv_bytes``), decided by measuring on the running machine.
+
+    The reads overlap the product on some CPUs and hold the calling thread up on others
+    (docs/benchmarks.md), so no fixed rule is right. The first decode steps of at least ``MIN_ROWS`` rows take
+    turns, with then without; each pair of consecutive steps of the same rows gives a time ratio
+    (without / with), and after ``PAIRS`` pairs the setting their median favours stays for the
+    process (logged). If ``WINDOW`` such steps pass without enough pairs (batch sizes changing
+    every step), prefetching stays on. Steps of fewer rows (little KV to read) prefetch while it
+    is undecided. ``TANDEM_CPU_PREFETCH_KV_KB`` fixes it (KiB; 0: never) without measuring."""
+
+    MIN_ROWS = 8
+    PAIRS = 8
+    WINDOW = 64
+
+    def __init__(self, env: Mapping[str, str] = os.environ) -> None:
+        kb = env.get("TANDEM_CPU_PREFETCH_KV_KB")
+        self.chosen: int | None = None if kb is None else max(0, int(kb)) << 10
+        """The bytes every step asks for from now on; None while measuring."""
+        self._on: tuple[int, float] | None = None  # (rows, seconds) of a step with, awaiting its pair
+        self._ratios: list[float] = []
+        self._steps = 0
+
+    def bytes_for(self, rows: int) -> int:
+        """The ``prefetch_kv_bytes`` of a step of ``rows`` rows."""
+        if self.chosen is not None:
+            return self.chosen
+        return 0 if rows >= self.MIN_ROWS and self._on is not None else PREFETCH_KV_BYTES
+
+    def record(self, rows: int, prefetch_bytes: int, seconds: float) -> None:
+        """A step of ``rows`` rows took ``seconds`` with ``prefetch_bytes``."""
+        if self.chosen is not None or rows < self.MIN_ROWS:
+            return
+        self._steps += 1
+        if prefetch_bytes:
+            self._on = (rows, seconds)
+        elif self._on is not None:
+            on_rows, on_seconds = self._on
+            self._on = None
+            if on_rows == rows and on_seconds > 0:
+                self._ratios.append(seconds / on_seconds)
+        if len(self._ratios) >= self.PAIRS:
+            ratio = statistics.median(self._ratios)
+            self.chosen = 0 if ratio < 1 else PREFETCH_KV_BYTES
+            logger.info("decode steps: without asking for the KV ahead a step took %.2fx as long (median of %d "
+                        "pairs of steps): %s", ratio, len(self._ratios),
+                        "not asking" if self.chosen == 0 else "asking for up to 1 MiB a layer")
+        elif self._steps >= self.WINDOW:
+            self.chosen = PREFETCH_KV_BYTES
 
 KINDS = {"tandem": 0, "onednn": 1, "torch": 2, "gguf": 3, "dpbf16": 4, "amx": 5}
 """Linear kinds as ``decode_layers.cpp`` numbers them."""
@@ -57,6 +120,7 @@ class CpuDecodeLoop:
         self._linears = [lin for layer in layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                              layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         self._by_bucket: dict[int, tuple[list[torch.Tensor], list[int], list[int]] | None] = {}
+        self.kv_prefetch = KvPrefetchChoice()
 
     @classmethod
     def build(cls, layers: list[nn.Module], local_rope: list[bool] | None = None,
@@ -110,11 +174,16 @@ class CpuDecodeLoop:
         d = plan.decode
         weights, info, parts = self._specs(bucket_index(hidden.shape[0]))
         cos_local, sin_local = (None, None) if local is None else (local[0].contiguous(), local[1].contiguous())
-        return cpu_ops.decode_layers(
+        rows = hidden.shape[0]
+        prefetch = self.kv_prefetch.bytes_for(rows)
+        start = time.perf_counter()
+        out = cpu_ops.decode_layers(
             hidden, residual, self.norms, weights, info, parts, cos.contiguous(), sin.contiguous(), cos_local, sin_local,
             self.local, kv_cache, metadata.slot_mapping, d.rows, d.block_ids.view(d.rows.shape[0], d.num_blocks),
             d.seq_lens, self.windows, self.heads, self.kv_heads, self.head_dim, self.scale, self.eps, self.flags,
-            self.final_norm)
+            self.final_norm, prefetch)
+        self.kv_prefetch.record(rows, prefetch, time.perf_counter() - start)
+        return out
 
     def _specs(self, bucket: int) -> tuple[list[torch.Tensor], list[int], list[int]] | None:
         """The linears' (weights, info, parts) at batch-size bucket ``bucket``, as

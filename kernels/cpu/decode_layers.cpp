@@ -175,15 +175,12 @@ void write_kv(const at::Tensor& qkv, const at::Tensor& kv, const int64_t* slots,
 
 // The layer's KV blocks this step's attention reads, asked for (into this core's L2) before the
 // layer's qkv product: the weights streamed since the previous step have evicted them, and
-// attention would otherwise wait on memory for each sequence's first blocks. At most
-// TANDEM_CPU_PREFETCH_KV_KB KiB (1024 by default, a core's L2 on the machines measured; 0:
-// none), the first rows' blocks first.
-void prefetch_kv(const at::Tensor& kv, const at::Tensor& tables, const at::Tensor& seq_lens, int64_t window) {
-  static const int64_t max_bytes = [] {
-    const char* kb = std::getenv("TANDEM_CPU_PREFETCH_KV_KB");
-    return kb == nullptr ? int64_t{1024} << 10 : std::max<int64_t>(0, std::atoll(kb)) << 10;
-  }();
-  if (max_bytes == 0) return;
+// attention would otherwise wait on memory for each sequence's first blocks. At most max_bytes
+// (0: none), the first rows' blocks first. Whether it pays depends on the CPU (the caller
+// measures: cpu_decode_loop.KvPrefetchChoice).
+void prefetch_kv(const at::Tensor& kv, const at::Tensor& tables, const at::Tensor& seq_lens, int64_t window,
+                 int64_t max_bytes) {
+  if (max_bytes <= 0) return;
   // kv: one layer of the pool, [blocks, 2, bs, Hkv, D], a block's K and V one contiguous run
   const int64_t el = kv.element_size(), bs = kv.size(2), block_step = kv.stride(0) * el,
                 block_bytes = 2 * kv.stride(1) * el, ld = tables.stride(0), cols = tables.size(1),
@@ -208,9 +205,9 @@ at::Tensor attention_block(const at::Tensor& x, at::TensorList norms, const Line
                            const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv, const int64_t* slot,
                            const at::Tensor& rows, const at::Tensor& tables, const at::Tensor& seq_lens,
                            int64_t window, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, double eps,
-                           int64_t flags) {
+                           int64_t flags, int64_t prefetch_kv_bytes) {
   const int64_t m = x.size(0);
-  prefetch_kv(kv, tables, seq_lens, window);
+  prefetch_kv(kv, tables, seq_lens, window, prefetch_kv_bytes);
   at::Tensor qkv = linear(x, 4 * l);
   at::Tensor qk = qkv.narrow(1, 0, (heads + kv_heads) * head_dim).view({m, heads + kv_heads, head_dim});
   if (flags & kQkNorm) {
@@ -256,7 +253,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     const c10::optional<at::Tensor>& cos_local, const c10::optional<at::Tensor>& sin_local, at::IntArrayRef local,
     at::Tensor& pool, const at::Tensor& slots, const at::Tensor& rows, const at::Tensor& tables,
     const at::Tensor& seq_lens, at::IntArrayRef windows, int64_t heads, int64_t kv_heads, int64_t head_dim,
-    double scale, double eps, int64_t flags, const c10::optional<at::Tensor>& final_norm) {
+    double scale, double eps, int64_t flags, const c10::optional<at::Tensor>& final_norm,
+    int64_t prefetch_kv_bytes) {
   const int64_t layers = static_cast<int64_t>(windows.size()), m = hidden.size(0);
   const int64_t per_layer = 2 + ((flags & kGemma) ? 2 : 0) + ((flags & kQkNorm) ? 2 : 0);
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == per_layer * layers &&
@@ -300,7 +298,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
         gemma_rms_norm(x, h, ln[0], eps);
       }
       at::Tensor a = attention_block(x, ln, linear, l, c, s, kv, slot, rows, tables, seq_lens, windows[l], heads,
-                                     kv_heads, head_dim, scale, eps, flags);
+                                     kv_heads, head_dim, scale, eps, flags, prefetch_kv_bytes);
       {
         RECORD_FUNCTION("decode_layers.norm", std::vector<c10::IValue>());
         gemma_add_rms_norm(h, a, ln[1], eps);
@@ -328,7 +326,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
       }
     }
     h = attention_block(x, ln, linear, l, c, s, kv, slot, rows, tables, seq_lens, windows[l], heads, kv_heads,
-                        head_dim, scale, eps, flags);
+                        head_dim, scale, eps, flags, prefetch_kv_bytes);
     {
       RECORD_FUNCTION("decode_layers.norm", std::vector<c10::IValue>());
       add_rms_norm(h, residual, ln[1], eps);
@@ -351,7 +349,7 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("decode_layers(Tensor(b!) hidden, Tensor(c!)? residual, Tensor[] norms, Tensor[] weights, int[] info, int[] parts, Tensor cos, "
         "Tensor sin, Tensor? cos_local, Tensor? sin_local, int[] local, Tensor(a!) pool, Tensor slots, Tensor rows, "
         "Tensor tables, Tensor seq_lens, int[] windows, int heads, int kv_heads, int head_dim, float scale, float eps, "
-        "int flags, Tensor? final_norm=None) -> (Tensor, Tensor)");
+        "int flags, Tensor? final_norm=None, int prefetch_kv_bytes=1048576) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("decode_layers", &decode_layers); }

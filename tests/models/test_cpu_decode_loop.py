@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from tandem import LLM, SamplingParams
 from tandem.kernels import cpu_ops
-from tandem.models.cpu_decode_loop import CpuDecodeLoop, enable_cpu_decode_loop
+from tandem.models.cpu_decode_loop import PREFETCH_KV_BYTES, CpuDecodeLoop, KvPrefetchChoice, enable_cpu_decode_loop
 from tandem.models.cpu_linear import amx_available, dpbf16_available
 from tests.helpers.gguf_files import write_tiny_gguf
 from tests.helpers.tiny_models import hf_model, tiny_model_dir
@@ -95,3 +95,45 @@ def test_gguf_blocks_through_the_loop_match_hf_greedy(tmp_path, loop_calls, type
         prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))]
     assert got == want and want[0] != want[1]
     assert 2 in loop_calls  # both sequences decoding in one step
+
+
+def test_asking_for_the_kv_ahead_leaves_the_values_as_they_were(loop_calls, monkeypatch):
+    want, ids = decode_logits("llama", "tandem")
+    monkeypatch.setenv("TANDEM_CPU_PREFETCH_KV_KB", "0")
+    got, _ = decode_logits("llama", "tandem")
+    assert len(loop_calls) == 2 * (len(ids) - PREFILL)
+    assert torch.equal(got, want)
+
+
+def play(choice, steps):
+    """Steps of (rows, seconds with, seconds without) through ``choice``; the bytes each asked."""
+    asked = []
+    for rows, with_s, without_s in steps:
+        b = choice.bytes_for(rows)
+        asked.append(b)
+        choice.record(rows, b, with_s if b else without_s)
+    return asked
+
+
+@pytest.mark.parametrize(("without", "chosen"), [(0.9, 0), (1.1, PREFETCH_KV_BYTES)])
+def test_the_kv_prefetch_is_kept_where_it_measured_faster(without, chosen):
+    choice = KvPrefetchChoice(env={})
+    asked = play(choice, [(16, 1.0, without)] * (2 * KvPrefetchChoice.PAIRS))
+    assert asked == [PREFETCH_KV_BYTES, 0] * KvPrefetchChoice.PAIRS  # turns, with first
+    assert choice.chosen == chosen
+    assert play(choice, [(16, 1.0, without)] * 3) == [chosen] * 3
+
+
+def test_the_kv_prefetch_measures_only_pairs_of_equal_batches_of_enough_rows():
+    choice = KvPrefetchChoice(env={})
+    assert play(choice, [(4, 1.0, 0.5)] * 5) == [PREFETCH_KV_BYTES] * 5  # few rows: with, not measured
+    # the batch changes every step: no pair compares, and after WINDOW steps it stays on
+    steps = [(8 + i % 2, 1.0, 0.5) for i in range(KvPrefetchChoice.WINDOW)]
+    play(choice, steps)
+    assert choice.chosen == PREFETCH_KV_BYTES
+
+
+@pytest.mark.parametrize(("kb", "chosen"), [("0", 0), ("256", 256 << 10)])
+def test_the_environment_fixes_the_kv_prefetch(kb, chosen):
+    choice = KvPrefetchChoice(env={"TANDEM_CPU_PREFETCH_KV_KB": kb})
+    assert play(choice, [(16, 1.0, 0.1)] * 20) == [chosen] * 20
