@@ -20,8 +20,11 @@ import pluggy
 # OMP_WAIT_POLICY in the environment wins. Where torch came first, the CPU worker warns
 # (``OMP_POLICY_MISSED``).
 OMP_POLICY_MISSED = "OMP_WAIT_POLICY" not in os.environ and "torch" in sys.modules
-if "torch" not in sys.modules:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+OMP_POLICY_SET = "OMP_WAIT_POLICY" not in os.environ and "torch" not in sys.modules
+"""True where tandem set OMP_WAIT_POLICY itself: other programs it starts (a benchmark's peers)
+get the environment without it (``tandem.bench.peers.peer_env``)."""
+if OMP_POLICY_SET:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 __version__ = "0.1.0"
 

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from tandem.bench.peers import llamacpp_driver as driver
+from tandem.bench.peers import peer_env
 from tandem.bench.workload import ModeResult, Workload
 from tandem.config import ConfigError
 
@@ -97,7 +98,8 @@ def _drive(args: argparse.Namespace, model: str, wl: Workload, sizes: tuple[int,
         workload_path, result_path = Path(tmp) / "workload.json", Path(tmp) / "result.json"
         workload_path.write_text(json.dumps(workload))
         sys.stdout.flush()
-        done = subprocess.run([args.llamacpp_python, driver.__file__, str(workload_path), str(result_path)])
+        done = subprocess.run([args.llamacpp_python, driver.__file__, str(workload_path), str(result_path)],
+                              env=peer_env())
         if done.returncode != 0:
             raise RuntimeError(f"the llama.cpp driver exited with {done.returncode} (its output is above)")
         return json.loads(result_path.read_text())

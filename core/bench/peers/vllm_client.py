@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from tandem.bench.checkpoint import hf_folder
-from tandem.bench.peers import vllm_cli
+from tandem.bench.peers import peer_env, vllm_cli
 from tandem.config import ConfigError
 
 STAT_KEYS = {"ttft_ms": "ttft_ms", "tpot_ms": "tpot_ms", "itl_ms": "itl_ms", "e2e_ms": "e2el_ms"}
@@ -87,7 +87,7 @@ def bench(args: argparse.Namespace, url: str, model_name: str, tokenizer: str) -
         result = Path(tmp) / "result.json"
         cmd = command(args, url, model_name, hf_folder(tokenizer), result)
         print(f"vllm bench serve: {' '.join(cmd[2:])}", flush=True)
-        if subprocess.run(cmd).returncode != 0 or not result.is_file():
+        if subprocess.run(cmd, env=peer_env()).returncode != 0 or not result.is_file():
             print("tandem bench serve: vllm bench serve failed (its output is above)")
             return None
         return summary_of(json.loads(result.read_text()))

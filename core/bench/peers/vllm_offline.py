@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from tandem.bench.peers import peer_env
 from tandem.bench.peers import vllm_offline_driver as driver
 from tandem.bench.workload import ModeResult, Workload
 from tandem.config import ConfigError
@@ -79,7 +80,7 @@ def run(args: argparse.Namespace, model: str, wl: Workload) -> ModeResult:
                        args.max_num_batched_tokens, args.seed)
         sys.stdout.flush()
         done = subprocess.run([args.vllm_python, driver.__file__, str(workload_path),
-                               str(result_path)])
+                               str(result_path)], env=peer_env())
         if done.returncode != 0:
             raise RuntimeError(f"the vLLM driver exited with {done.returncode} (its output is above)")
         result, extra = read_result(result_path)

@@ -17,7 +17,7 @@ import time
 
 from tandem.bench import serve
 from tandem.bench.checkpoint import hf_folder
-from tandem.bench.peers import vllm_cli, vllm_client, vllm_offline, vllm_offline_driver
+from tandem.bench.peers import peer_env, vllm_cli, vllm_client, vllm_offline, vllm_offline_driver
 from tandem.config import ConfigError
 
 VLLM_START_TIMEOUT_S = 1200.0  # start-up compiles with inductor: minutes on two busy cores
@@ -64,7 +64,7 @@ def _one_round(args: argparse.Namespace, dtype: str) -> tuple[dict, dict] | None
            "--port", str(port), "--dtype", dtype, "--seed", str(args.seed), *BATCH_LIMITS]
     print(f"=== vllm: {shlex.join(cmd)}", flush=True)
     t0 = time.perf_counter()
-    proc, url = serve.start_process(cmd, port, VLLM_START_TIMEOUT_S)
+    proc, url = serve.start_process(cmd, port, VLLM_START_TIMEOUT_S, env=peer_env())
     print(f"vllm: ready in {time.perf_counter() - t0:.0f} s", flush=True)
     theirs = _warm_and_bench(args, proc, url)
     return None if theirs is None else (ours, theirs)
