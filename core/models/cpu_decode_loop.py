@@ -13,7 +13,7 @@ Qwen3's with their q/k norms among them) or Gemma 3's (``Gemma3DecoderLayer``: G
 norms, GELU-tanh, sliding layers on their own rotary base), with the fused CPU passes on
 (``tandem.models.cpu_fusion``), full-width rotary on every layer, no biases, no residual
 multiplier, one tensor rank, the "cpu" attention backend, and linear layers on tandem's panels
-(float32 or AVX512-BF16 pairs), oneDNN, dense weights or GGUF blocks (a layer's shards of
+(float32, or bfloat16 pairs on AVX512-BF16 or AMX), oneDNN, dense weights or GGUF blocks (a layer's shards of
 different block types as one part each; each batch-size bucket's kernel, as ``cpu_linear``
 chose it). Everything else keeps the Python path; ``build`` returns None for a stack it cannot
 run.
@@ -49,8 +49,8 @@ class KvPrefetchChoice:
     (``decode_layers``' ``prefetch_kv_bytes``), decided by measuring on the running machine.
 
     The reads overlap the product on some CPUs and hold the calling thread up on others
-    (docs/benchmarks.md), so no fixed rule is right. The first decode steps of at least ``MIN_ROWS`` rows take
-    turns, with then without; each pair of consecutive steps of the same rows gives a time ratio
+    (docs/benchmarks.md), so no fixed rule is right. The first decode steps of at least
+    ``MIN_ROWS`` rows take turns, with then without; each pair of consecutive steps of the same rows gives a time ratio
     (without / with), and after ``PAIRS`` pairs the setting their median favours stays for the
     process (logged). If ``WINDOW`` such steps pass without enough pairs (batch sizes changing
     every step), prefetching stays on. Steps of fewer rows (little KV to read) prefetch while it
@@ -94,6 +94,7 @@ class KvPrefetchChoice:
                         "not asking" if self.chosen == 0 else "asking for up to 1 MiB a layer")
         elif self._steps >= self.WINDOW:
             self.chosen = PREFETCH_KV_BYTES
+
 
 KINDS = {"tandem": 0, "onednn": 1, "torch": 2, "gguf": 3, "dpbf16": 4, "amx": 5}
 """Linear kinds as ``decode_layers.cpp`` numbers them."""
