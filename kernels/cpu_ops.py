@@ -35,8 +35,9 @@ logger = logging.getLogger("tandem")
 
 SOURCES = [Path(__file__).parent / "cpu" / name
            for name in ("paged_attention.cpp", "linear.cpp", "linear_dpbf16.cpp", "elementwise.cpp",
-                        "sampling.cpp", "gguf_matmul.cpp", "decode_layers.cpp", "work_pool.cpp")]
-HEADERS = [Path(__file__).parent / "cpu" / "work_queue.h"]
+                        "sampling.cpp", "gguf_matmul.cpp", "gguf_dpbf16.cpp", "decode_layers.cpp",
+                        "work_pool.cpp")]
+HEADERS = [Path(__file__).parent / "cpu" / name for name in ("work_queue.h", "gguf_blocks.h")]
 OPS = ("paged_decode", "panel_linear", "panel_linear_dpbf16", "dpbf16_supported", "panel_linear_amx",
        "amx_supported", "rms_norm", "add_rms_norm",
        "silu_and_mul", "rotary_neox", "draw_rows", "argmax_rows", "gguf_linear", "gguf_dequantize_rows",

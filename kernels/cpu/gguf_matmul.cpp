@@ -26,14 +26,16 @@
 //         value 128h + 32t + l (h < 2, t < 4, l < 32): q = nibble t / 2 of ql[64h + 32(t % 2) + l]
 //         | bits 2t, 2t + 1 of qh[32h + l] << 4;  w = d * scales[8h + 2t + l / 16] * (q - 32)
 //
-// Each block widens to float32 (AVX2 where built for it) into a per-thread buffer that holds a
-// group of rows of W, which every row of x then dots with (linear_impl): the weight is read
-// once per call, as packed bytes, for any M.
+// bfloat16 x on a CPU with AVX512-BF16 goes to gguf_dpbf16.cpp (blocks turned into bfloat16 in
+// registers). Otherwise each block widens to float32 (AVX2 where built for it) into a per-thread
+// buffer that holds a group of rows of W, which every row of x then dots with (linear_impl): the
+// weight is read once per call, as packed bytes, for any M.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "gguf_blocks.h"
 #include "work_queue.h"
 
 #include <algorithm>
@@ -138,16 +140,6 @@ struct Q8_0 {
   }
 };
 
-// the 6-bit scale and min of sub-block s of a Q4_K / Q5_K super-block
-inline void scale_min_k4(const uint8_t* scales, int s, int& sc, int& mn) {
-  if (s < 4) {
-    sc = scales[s] & 63;
-    mn = scales[s + 4] & 63;
-  } else {
-    sc = (scales[s + 4] & 15) | (scales[s - 4] >> 6) << 4;
-    mn = (scales[s + 4] >> 4) | (scales[s] >> 6) << 4;
-  }
-}
 
 template <bool five_bits>
 inline void dequant_k4(const uint8_t* b, float* y) {
@@ -157,7 +149,7 @@ inline void dequant_k4(const uint8_t* b, float* y) {
   const uint8_t* qs = b + (five_bits ? 48 : 16);
   for (int s = 0; s < 8; ++s) {
     int sc, mn;
-    scale_min_k4(scales, s, sc, mn);
+    tandem_gguf::scale_min_k4(scales, s, sc, mn);
     const float ds = d * static_cast<float>(sc), ms = dmin * static_cast<float>(mn);
     const uint8_t* q = qs + 32 * (s / 2);
     const int shift = 4 * (s % 2);
@@ -358,16 +350,26 @@ void check_qweight(const char* op, const at::Tensor& qweight, int64_t k_size, in
 
 }  // namespace
 
+bool gguf_linear_dpbf16(float* out, const uint16_t* x, int64_t m_size, const uint8_t* w, int64_t n_size,
+                        int64_t k_size, int64_t ggml_type);  // gguf_dpbf16.cpp
+
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t ggml_type, int64_t in_features) {
   TORCH_CHECK_VALUE(x.device().is_cpu() && x.dim() == 2 && x.size(1) == in_features &&
                         (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
                     "gguf_linear: x must be a float32 or bfloat16 CPU tensor [M, in_features=", in_features, "]");
-  const at::Tensor x32 = x.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({x.size(0), qweight.size(0)}, x32.options());
+  at::Tensor out = at::empty({x.size(0), qweight.size(0)}, x.options().dtype(at::kFloat));
+  bool done = false;
   dispatch(ggml_type, "gguf_linear", [&](auto type) {
     using T = decltype(type);
     check_qweight("gguf_linear", qweight, in_features, T::elems, T::bytes);
     if (x.size(0) == 0 || qweight.size(0) == 0) return;
+    if (x.scalar_type() == at::kBFloat16) {
+      const at::Tensor x16 = x.contiguous();
+      done = gguf_linear_dpbf16(out.data_ptr<float>(), reinterpret_cast<const uint16_t*>(x16.data_ptr()), x.size(0),
+                                qweight.data_ptr<uint8_t>(), qweight.size(0), in_features, ggml_type);
+    }
+    if (done) return;
+    const at::Tensor x32 = x.to(at::kFloat).contiguous();
     linear_impl<T>(out.data_ptr<float>(), x32.data_ptr<float>(), x.size(0), qweight.data_ptr<uint8_t>(),
                    qweight.size(0), in_features);
   });

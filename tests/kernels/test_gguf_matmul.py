@@ -55,6 +55,41 @@ def test_bfloat16_matches_dequantized_matmul(ggml_type, gen):
     assert_matches(y, x.double() @ dequantized(qweight, ggml_type).T, rtol=1e-2)
 
 
+needs_dpbf16 = pytest.mark.skipif(not (cpu_ops.load() and cpu_ops.dpbf16_supported()),
+                                  reason="the few-rows bfloat16 kernel (gguf_dpbf16.cpp) needs AVX512-BF16")
+
+
+@needs_dpbf16
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 12])
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_few_bfloat16_rows_round_the_exact_product_once(ggml_type, m, gen):
+    """gguf_dpbf16.cpp (bfloat16 x, up to 12 rows): every tile shape of rows and output rows, K of
+    more than 16 blocks (the scales' gather and its tail): each output is the float64 product of
+    the bfloat16 inputs and the dequantized weight rounded to bfloat16 once, within float32's
+    sums (bfloat16 products of small integer q are exact)."""
+    blocks = 19 if GGML_QUANT_SIZES[ggml_type][0] == 32 else 3
+    k, n = in_features(ggml_type, blocks), 39
+    qweight = packed(ggml_type, n, k, seed=m)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    y = cpu_ops.gguf_linear(x, qweight, int(ggml_type), k)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    ref = x.double() @ dequantized(qweight, ggml_type).T
+    ulp = 2.0 ** (torch.floor(torch.log2(ref.abs().clamp_min(1e-30))) - 7)  # bfloat16's spacing at ref
+    err = (y.double() - ref).abs()
+    assert (err <= 0.5 * ulp + 1e-5 * ref.abs().max()).all(), (err / ulp).max()
+
+
+@needs_dpbf16
+@pytest.mark.parametrize("ggml_type", [T.Q4_1, T.Q5_0, T.Q6_K], ids=lambda t: t.name)
+def test_few_bfloat16_rows_agree_with_the_float32_kernel_over_threads(ggml_type, gen):
+    k, n = 768 if ggml_type != T.Q6_K else 1024, 1001  # shares of many groups, a ragged last one
+    qweight = packed(ggml_type, n, k)
+    x = torch.randn(3, k, generator=gen).bfloat16()
+    few = cpu_ops.gguf_linear(x, qweight, int(ggml_type), k).double()
+    wide = cpu_ops.gguf_linear(x.float(), qweight, int(ggml_type), k).double()  # gguf_matmul.cpp's kernel
+    torch.testing.assert_close(few, wide, rtol=2**-8, atol=1e-5 * wide.abs().max().item())
+
+
 @pytest.mark.parametrize("m", [1, 16])
 def test_many_rows_over_threads(m, gen):
     k, n = 576, 1001  # many groups shared out over the threads, a ragged last one
