@@ -16,10 +16,10 @@
 //
 // Loop nest: threads take contiguous shares of output rows (in the weight's order, as the decode
 // loop's helpers warm it); a share goes in groups of 16 output rows; a group's rows in tiles of
-// up to 4 rows of x by 4 output rows whose 16 sums stay in registers over all of K. A tile first
-// turns its rows' half-float scales into float32 arrays (a gather of 16 blocks' heads at a time),
-// so that its main loop takes d as a broadcast from memory and keeps the shuffle port for the
-// lookups. For up to kMaxRows rows of x (decode): each block is turned into bfloat16 once per 4
+// up to 4 rows of x by 4 output rows whose 16 sums stay in registers over all of K. The half-float
+// scales of 4 output rows go to float32 arrays first, once for all rows of x (a gather of 16
+// blocks' heads at a time), so that the main loop takes d as a broadcast from memory and keeps
+// the shuffle port for the lookups. For up to kMaxRows rows of x (decode): each block is turned into bfloat16 once per 4
 // rows, which beats gguf_matmul.cpp's widening to float32 only while the rows are few. The
 // AVX512-BF16 code is compiled for that ISA alone (a target attribute) and runs only where
 // dpbf16_supported() (linear_dpbf16.cpp).
@@ -250,19 +250,16 @@ TANDEM_GGUF_TARGET void scales_row(const uint8_t* row, int64_t blocks, float* d,
 }
 
 // out[r * ldo + c] = x[r] . w[c] for r < rows, c < cols: x rows bfloat16 (ldx apart, spread
-// where the type is), sums[r] the float32 sums of x[r]'s 32-value groups (types with m). The
-// tile's scales go to float arrays first (scalar work, off the vector shuffle port), so that the
-// main loop's FMAs take d as a broadcast from memory; m's part is a dot product after it.
+// where the type is), sums[r] the float32 sums of x[r]'s 32-value groups (types with m), dq and
+// mq the output rows' scales_row (K / 32 * nd and K / 32 apart): the main loop's FMAs take d as
+// a broadcast from memory; m's part is a dot product after it.
 template <typename B, int rows, int cols>
 TANDEM_GGUF_TARGET void tile(const uint16_t* x, int64_t ldx, const float* sums, int64_t lds, const uint8_t* w,
                              int64_t row_bytes, int64_t k_size, float* out, int64_t ldo, const Tables& t,
-                             float* scratch) {
+                             const float* dq, const float* mq) {
   constexpr int per_block = static_cast<int>(B::elems / 32);
   constexpr int nd = B::two_d ? 2 : 1;
   const int64_t blocks = k_size / B::elems, groups = k_size / 32;
-  float* dq = scratch;                    // [cols][groups * nd]
-  float* mq = scratch + cols * groups * nd;  // [cols][groups]
-  for (int c = 0; c < cols; ++c) scales_row<B>(w + c * row_bytes, blocks, dq + c * groups * nd, mq + c * groups);
   const char* ahead = reinterpret_cast<const char*>(w) + kAhead * row_bytes;
   __m512 acc[rows][cols];
   for (int r = 0; r < rows; ++r) {
@@ -303,24 +300,24 @@ TANDEM_GGUF_TARGET void tile(const uint16_t* x, int64_t ldx, const float* sums, 
 template <typename B, int rows>
 TANDEM_GGUF_TARGET void tile_cols(int cols, const uint16_t* x, int64_t ldx, const float* sums, int64_t lds,
                                   const uint8_t* w, int64_t row_bytes, int64_t k_size, float* out, int64_t ldo,
-                                  const Tables& t, float* scratch) {
+                                  const Tables& t, const float* dq, const float* mq) {
   switch (cols) {
-    case 1: return tile<B, rows, 1>(x, ldx, sums, lds, w, row_bytes, k_size, out, ldo, t, scratch);
-    case 2: return tile<B, rows, 2>(x, ldx, sums, lds, w, row_bytes, k_size, out, ldo, t, scratch);
-    case 3: return tile<B, rows, 3>(x, ldx, sums, lds, w, row_bytes, k_size, out, ldo, t, scratch);
-    default: return tile<B, rows, kCols>(x, ldx, sums, lds, w, row_bytes, k_size, out, ldo, t, scratch);
+    case 1: return tile<B, rows, 1>(x, ldx, sums, lds, w, row_bytes, k_size, out, ldo, t, dq, mq);
+    case 2: return tile<B, rows, 2>(x, ldx, sums, lds, w, row_bytes, k_size, out, ldo, t, dq, mq);
+    case 3: return tile<B, rows, 3>(x, ldx, sums, lds, w, row_bytes, k_size, out, ldo, t, dq, mq);
+    default: return tile<B, rows, kCols>(x, ldx, sums, lds, w, row_bytes, k_size, out, ldo, t, dq, mq);
   }
 }
 
 template <typename B>
 TANDEM_GGUF_TARGET void tile_any(int rows, int cols, const uint16_t* x, int64_t ldx, const float* sums, int64_t lds,
                                  const uint8_t* w, int64_t row_bytes, int64_t k_size, float* out, int64_t ldo,
-                                 const Tables& t, float* scratch) {
+                                 const Tables& t, const float* dq, const float* mq) {
   switch (rows) {
-    case 1: return tile_cols<B, 1>(cols, x, ldx, sums, lds, w, row_bytes, k_size, out, ldo, t, scratch);
-    case 2: return tile_cols<B, 2>(cols, x, ldx, sums, lds, w, row_bytes, k_size, out, ldo, t, scratch);
-    case 3: return tile_cols<B, 3>(cols, x, ldx, sums, lds, w, row_bytes, k_size, out, ldo, t, scratch);
-    default: return tile_cols<B, kRows>(cols, x, ldx, sums, lds, w, row_bytes, k_size, out, ldo, t, scratch);
+    case 1: return tile_cols<B, 1>(cols, x, ldx, sums, lds, w, row_bytes, k_size, out, ldo, t, dq, mq);
+    case 2: return tile_cols<B, 2>(cols, x, ldx, sums, lds, w, row_bytes, k_size, out, ldo, t, dq, mq);
+    case 3: return tile_cols<B, 3>(cols, x, ldx, sums, lds, w, row_bytes, k_size, out, ldo, t, dq, mq);
+    default: return tile_cols<B, kRows>(cols, x, ldx, sums, lds, w, row_bytes, k_size, out, ldo, t, dq, mq);
   }
 }
 
@@ -362,14 +359,20 @@ TANDEM_GGUF_TARGET void linear(float* out, const uint16_t* x, int64_t m_size, co
     const Tables t;
     static thread_local std::vector<float> scratch;
     scratch.resize(static_cast<size_t>(kCols * lds * 3));
+    constexpr int64_t nd = B::two_d ? 2 : 1;
+    float* dq = scratch.data();         // [kCols][K / 32 * nd]
+    float* mq = dq + kCols * lds * nd;  // [kCols][K / 32]
     for (int64_t g = begin; g < end; ++g) {
       const int64_t n0 = g * kGroup, width = std::min(kGroup, n_size - n0);
-      for (int64_t m0 = 0; m0 < m_size; m0 += kRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kRows, m_size - m0));
-        for (int64_t c0 = 0; c0 < width; c0 += kCols) {
-          const int cols = static_cast<int>(std::min<int64_t>(kCols, width - c0));
-          tile_any<B>(rows, cols, x + m0 * k_size, k_size, sp + m0 * lds, lds, w + (n0 + c0) * row_bytes, row_bytes,
-                      k_size, out + m0 * n_size + n0 + c0, n_size, t, scratch.data());
+      for (int64_t c0 = 0; c0 < width; c0 += kCols) {
+        const int cols = static_cast<int>(std::min<int64_t>(kCols, width - c0));
+        const uint8_t* wc = w + (n0 + c0) * row_bytes;
+        for (int c = 0; c < cols; ++c)
+          scales_row<B>(wc + c * row_bytes, k_size / B::elems, dq + c * lds * nd, mq + c * lds);
+        for (int64_t m0 = 0; m0 < m_size; m0 += kRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kRows, m_size - m0));
+          tile_any<B>(rows, cols, x + m0 * k_size, k_size, sp + m0 * lds, lds, wc, row_bytes, k_size,
+                      out + m0 * n_size + n0 + c0, n_size, t, dq, mq);
         }
       }
     }
