@@ -62,3 +62,16 @@ def test_resident_weights_are_the_files_blocks(runs):
     file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(registry_gguf(name))).tensors)
     assert file_bytes <= packed_bytes <= file_bytes + (1 << 20), (packed_bytes, file_bytes)
     assert dense_bytes > 2 * packed_bytes
+
+
+def test_bfloat16_packed_decodes_like_the_float32_model(runs):
+    """A bfloat16 model kept packed: its decode steps multiply the blocks by bfloat16 activations
+    (on AVX512-BF16, kernels/cpu/gguf_dpbf16.cpp; else gguf_matmul.cpp). Oracle: the dequantized
+    float32 model; the first tokens agree (bfloat16's rounding moves logprobs by tenths, and
+    later tokens may part where the float32 model's choice was close; the kernel's values are
+    checked to the bit in tests/kernels/test_gguf_matmul.py)."""
+    name, (dense, _), _ = runs
+    packed = LLM(model=str(registry_gguf(name)), num_kv_blocks=32, dtype="bfloat16", quantization="gguf")
+    outs = packed.generate(PROMPTS, GREEDY)
+    for p, d in zip(outs, dense):
+        assert p.outputs[0].token_ids[:4] == d.outputs[0].token_ids[:4]
