@@ -27,7 +27,8 @@
 //         | bits 2t, 2t + 1 of qh[32h + l] << 4;  w = d * scales[8h + 2t + l / 16] * (q - 32)
 //
 // bfloat16 x on a CPU with AVX512-BF16 goes to gguf_dpbf16.cpp (blocks turned into bfloat16 in
-// registers). Otherwise each block widens to float32 (AVX2 where built for it) into a per-thread
+// registers) while the rows are few, and with more rows to linear_dpbf16.cpp's kernels on slices
+// of W turned into bfloat16 pair panels (linear_by_panels). Otherwise each block widens to float32 (AVX2 where built for it) into a per-thread
 // buffer that holds a group of rows of W, which every row of x then dots with (linear_impl): the
 // weight is read once per call, as packed bytes, for any M.
 #include <ATen/ATen.h>
@@ -314,6 +315,74 @@ void linear_impl(float* out, const float* x, int64_t m_size, const uint8_t* w, i
   });
 }
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#define TANDEM_PANELS 1
+#define TANDEM_PANELS_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+// r[i] (16 x 32-bit lanes) := the matrix's column i: r[i][j] = old r[j][i]
+TANDEM_PANELS_TARGET inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {  // 2 x 2 blocks of single lanes
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // 2 x 2 blocks of pairs
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8) {  // 128-bit lanes: rows i .. i + 3 against i + 4 .. i + 7
+    for (int k = 0; k < 4; ++k) {
+      t[i + k] = _mm512_shuffle_i32x4(r[i + k], r[i + k + 4], 0x88);
+      t[i + k + 4] = _mm512_shuffle_i32x4(r[i + k], r[i + k + 4], 0xdd);
+    }
+  }
+  for (int k = 0; k < 8; ++k) {
+    r[k] = _mm512_shuffle_i32x4(t[k], t[k + 8], 0x88);
+    r[k + 8] = _mm512_shuffle_i32x4(t[k], t[k + 8], 0xdd);
+  }
+}
+
+// W's rows [n0, n0 + rows) as bfloat16 pair panels, the layout of linear_dpbf16.cpp's kernels:
+// panels [ceil(rows / 16), K / 2, 16, 2], panel p pair j column c = W[n0 + 16p + c, 2j .. 2j + 1],
+// each value rounded to nearest even from its float32 dequantization (as a dequantized bfloat16
+// model's weight is); columns past `rows` zero. A block of the panel's 16 rows at a time: widened
+// to float32, each 32 values rounded to 16 bfloat16 pairs, the 16 x 16 pairs transposed into the
+// panel's next 16 pair rows (1 KiB, contiguous).
+template <typename T>
+TANDEM_PANELS_TARGET void one_panel(uint32_t* panel, const uint8_t* first_row, int64_t row_bytes, int64_t live,
+                                    int64_t k_size, float* block) {
+  if (live < 16) std::fill(block, block + 16 * T::elems, 0.0f);
+  for (int64_t kb = 0; kb < k_size / T::elems; ++kb) {
+    for (int64_t c = 0; c < live; ++c) T::dequant(first_row + c * row_bytes + kb * T::bytes, block + c * T::elems);
+    for (int64_t s = 0; s < T::elems; s += 32) {
+      __m512i r[16];
+      for (int c = 0; c < 16; ++c) {
+        const float* v = block + c * T::elems + s;
+        r[c] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(v + 16), _mm512_loadu_ps(v));
+      }
+      transpose16(r);
+      uint32_t* dst = panel + (kb * T::elems + s) / 2 * 16;
+      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(dst + j * 16, r[j]);
+    }
+  }
+}
+
+template <typename T>
+void panels_of(uint16_t* panels, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t rows, int64_t k_size) {
+  const int64_t n_panels = (rows + 15) / 16;
+  tandem_cpu::for_each_share(n_panels, 1, [&](int64_t begin, int64_t end) {
+    static thread_local std::vector<float> buffer;
+    float* block = scratch(buffer, 16 * T::elems);  // [16 rows][elems]
+    for (int64_t p = begin; p < end; ++p) {
+      one_panel<T>(reinterpret_cast<uint32_t*>(panels) + p * (k_size / 2) * 16, w + (n0 + p * 16) * row_bytes,
+                   row_bytes, std::min<int64_t>(16, rows - p * 16), k_size, block);
+    }
+  });
+}
+#endif
+
 template <typename T>
 void dequant_rows_impl(float* out, const uint8_t* w, const int64_t* rows, int64_t count, int64_t k_size) {
   const int64_t row_bytes = k_size / T::elems * T::bytes;
@@ -352,6 +421,47 @@ void check_qweight(const char* op, const at::Tensor& qweight, int64_t k_size, in
 
 bool gguf_linear_dpbf16(float* out, const uint16_t* x, int64_t m_size, const uint8_t* w, int64_t n_size,
                         int64_t k_size, int64_t ggml_type);  // gguf_dpbf16.cpp
+bool dpbf16_supported();                                    // linear_dpbf16.cpp
+bool amx_supported();
+void panel_linear_dpbf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
+                         const c10::optional<at::Tensor>& bias, bool bf16_values);
+void panel_linear_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
+                      const c10::optional<at::Tensor>& bias, bool bf16_values);
+
+namespace {
+
+// Many rows of bfloat16 x on a CPU with AVX512-BF16: W a slice of output rows at a time (about
+// kPanelSliceBytes of bfloat16, so that it stays in L2) turned into pair panels, then multiplied by
+// linear_dpbf16.cpp's AMX kernel (or its vdpbf16ps one without AMX). The slice's values are the
+// dequantized bfloat16 model's, so are the products.
+constexpr int64_t kPanelSliceBytes = int64_t{512} << 10;
+
+template <typename T>
+bool linear_by_panels(at::Tensor& out, const at::Tensor& x16, const uint8_t* w, int64_t n_size, int64_t k_size) {
+#ifndef TANDEM_PANELS
+  return false;
+#endif
+  const bool amx = amx_supported() && k_size % 32 == 0;
+  if (!amx && !dpbf16_supported()) return false;
+  const int64_t row_bytes = k_size / T::elems * T::bytes;
+  const int64_t slice = std::max<int64_t>(16, kPanelSliceBytes / (k_size * 2) / 16 * 16);
+  at::Tensor panels = at::empty({(std::min(slice, n_size) + 15) / 16, k_size / 2, 16, 2}, x16.options());
+  for (int64_t n0 = 0; n0 < n_size; n0 += slice) {
+    const int64_t rows = std::min(slice, n_size - n0);
+    at::Tensor part = panels.narrow(0, 0, (rows + 15) / 16);
+#ifdef TANDEM_PANELS
+    panels_of<T>(reinterpret_cast<uint16_t*>(part.data_ptr()), w, row_bytes, n0, rows, k_size);
+#endif
+    at::Tensor cols = out.narrow(1, n0, rows);
+    if (amx)
+      panel_linear_amx(cols, x16, part, c10::nullopt, false);
+    else
+      panel_linear_dpbf16(cols, x16, part, c10::nullopt, false);
+  }
+  return true;
+}
+
+}  // namespace
 
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t ggml_type, int64_t in_features) {
   TORCH_CHECK_VALUE(x.device().is_cpu() && x.dim() == 2 && x.size(1) == in_features &&
@@ -366,7 +476,8 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t g
     if (x.scalar_type() == at::kBFloat16) {
       const at::Tensor x16 = x.contiguous();
       done = gguf_linear_dpbf16(out.data_ptr<float>(), reinterpret_cast<const uint16_t*>(x16.data_ptr()), x.size(0),
-                                qweight.data_ptr<uint8_t>(), qweight.size(0), in_features, ggml_type);
+                                qweight.data_ptr<uint8_t>(), qweight.size(0), in_features, ggml_type) ||
+             linear_by_panels<T>(out, x16, qweight.data_ptr<uint8_t>(), qweight.size(0), in_features);
     }
     if (done) return;
     const at::Tensor x32 = x.to(at::kFloat).contiguous();

@@ -80,6 +80,26 @@ def test_few_bfloat16_rows_round_the_exact_product_once(ggml_type, m, gen):
 
 
 @needs_dpbf16
+@pytest.mark.parametrize("m", [13, 40, 129])
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_many_bfloat16_rows_multiply_the_dequantized_bfloat16_weight(ggml_type, m, gen):
+    """More than 12 rows of bfloat16 x: slices of W turned into bfloat16 pair panels for
+    linear_dpbf16.cpp's kernels (AMX where the CPU has it). Each output is the float64 product
+    of x and the weight a dequantized bfloat16 model holds (float32 dequantization rounded to
+    nearest even), rounded to bfloat16 once; N = 1001 spans several slices and a ragged panel."""
+    k = in_features(ggml_type, 18 if GGML_QUANT_SIZES[ggml_type][0] == 32 else 2)
+    qweight = packed(ggml_type, 1001, k, seed=m)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    y = cpu_ops.gguf_linear(x, qweight, int(ggml_type), k)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, 1001)
+    weight = dequantized(qweight, ggml_type).float().bfloat16().double()
+    ref = x.double() @ weight.T
+    ulp = 2.0 ** (torch.floor(torch.log2(ref.abs().clamp_min(1e-30))) - 7)
+    err = (y.double() - ref).abs()
+    assert (err <= 0.5 * ulp + 1e-5 * ref.abs().max()).all(), (err / ulp).max()
+
+
+@needs_dpbf16
 @pytest.mark.parametrize("ggml_type", [T.Q4_1, T.Q5_0, T.Q6_K], ids=lambda t: t.name)
 def test_few_bfloat16_rows_agree_with_the_float32_kernel_over_threads(ggml_type, gen):
     k, n = 768 if ggml_type != T.Q6_K else 1024, 1001  # shares of many groups, a ragged last one
