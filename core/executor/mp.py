@@ -188,12 +188,26 @@ class MultiprocExecutor(Executor):
                 dead = [p for p in self.procs if p.exitcode is not None]
         if dead:
             names = ", ".join(f"{p.name} (pid {p.pid}, exit code {p.exitcode})" for p in dead)
-            self._die(f"a worker process died during {what}: {names}")
+            said = self._last_words()
+            self._die(f"a worker process died during {what}: {names}" + (f" (rank 0: {said})" if said else ""))
         if not ready:
             self._die(f"the workers did not finish {what} within engine.worker_timeout_s = "
                       f"{timeout:g} s (a hung rank or a collective that never completes)")
         self._die(f"rank 0 closed its pipe during {what}")
         raise AssertionError("unreachable")
+
+    def _last_words(self) -> str | None:
+        """Rank 0's failure message, if one comes within FATAL_EXIT_GRACE_S after another rank
+        died: ranks that fail the same way (a weight no rank can split) exit at slightly
+        different times, and the first exit seen should not hide the reason."""
+        try:
+            if not self.conn.poll(FATAL_EXIT_GRACE_S):
+                return None
+            reply = pickle.loads(self.conn.recv_bytes())
+        except (EOFError, OSError, pickle.UnpicklingError):
+            return None
+        message = getattr(reply, "message", None)
+        return message if isinstance(reply, (StartFailed, Fatal)) else None
 
     def _fatal(self, message: str, what: str) -> None:
         """Rank 0 reported a failed collective. When a local rank died, that is the cause (the
