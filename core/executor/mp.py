@@ -189,7 +189,7 @@ class MultiprocExecutor(Executor):
         if dead:
             names = ", ".join(f"{p.name} (pid {p.pid}, exit code {p.exitcode})" for p in dead)
             said = self._last_words()
-            self._die(f"a worker process died during {what}: {names}" + (f" (rank 0: {said})" if said else ""))
+            self._die(f"a worker process died during {what}: {names}" + (f" ({said})" if said else ""))
         if not ready:
             self._die(f"the workers did not finish {what} within engine.worker_timeout_s = "
                       f"{timeout:g} s (a hung rank or a collective that never completes)")
@@ -206,8 +206,7 @@ class MultiprocExecutor(Executor):
             reply = pickle.loads(self.conn.recv_bytes())
         except (EOFError, OSError, pickle.UnpicklingError):
             return None
-        message = getattr(reply, "message", None)
-        return message if isinstance(reply, (StartFailed, Fatal)) else None
+        return reply.message if isinstance(reply, (StartFailed, Fatal)) else None  # "rank 0: ..."
 
     def _fatal(self, message: str, what: str) -> None:
         """Rank 0 reported a failed collective. When a local rank died, that is the cause (the

@@ -116,10 +116,10 @@ TANDEM_GGUF_TARGET inline __m512i nibbles32(const uint8_t* qs, int shift) {
 }
 
 struct Tables {
-  __m512i plain, plain16, minus8_16, minus16, minus32_lo, minus32_hi;
+  __m512i plain, plain16, minus8_16, minus16, minus32;
   TANDEM_GGUF_TARGET Tables()
       : plain(table32<0>()), plain16(table32<0, 16>()), minus8_16(table32<-8, 16>()), minus16(table32<-16>()),
-        minus32_lo(table32<-32>()), minus32_hi(table32<0>()) {}
+        minus32(table32<-32>()) {}
 };
 
 
@@ -215,7 +215,7 @@ struct Q6_K {
     const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
     const __m256i two = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * tt)), _mm256_set1_epi8(3));
     const __m512i q = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_cvtepu8_epi16(two), 4));  // 0 .. 63
-    return _mm512_permutex2var_epi16(t.minus32_lo, q, t.minus32_hi);                        // q - 32
+    return _mm512_permutex2var_epi16(t.minus32, q, t.plain);  // q - 32: q < 32 from the first table
   }
   TANDEM_GGUF_TARGET static void scales(const uint8_t* b, int s, float* d, float* m) {
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + 8 * (s / 4) + 2 * (s % 4);
