@@ -3,8 +3,9 @@ injected into a seeded fraction of its reads and notifications — for tests and
 for serving. It wraps any ``KVConnector`` through the interface alone, so the hand-over paths
 built on it (delta reads, mixed parallelism, streaming) meet the same faults.
 
-Faults, each decided by ``random.Random(seed + rank)`` in call order, logged and counted
-(``event_counts``, by the names below)::
+Faults, each decided in call order by a generator seeded from ``seed + rank`` — reads' faults by
+one of their own, so the n-th read's fault does not depend on how many notifications came
+before it — logged and counted (``event_counts``, by the names below)::
 
     reader side  read_fail      the read runs, then is reported "error:transfer"
                  read_delay     "done" is reported up to read_delay_s late (uniformly); past
@@ -63,6 +64,7 @@ class FaultyConnector(KVConnector):
         self._settings: Any = None
         self._inner: KVConnector | None = None
         self._rng = random.Random(0)
+        self._read_rng = random.Random(0)
         self._pool: Any = None
         self._descriptor: KVPoolDescriptor | None = None
         self._bytes: Any = None
@@ -76,7 +78,7 @@ class FaultyConnector(KVConnector):
 
     def configure(self, config: Any) -> None:
         self._config, self._settings = config, config.fault_injection
-        self._rng = random.Random(self._settings.seed)
+        self._seed(self._settings.seed)
         self._inner = self._new_inner()
 
     def register_pool(self, pool: Any, descriptor: KVPoolDescriptor) -> None:
@@ -85,7 +87,10 @@ class FaultyConnector(KVConnector):
         self._inner.register_pool(pool, descriptor)
         self._pool, self._descriptor = pool, descriptor
         self._bytes = pool.view(-1).view(_uint8()).view(descriptor.num_blocks, descriptor.block_bytes)
-        self._rng = random.Random(self._settings.seed + descriptor.rank)
+        self._seed(self._settings.seed + descriptor.rank)
+
+    def _seed(self, seed: int) -> None:
+        self._rng, self._read_rng = random.Random(seed), random.Random(f"reads {seed}")
 
     def handshake_info(self) -> dict[str, Any]:
         return self._inner.handshake_info()
@@ -103,7 +108,7 @@ class FaultyConnector(KVConnector):
         self._inner.start_read(transfer_id, peer, remote_block_ids, local_block_ids, deadline_s)
         if not local_block_ids:
             return
-        s, draw = self._settings, self._rng.random()
+        s, draw = self._settings, self._read_rng.random()
         for kind, rate in (("read_fail", s.read_fail_rate), ("read_delay", s.read_delay_rate),
                            ("truncate", s.truncate_rate)):
             if draw < rate:

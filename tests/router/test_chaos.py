@@ -17,7 +17,7 @@ pytest.importorskip("nixl_cu12", reason="the faulty connector wraps the nixl con
 
 FAULTS = {"read_fail_rate": 0.2, "read_delay_rate": 0.2, "read_delay_s": 0.6, "truncate_rate": 0.2,
           "notify_drop_rate": 0.2, "notify_delay_rate": 0.2, "notify_delay_s": 0.3,
-          "restart_every_n": 5, "seed": 7}
+          "restart_every_n": 5, "seed": 17}
 TRANSFER_TIMEOUT_S = 1.0
 
 
