@@ -181,6 +181,14 @@ class EngineConfig(_Section):
     first start, cached under the cache dir's kernels/ keyed by CPU, ISA, torch and threads),
     tandem's element-wise kernels when they build. Decode attention is the attention
     backend's (cpu)."""
+    cpu_prefill_attention: Literal["auto", "paged", "sdpa"] = "auto"
+    """On CPU (the cpu attention backend): how a sequence with many query rows in a step (a
+    prompt, a chunk of one) attends. paged: each row on its own through the paged decode kernel,
+    which reads the pool in place; sdpa: the sequence's context gathered and torch's
+    scaled_dot_product_attention over it, block by block (faster on long prompts, slower on
+    short ones where its threads' wake-ups dominate); auto: the paged kernel up to a number of
+    rows measured on this machine at the first start (cached beside the linear kernels'
+    choice), SDPA from there on. Decode rows always take the paged kernel."""
     cpu_decode_loop: bool = True
     """On CPU, with tandem's element-wise kernels on (``cpu_kernels`` other than torch and
     onednn): run a decode step's decoder layers as one C++ loop (the same kernels, values

@@ -52,6 +52,7 @@ CONFIG_FLAGS = [
     ConfigFlag("--attention-backend", "engine.attention_backend", metavar="NAME"),
     ConfigFlag("--enforce-eager", "engine.enforce_eager", None),
     ConfigFlag("--cpu-kernels", "engine.cpu_kernels"),
+    ConfigFlag("--cpu-prefill-attention", "engine.cpu_prefill_attention"),
     ConfigFlag("--cpu-decode-loop", "engine.cpu_decode_loop", None),
     ConfigFlag("--num-speculative-tokens", "engine.num_speculative_tokens", int, "N"),
     ConfigFlag("--distributed-executor-backend", "engine.distributed_executor_backend", metavar="NAME"),

@@ -267,6 +267,17 @@ class AttentionBackend(ABC):
         """Once per step, before the forward pass: precompute backend-specific data into
         ``metadata.extra`` (optional)."""
 
+    @classmethod
+    def for_model(cls, config: Any, dtype: Any, num_heads: int, num_kv_heads: int, head_dim: int,
+                  tuning: Any = None) -> type[AttentionBackend]:
+        """The class an instance uses for a model whose attention layers have these heads
+        (this rank's share) in ``dtype``, under ``config`` (a ``TandemConfig``): a backend that
+        chooses among its own kernels by measurement returns a subclass holding the choice.
+        ``tuning`` (a ``tandem.models.cpu_tuning.ChoiceCache`` on the CPU, else None) measures
+        and caches such a choice: ``tuning.get(shape_key, compute)``, ``tuning.measure``.
+        Called once at load, before the model is built; this default returns ``cls``."""
+        return cls
+
 
 # --------------------------------------------------------------------------- quantization
 

@@ -117,17 +117,20 @@ def _ops():
 
 
 def paged_decode(out: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor,
-                 tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int) -> None:
+                 tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int,
+                 row_tables: torch.Tensor | None = None) -> None:
     """Decode attention that reads one layer of the paged KV pool in place (paged_attention.cpp).
 
     ``q``, ``out`` [T, H, D] of one dtype; ``kv`` [num_blocks, 2, block_size, Hkv, D] (index 0:
     K, 1: V), H a multiple of Hkv (GQA by the ratio), D contiguous everywhere; ``rows`` [N],
-    ``tables`` [N, max_blocks], ``seq_lens`` [N], int64, contiguous. Query row ``i`` (token row
-    ``rows[i]`` of ``q``) attends to the first ``seq_lens[i]`` keys of the blocks ``tables[i]``
-    names (the last ``window`` of them when ``window`` > 0) with scores scaled by ``scale``; its
-    output goes to row ``rows[i]`` of ``out`` (other rows untouched). float32, bfloat16 or float16
-    queries and pools, float32 arithmetic."""
-    _ops().paged_decode(out, q, kv, rows, tables, seq_lens, scale, window)
+    ``tables`` [S, max_blocks], ``seq_lens`` [N], ``row_tables`` [N] (or None: S = N and row
+    ``i`` takes table ``i``), int64, contiguous. Query row ``i`` (token row ``rows[i]`` of ``q``)
+    attends to the first ``seq_lens[i]`` keys of the blocks ``tables[row_tables[i]]`` names (the
+    last ``window`` of them when ``window`` > 0) with scores scaled by ``scale``; its output goes
+    to row ``rows[i]`` of ``out`` (other rows untouched). The rows of one prefill share their
+    sequence's table through ``row_tables``. float32, bfloat16 or float16 queries and pools,
+    float32 arithmetic. RuntimeError for a ``row_tables`` entry outside ``[0, S)``."""
+    _ops().paged_decode(out, q, kv, rows, tables, seq_lens, scale, window, row_tables)
 
 
 def panel_linear(out: torch.Tensor, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -282,7 +285,8 @@ def decode_layers(hidden: torch.Tensor, residual: torch.Tensor | None, norms: li
                   seq_lens: torch.Tensor, windows: list[int], heads: int, kv_heads: int, head_dim: int,
                   scale: float, eps: float, flags: int,
                   final_norm: torch.Tensor | None = None,
-                  prefetch_kv_bytes: int = 1 << 20) -> tuple[torch.Tensor, torch.Tensor]:
+                  prefetch_kv_bytes: int = 1 << 20,
+                  row_tables: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step through ``len(windows)`` Llama-family decoder layers (decode_layers.cpp,
     whose header draws the steps): returns the last layer's (MLP output, residual), as
     ``LlamaDecoderLayer.forward`` does (Gemma 3's layers: the residual stream twice), each row
@@ -300,7 +304,7 @@ def decode_layers(hidden: torch.Tensor, residual: torch.Tensor | None, norms: li
     ``local[l]`` is 1 (Gemma's sliding layers; else None); ``pool``
     ``[num_blocks, >= layers, 2, block_size, kv_heads, head_dim]`` of the dtype, layer ``l``
     writing and reading ``pool[:, l]``; ``slots`` [M] int64 >= 0, row ``t``'s KV slot; ``rows``,
-    ``tables``, ``seq_lens`` as ``paged_decode`` takes them; ``windows`` each layer's sliding
+    ``tables``, ``seq_lens``, ``row_tables`` as ``paged_decode`` takes them; ``windows`` each layer's sliding
     window (0: none). ``final_norm``: the model's norm after the last layer, applied before
     returning as ``RMSNorm.forward(output, residual)`` (Gemma: ``GemmaRMSNorm.forward(stream)``)
     returns it: (normed, residual). ``prefetch_kv_bytes``: before each layer's qkv product, ask
@@ -308,7 +312,7 @@ def decode_layers(hidden: torch.Tensor, residual: torch.Tensor | None, norms: li
     not depend on it)."""
     return _ops().decode_layers(hidden, residual, norms, weights, info, parts, cos, sin, cos_local, sin_local,
                                 local, pool, slots, rows, tables, seq_lens, windows, heads, kv_heads, head_dim,
-                                scale, eps, flags, final_norm, prefetch_kv_bytes)
+                                scale, eps, flags, final_norm, prefetch_kv_bytes, row_tables)
 
 
 def use_work_pool(on: bool) -> bool:

@@ -49,13 +49,26 @@ class _PrefillSeq:
 
 @dataclass(slots=True)
 class _DecodeBatch:
-    """Sequences with one query token: their rows, and their block tables flattened
-    ``[num_seqs * num_blocks]`` (padded tables point at block 0, masked out)."""
+    """One-query rows: their token rows and visible keys ``[N]``, the step's block tables cut to
+    ``num_blocks`` columns ``[S, num_blocks]`` (int64; padding entries point at block 0, masked
+    out), and ``row_tables`` ``[N]``, the table of each row (None: row ``i`` takes table ``i``).
+    A prefill's rows share their sequence's table instead of a copy each."""
 
     rows: torch.Tensor
     seq_lens: torch.Tensor
-    block_ids: torch.Tensor
+    tables: torch.Tensor
+    row_tables: torch.Tensor | None
     num_blocks: int
+    _block_ids: torch.Tensor | None = None
+
+    @property
+    def block_ids(self) -> torch.Tensor:
+        """Each row's table, flattened ``[N * num_blocks]`` (the torch path gathers by it; built
+        once a step)."""
+        if self._block_ids is None:
+            rows = self.tables if self.row_tables is None else self.tables.index_select(0, self.row_tables)
+            self._block_ids = rows.reshape(-1)
+        return self._block_ids
 
 
 @dataclass(slots=True)
@@ -110,15 +123,16 @@ class _StepPlan:
                       row_seq_lens: list[int]) -> _DecodeBatch:
         device = md.block_tables.device
         num_blocks = -(-max(row_seq_lens) // md.block_size)
-        tables = md.block_tables
-        if row_seqs != list(range(md.num_seqs)):  # not one row for each sequence
-            tables = tables.index_select(0, torch.tensor(row_seqs, dtype=torch.long, device=device))
-        tables = tables[:, :num_blocks].to(torch.long, copy=True).clamp_(min=0)
-        rows_and_lens = torch.tensor(rows + row_seq_lens, dtype=torch.long, device=device)
+        tables = md.block_tables[:md.num_seqs, :num_blocks].to(torch.long, copy=True).clamp_(min=0)
+        one_each = row_seqs == list(range(md.num_seqs))  # one row for each sequence, in order
+        index = rows + row_seq_lens + ([] if one_each else row_seqs)
+        index_t = torch.tensor(index, dtype=torch.long, device=device)
+        n = len(rows)
         return _DecodeBatch(
-            rows=rows_and_lens[:len(rows)],
-            seq_lens=rows_and_lens[len(rows):],
-            block_ids=tables.reshape(-1),
+            rows=index_t[:n],
+            seq_lens=index_t[n:2 * n],
+            tables=tables,
+            row_tables=None if one_each else index_t[2 * n:],
             num_blocks=num_blocks,
         )
 

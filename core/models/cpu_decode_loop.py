@@ -180,9 +180,9 @@ class CpuDecodeLoop:
         start = time.perf_counter()
         out = cpu_ops.decode_layers(
             hidden, residual, self.norms, weights, info, parts, cos.contiguous(), sin.contiguous(), cos_local, sin_local,
-            self.local, kv_cache, metadata.slot_mapping, d.rows, d.block_ids.view(d.rows.shape[0], d.num_blocks),
+            self.local, kv_cache, metadata.slot_mapping, d.rows, d.tables,
             d.seq_lens, self.windows, self.heads, self.kv_heads, self.head_dim, self.scale, self.eps, self.flags,
-            self.final_norm, prefetch)
+            self.final_norm, prefetch, d.row_tables)
         self.kv_prefetch.record(rows, prefetch, time.perf_counter() - start)
         return out
 

@@ -277,11 +277,12 @@ def machine_key() -> dict[str, object]:
             "kernels": cpu_ops.linear_build() if cpu_ops.load() else None}
 
 
-def cache_path(key: Mapping[str, object]) -> Path:
+def cache_path(key: Mapping[str, object], name: str = "linear") -> Path:
+    """The cache file of ``name``'s choices (linear layers; ``attention``) under ``key``."""
     from tandem.models.presets import cache_dir
 
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir() / "kernels" / f"linear-{digest}.json"
+    return cache_dir() / "kernels" / f"{name}-{digest}.json"
 
 
 @contextlib.contextmanager
@@ -308,8 +309,50 @@ def read_cache(path: Path) -> dict[str, ShapeChoice]:
 
 def write_cache(path: Path, key: Mapping[str, object], choices: Mapping[str, ShapeChoice]) -> None:
     """Replace the file (a private scratch file renamed into place)."""
+    write_json(path, {"key": key, "shapes": {k: c.to_json() for k, c in choices.items()}})
+
+
+class ChoiceCache:
+    """Measured choices other than the linear layers' (``name``: "attention"), one JSON entry per
+    shape, in their own file under the same key and with the same rules: measured under the
+    file's lock, only on a machine other processes leave alone, and cached only if that held
+    while it ran. Handed to plugins (``AttentionBackend.for_model``), which may not import core."""
+
+    measure = staticmethod(measure)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def get(self, shape: str, compute: Callable[[], dict]) -> tuple[dict | None, str]:
+        """``shape``'s entry and where it came from: the cache, or ``compute()`` (then cached);
+        (None, why) where the machine was too busy to measure."""
+        key = machine_key()
+        path = cache_path(key, self.name)
+        with locked(path):
+            try:
+                entries = json.loads(path.read_text())["shapes"]
+                if not isinstance(entries, dict):
+                    entries = {}
+            except (OSError, ValueError, KeyError, TypeError):
+                entries = {}
+            if isinstance(entries.get(shape), dict):
+                return entries[shape], f"from the cache, {path}"
+            busy = machine_is_busy()
+            if busy is None:
+                meter = CpuMeter()
+                entry = compute()
+                busy = meter.others_share()
+                if busy <= BUSY_SHARE:
+                    entries[shape] = entry
+                    write_json(path, {"key": key, "shapes": entries})
+                    return entry, f"measured, cached in {path}"
+        return None, f"not measured: other processes used {busy * 100:.0f}% of the CPUs"
+
+
+def write_json(path: Path, payload: Mapping[str, object]) -> None:
+    """Write ``payload`` to ``path`` through a private scratch file renamed into place (a reader
+    sees the old file or the new one, never half of one)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     scratch = path.with_name(f".{path.name}.{os.getpid()}")
-    scratch.write_text(json.dumps({"key": key, "shapes": {k: c.to_json() for k, c in choices.items()}},
-                                  indent=1, sort_keys=True))
+    scratch.write_text(json.dumps(payload, indent=1, sort_keys=True))
     scratch.replace(path)

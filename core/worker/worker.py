@@ -25,7 +25,7 @@ from tandem.distributed import current
 from tandem.interfaces import KVConnector, KVPoolDescriptor
 from tandem.kernels import cpu_ops
 from tandem.models.config import ModelArchConfig, kv_bytes_per_block, kv_cache_shape, kv_shards
-from tandem.models import huge_pages
+from tandem.models import cpu_tuning, huge_pages
 from tandem.models.gguf_file import is_gguf
 from tandem.plugin_manager import get_registry
 from tandem.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -106,6 +106,12 @@ class Worker:
             backend = "triton" if self.device.type == "cuda" else "cpu"
         registry = get_registry()
         self.attn_backend_cls = registry.get("attention_backend", backend)
+        heads, kv_heads = checkpoint.num_attention_heads, checkpoint.num_key_value_heads
+        if heads % self.parallel.tp_size == 0:  # else the model's load refuses the split, naming it
+            self.attn_backend_cls = self.attn_backend_cls.for_model(
+                config, self.dtype, heads // self.parallel.tp_size,
+                self.parallel.num_local_kv_heads(kv_heads), checkpoint.head_dim,
+                cpu_tuning.ChoiceCache("attention") if self.device.type == "cpu" else None)
         self.quant_method = quant_method = quant_method_for(config, checkpoint)
         weight_bytes = estimate_weight_bytes(path, self.dtype, packed=quant_method.reads_gguf_blocks)
         if weight_bytes is not None:

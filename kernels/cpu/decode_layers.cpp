@@ -10,7 +10,7 @@
 //     rotary_neox(qkv[:, : (H + Hkv) D], cos, sin)              in place (cos_local, sin_local
 //                                                               where local[l])
 //     pool[slot of row t, l] = k, v of row t                    KV write
-//     attn     = paged_decode(q, pool[:, l], rows, tables, seq_lens, scale, windows[l])
+//     attn     = paged_decode(q, pool[:, l], rows, tables, seq_lens, scale, windows[l], row_tables)
 //     h        = linear(attn, 4l + 1)
 //     x        = add_rms_norm(h, residual, norms[l][1])
 //     h        = linear(act_and_mul(linear(x, 4l + 2)), 4l + 3)  act: SiLU, or GELU-tanh with GELU
@@ -42,7 +42,8 @@
 // no profiler is on), so torch.profiler splits the step.
 //
 // pool [num_blocks, L, 2, bs, Hkv, D] of dtype T (D and the heads contiguous); slots [M] int64,
-// each >= 0; rows, tables, seq_lens as paged_decode takes them (one query row per token).
+// each >= 0; rows, tables, seq_lens, row_tables as paged_decode takes them (one query row per
+// token).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/record_function.h>
@@ -61,7 +62,10 @@ void panel_linear_dpbf16(at::Tensor& out, const at::Tensor& x, const at::Tensor&
 void panel_linear_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
                       const c10::optional<at::Tensor>& bias, bool bf16_values);
 void paged_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& rows,
-                  const at::Tensor& tables, const at::Tensor& seq_lens, double scale, int64_t window);
+                  const at::Tensor& tables, const at::Tensor& seq_lens, double scale, int64_t window,
+                  const c10::optional<at::Tensor>& row_tables);
+c10::optional<at::Tensor> checked_row_tables(const c10::optional<at::Tensor>& row_tables, int64_t n_rows,
+                                             int64_t n_tables);
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
 void add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
 void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up);
@@ -178,8 +182,8 @@ void write_kv(const at::Tensor& qkv, const at::Tensor& kv, const int64_t* slots,
 // attention would otherwise wait on memory for each sequence's first blocks. At most max_bytes
 // (0: none), the first rows' blocks first. Whether it pays depends on the CPU (the caller
 // measures: cpu_decode_loop.KvPrefetchChoice).
-void prefetch_kv(const at::Tensor& kv, const at::Tensor& tables, const at::Tensor& seq_lens, int64_t window,
-                 int64_t max_bytes) {
+void prefetch_kv(const at::Tensor& kv, const at::Tensor& tables, const c10::optional<at::Tensor>& row_tables,
+                 const at::Tensor& seq_lens, int64_t window, int64_t max_bytes) {
   if (max_bytes <= 0) return;
   // kv: one layer of the pool, [blocks, 2, bs, Hkv, D], a block's K and V one contiguous run
   const int64_t el = kv.element_size(), bs = kv.size(2), block_step = kv.stride(0) * el,
@@ -188,12 +192,16 @@ void prefetch_kv(const at::Tensor& kv, const at::Tensor& tables, const at::Tenso
   const char* base = static_cast<const char*>(kv.data_ptr());
   const int64_t* table = tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* table_rows = row_tables.has_value() ? row_tables->data_ptr<int64_t>() : nullptr;
   int64_t budget = max_bytes;
-  for (int64_t i = 0; i < tables.size(0) && budget > 0; ++i) {
+  for (int64_t i = 0; i < seq_lens.size(0) && budget > 0; ++i) {
+    const int64_t t = table_rows != nullptr ? table_rows[i] : i;
+    // a sequence's next rows (drafts being checked) read its blocks again, the last row the most
+    if (i + 1 < seq_lens.size(0) && table_rows != nullptr && table_rows[i + 1] == t) continue;
     const int64_t first = window > 0 ? std::max<int64_t>(0, lens[i] - window) / bs : 0;
     const int64_t last = std::min(cols, (lens[i] + bs - 1) / bs);  // prefetches do not fault; the reads must not
     for (int64_t b = first; b < last && budget > 0; ++b, budget -= block_bytes) {
-      const char* block = base + table[i * ld + b * col_step] * block_step;
+      const char* block = base + table[t * ld + b * col_step] * block_step;
       for (int64_t off = 0; off < block_bytes; off += 64) __builtin_prefetch(block + off, 0, 2);
     }
   }
@@ -203,11 +211,11 @@ void prefetch_kv(const at::Tensor& kv, const at::Tensor& tables, const at::Tenso
 // attention, o_proj.
 at::Tensor attention_block(const at::Tensor& x, at::TensorList norms, const Linears& linear, int64_t l,
                            const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv, const int64_t* slot,
-                           const at::Tensor& rows, const at::Tensor& tables, const at::Tensor& seq_lens,
-                           int64_t window, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, double eps,
+                           const at::Tensor& rows, const at::Tensor& tables,
+                           const c10::optional<at::Tensor>& row_tables, const at::Tensor& seq_lens, int64_t window, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, double eps,
                            int64_t flags, int64_t prefetch_kv_bytes) {
   const int64_t m = x.size(0);
-  prefetch_kv(kv, tables, seq_lens, window, prefetch_kv_bytes);
+  prefetch_kv(kv, tables, row_tables, seq_lens, window, prefetch_kv_bytes);
   at::Tensor qkv = linear(x, 4 * l);
   at::Tensor qk = qkv.narrow(1, 0, (heads + kv_heads) * head_dim).view({m, heads + kv_heads, head_dim});
   if (flags & kQkNorm) {
@@ -225,7 +233,7 @@ at::Tensor attention_block(const at::Tensor& x, at::TensorList norms, const Line
   at::Tensor attn = at::empty({m, heads, head_dim}, x.options());
   {
     RECORD_FUNCTION("decode_layers.attention", std::vector<c10::IValue>());
-    paged_decode(attn, qk.narrow(1, 0, heads), kv, rows, tables, seq_lens, scale, window);
+    paged_decode(attn, qk.narrow(1, 0, heads), kv, rows, tables, seq_lens, scale, window, row_tables);
   }
   return linear(attn.view({m, heads * head_dim}), 4 * l + 1);
 }
@@ -254,7 +262,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     at::Tensor& pool, const at::Tensor& slots, const at::Tensor& rows, const at::Tensor& tables,
     const at::Tensor& seq_lens, at::IntArrayRef windows, int64_t heads, int64_t kv_heads, int64_t head_dim,
     double scale, double eps, int64_t flags, const c10::optional<at::Tensor>& final_norm,
-    int64_t prefetch_kv_bytes) {
+    int64_t prefetch_kv_bytes, const c10::optional<at::Tensor>& row_tables_in) {
   const int64_t layers = static_cast<int64_t>(windows.size()), m = hidden.size(0);
   const int64_t per_layer = 2 + ((flags & kGemma) ? 2 : 0) + ((flags & kQkNorm) ? 2 : 0);
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == per_layer * layers &&
@@ -279,6 +287,10 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   TORCH_CHECK(!any_local || (cos_local.has_value() && cos_local->defined() && sin_local.has_value() &&
                              sin_local->defined()),
               "decode_layers: local layers need cos_local and sin_local");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && tables.dim() == 2 && tables.is_contiguous() &&
+                  seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() && seq_lens.numel() == rows.numel(),
+              "decode_layers: tables int64 [S, max_blocks] and seq_lens int64 [N], contiguous");
+  const c10::optional<at::Tensor> row_tables = checked_row_tables(row_tables_in, rows.numel(), tables.size(0));
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < m; ++t) {
     TORCH_CHECK(slot[t] >= 0 && slot[t] < pool.size(0) * pool.size(3), "decode_layers: slot out of the pool");
@@ -297,7 +309,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
         RECORD_FUNCTION("decode_layers.norm", std::vector<c10::IValue>());
         gemma_rms_norm(x, h, ln[0], eps);
       }
-      at::Tensor a = attention_block(x, ln, linear, l, c, s, kv, slot, rows, tables, seq_lens, windows[l], heads,
+      at::Tensor a = attention_block(x, ln, linear, l, c, s, kv, slot, rows, tables, row_tables, seq_lens, windows[l], heads,
                                      kv_heads, head_dim, scale, eps, flags, prefetch_kv_bytes);
       {
         RECORD_FUNCTION("decode_layers.norm", std::vector<c10::IValue>());
@@ -325,7 +337,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
         x = h;
       }
     }
-    h = attention_block(x, ln, linear, l, c, s, kv, slot, rows, tables, seq_lens, windows[l], heads, kv_heads,
+    h = attention_block(x, ln, linear, l, c, s, kv, slot, rows, tables, row_tables, seq_lens, windows[l], heads, kv_heads,
                         head_dim, scale, eps, flags, prefetch_kv_bytes);
     {
       RECORD_FUNCTION("decode_layers.norm", std::vector<c10::IValue>());
@@ -349,7 +361,7 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("decode_layers(Tensor(b!) hidden, Tensor(c!)? residual, Tensor[] norms, Tensor[] weights, int[] info, int[] parts, Tensor cos, "
         "Tensor sin, Tensor? cos_local, Tensor? sin_local, int[] local, Tensor(a!) pool, Tensor slots, Tensor rows, "
         "Tensor tables, Tensor seq_lens, int[] windows, int heads, int kv_heads, int head_dim, float scale, float eps, "
-        "int flags, Tensor? final_norm=None, int prefetch_kv_bytes=1048576) -> (Tensor, Tensor)");
+        "int flags, Tensor? final_norm=None, int prefetch_kv_bytes=1048576, Tensor? row_tables=None) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("decode_layers", &decode_layers); }

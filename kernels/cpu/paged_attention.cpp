@@ -21,7 +21,10 @@
 //
 //   q, out   [T, H, D]                    rows[i] is the token row of query row i
 //   kv       [num_blocks, 2, bs, Hkv, D]  one layer of the pool (index 0: K, 1: V), D contiguous
-//   tables   [N, max_blocks] int64        block ids of query row i's sequence
+//   tables   [S, max_blocks] int64        block ids of each sequence
+//   row_tables [N] int64, optional        the table of query row i: tables[row_tables[i]] (the
+//                                         rows of one prefill share one table); without it,
+//                                         tables[i] (S == N)
 //   seq_lens [N] int64                    keys visible to query row i
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -426,7 +429,8 @@ TANDEM_DPBF16_TARGET void row_dpbf16(const c10::BFloat16* q, int64_t qs1, c10::B
 
 template <typename scalar_t, typename cache_t>
 void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& rows,
-            const at::Tensor& tables, const at::Tensor& seq_lens, double scale, int64_t window) {
+            const at::Tensor& tables, const c10::optional<at::Tensor>& row_tables, const at::Tensor& seq_lens,
+            double scale, int64_t window) {
   const int64_t n_rows = rows.size(0), heads = q.size(1), d = q.size(2);
   const int64_t bs = kv.size(2), kv_heads = kv.size(3), groups = heads / kv_heads;
   const int64_t max_blocks = tables.size(1);
@@ -436,7 +440,9 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at
   scalar_t* op = out.data_ptr<scalar_t>();
   const cache_t* kvp = kv.data_ptr<cache_t>();
   const int64_t* rp = rows.data_ptr<int64_t>();
-  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* tables_p = tables.data_ptr<int64_t>();
+  const int64_t* trp = row_tables.has_value() ? row_tables->data_ptr<int64_t>() : nullptr;
+  const auto table_of = [&](int64_t i) { return tables_p + (trp != nullptr ? trp[i] : i) * max_blocks; };
   const int64_t* lp = seq_lens.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
   // Few rows: split each row's KV heads over the threads too; many: a row per work item, so that
@@ -455,7 +461,7 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at
           const int64_t row = rp[i], len = lp[i];
           const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
           row_dpbf16(qp + row * qs0 + h0 * groups * qs1, qs1, op + row * os0 + h0 * groups * os1, os1,
-                     kvp + h0 * ks3, tp + i * max_blocks, len, first, bs, ks0, ks1, ks2, ks3, part_heads, groups, d,
+                     kvp + h0 * ks3, table_of(i), len, first, bs, ks0, ks1, ks2, ks3, part_heads, groups, d,
                      fscale, acc.data(), scores.data(), m.data(), l.data());
         }
       });
@@ -469,6 +475,7 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at
     for (int64_t work = begin; work < end; ++work) {
       const int64_t i = work / head_parts, h0 = (work % head_parts) * part_heads;
       const int64_t row = rp[i], len = lp[i];
+      const int64_t* tp = table_of(i);
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       for (int64_t j = 0; j < nq; ++j) {
         const scalar_t* src = qp + row * qs0 + (h0 * groups + j) * qs1;
@@ -479,12 +486,12 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at
       std::fill(l.begin(), l.end(), 0.f);
       for (int64_t b = first / bs; b * bs < len; ++b) {
         const int64_t t0 = std::max(b * bs, first) - b * bs, t1 = std::min(bs, len - b * bs);
-        const cache_t* kb = kvp + tp[i * max_blocks + b] * ks0 + h0 * ks3;
+        const cache_t* kb = kvp + tp[b] * ks0 + h0 * ks3;
         const cache_t* vb = kb + ks1;
         // the next block's keys come in during this block's scores, its values during its values
         NextBlock next_k, next_v;
         if ((b + 1) * bs < len) {
-          next_k = {reinterpret_cast<const char*>(kvp + tp[i * max_blocks + b + 1] * ks0 + h0 * ks3),
+          next_k = {reinterpret_cast<const char*>(kvp + tp[b + 1] * ks0 + h0 * ks3),
                     ks2 * static_cast<int64_t>(sizeof(cache_t)), part_heads * ks3 * static_cast<int64_t>(sizeof(cache_t)),
                     std::min(bs, len - (b + 1) * bs)};
           next_v = next_k;
@@ -526,19 +533,40 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at
 
 template <typename scalar_t>
 void dispatch_cache(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& rows,
-                    const at::Tensor& tables, const at::Tensor& seq_lens, double scale, int64_t window) {
+                    const at::Tensor& tables, const c10::optional<at::Tensor>& row_tables, const at::Tensor& seq_lens,
+                    double scale, int64_t window) {
   switch (kv.scalar_type()) {
-    case at::kFloat: return decode<scalar_t, float>(out, q, kv, rows, tables, seq_lens, scale, window);
-    case at::kBFloat16: return decode<scalar_t, at::BFloat16>(out, q, kv, rows, tables, seq_lens, scale, window);
-    case at::kHalf: return decode<scalar_t, at::Half>(out, q, kv, rows, tables, seq_lens, scale, window);
+    case at::kFloat: return decode<scalar_t, float>(out, q, kv, rows, tables, row_tables, seq_lens, scale, window);
+    case at::kBFloat16:
+      return decode<scalar_t, at::BFloat16>(out, q, kv, rows, tables, row_tables, seq_lens, scale, window);
+    case at::kHalf: return decode<scalar_t, at::Half>(out, q, kv, rows, tables, row_tables, seq_lens, scale, window);
     default: TORCH_CHECK(false, "paged_decode: unsupported KV dtype ", kv.scalar_type());
   }
 }
 
 }  // namespace
 
+// row_tables as paged_decode takes it, checked against n_rows query rows and n_tables table rows
+// (without it, there must be one table row per query row); undefined becomes nullopt
+c10::optional<at::Tensor> checked_row_tables(const c10::optional<at::Tensor>& row_tables, int64_t n_rows,
+                                             int64_t n_tables) {
+  if (!row_tables.has_value() || !row_tables->defined()) {
+    TORCH_CHECK(n_tables == n_rows, "paged_decode: without row_tables, one table row per query row");
+    return c10::nullopt;
+  }
+  const at::Tensor& t = *row_tables;
+  TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous() && t.dim() == 1 && t.size(0) == n_rows,
+              "paged_decode: row_tables must be contiguous int64 [N], one per query row");
+  const int64_t* v = t.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n_rows; ++i)
+    TORCH_CHECK(v[i] >= 0 && v[i] < n_tables, "paged_decode: row_tables[", i, "] = ", v[i], " names no row of tables (",
+                n_tables, " rows)");
+  return t;
+}
+
 void paged_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& rows,
-                  const at::Tensor& tables, const at::Tensor& seq_lens, double scale, int64_t window) {
+                  const at::Tensor& tables, const at::Tensor& seq_lens, double scale, int64_t window,
+                  const c10::optional<at::Tensor>& row_tables_in) {
   TORCH_CHECK(q.device().is_cpu() && kv.device().is_cpu(), "paged_decode runs on the CPU");
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
               "paged_decode: q and out must be [T, H, D] of one dtype");
@@ -548,19 +576,20 @@ void paged_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, co
   TORCH_CHECK(rows.scalar_type() == at::kLong && tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
               "paged_decode: rows, tables and seq_lens must be int64");
   TORCH_CHECK(rows.is_contiguous() && tables.is_contiguous() && seq_lens.is_contiguous(), "paged_decode: index tensors must be contiguous");
-  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == rows.size(0) && seq_lens.size(0) == rows.size(0),
-              "paged_decode: one table row and one seq_len per query row");
+  TORCH_CHECK(tables.dim() == 2 && seq_lens.size(0) == rows.size(0), "paged_decode: tables must be 2-d, one seq_len per query row");
+  const c10::optional<at::Tensor> row_tables = checked_row_tables(row_tables_in, rows.size(0), tables.size(0));
   switch (q.scalar_type()) {
-    case at::kFloat: return dispatch_cache<float>(out, q, kv, rows, tables, seq_lens, scale, window);
-    case at::kBFloat16: return dispatch_cache<at::BFloat16>(out, q, kv, rows, tables, seq_lens, scale, window);
-    case at::kHalf: return dispatch_cache<at::Half>(out, q, kv, rows, tables, seq_lens, scale, window);
+    case at::kFloat: return dispatch_cache<float>(out, q, kv, rows, tables, row_tables, seq_lens, scale, window);
+    case at::kBFloat16:
+      return dispatch_cache<at::BFloat16>(out, q, kv, rows, tables, row_tables, seq_lens, scale, window);
+    case at::kHalf: return dispatch_cache<at::Half>(out, q, kv, rows, tables, row_tables, seq_lens, scale, window);
     default: TORCH_CHECK(false, "paged_decode: unsupported query dtype ", q.scalar_type());
   }
 }
 
 TORCH_LIBRARY(tandem_cpu, m) {
   m.def("paged_decode(Tensor(a!) out, Tensor q, Tensor kv, Tensor rows, Tensor tables, Tensor seq_lens, "
-        "float scale, int window) -> ()");
+        "float scale, int window, Tensor? row_tables=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }

@@ -54,6 +54,20 @@ def test_decode_steps_through_the_loop_match_hf(kind, kernels, loop_calls):
     torch.testing.assert_close(got, hf_logits(hf_model(tiny_model_dir(kind)), ids), atol=ATOL, rtol=ATOL)
 
 
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_steps_of_several_rows_a_sequence_through_the_loop_match_hf(kind, loop_calls):
+    """Steps of up to DECODE_QUERY_MAX rows of one sequence (drafts being checked, a tiny chunk)
+    run through the loop too, each row reading the sequence's one block table."""
+    model, arch = load_with_kernels(kind, "tandem", torch.float32)
+    assert enable_cpu_decode_loop(model)
+    ids = prompt()
+    chunks = [PREFILL, 3, 1, 8, 2]
+    chunks += [1] * (len(ids) - sum(chunks))
+    got = run(model, arch, ids, chunks)
+    assert loop_calls == chunks[1:]
+    torch.testing.assert_close(got, hf_logits(hf_model(tiny_model_dir(kind)), ids), atol=ATOL, rtol=ATOL)
+
+
 @pytest.mark.parametrize(("kind", "kernels"), [("llama", "tandem"), ("llama", "dpbf16"), ("gemma3", "tandem"),
                                                ("qwen3", "dpbf16"), ("llama", "amx"), ("qwen3", "amx")])
 def test_bfloat16_loop_gives_the_modules_values_exactly(loop_calls, kind, kernels):

@@ -7,8 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tandem.config import TandemConfig
 from tandem.kernels import cpu_ops
-from tandem.plugins.attention_cpu import CpuAttentionBackend
+from tandem.models import cpu_tuning
+from tandem.plugins import attention_cpu
+from tandem.plugins.attention_cpu import CpuAttentionBackend, choose_sdpa_rows
 from tandem.plugins.attention_torch import TorchAttentionBackend
 from tests.helpers.paged_batch import SeqSpec, build_metadata, scattered_tables
 
@@ -88,3 +91,89 @@ def test_falls_back_to_the_torch_path_without_the_kernel(monkeypatch):
     monkeypatch.setattr(cpu_ops, "load", lambda: False)
     torch.testing.assert_close(run(CpuAttentionBackend, pool.clone(), seqs, q, k, v), expected,
                                atol=1e-5, rtol=1e-5)
+
+
+def test_a_row_table_out_of_range_is_refused_before_any_read():
+    pool, seqs, q, k, v = decode_batch(torch.float32, 7, [3, 40])
+    kv = pool[:, 0]
+    tables = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    rows, lens = torch.tensor([0, 1]), torch.tensor([3, 40])
+    out = torch.zeros_like(q)
+    with pytest.raises(RuntimeError, match=r"row_tables\[1\] = 2 names no row of tables \(2 rows\)"):
+        cpu_ops.paged_decode(out, q, kv, rows, tables, lens, 0.125, 0, torch.tensor([0, 2]))
+    with pytest.raises(RuntimeError, match="one table row per query row"):
+        cpu_ops.paged_decode(out, q, kv, rows, tables[:1], lens, 0.125, 0)
+    assert not out.any()
+
+
+@pytest.mark.parametrize(("paged", "sdpa", "expected"), [
+    ([1, 2, 4, 8, 16], [2, 2.5, 3, 4, 5], 256),       # SDPA ahead from 256 rows on
+    ([1, 2, 4, 8, 16], [0.5, 1, 2, 4, 8], 64),        # everywhere
+    ([1, 2, 4, 8, 16], [2, 4, 8, 16, 32], None),      # nowhere
+    ([1, 2, 4, 8, 16], [0.5, 4, 2, 4, 8], 256),       # a win below a loss does not count
+    ([1, 2, 4, 8, 16], [2, 4, 8, 16, 15], None),      # ahead at 1024 by less than SWITCH_GAIN
+])
+def test_sdpa_takes_over_from_the_fewest_rows_it_wins_at_and_above(paged, sdpa, expected):
+    assert choose_sdpa_rows(paged, sdpa) == expected
+
+
+def test_only_sequences_of_sdpa_rows_or_more_go_to_sdpa():
+    backend = type("Cut", (CpuAttentionBackend,), {"sdpa_rows": 256})
+    tables = scattered_tables([301, 101, 256, 40], BLOCK_SIZE, 200, seed=2)
+    md = build_metadata([SeqSpec(tables[0], 0, 300), SeqSpec(tables[1], 0, 100), SeqSpec(tables[2], 0, 256),
+                         SeqSpec(tables[3], 39, 1)], BLOCK_SIZE)
+    backend.prepare_metadata(md)
+    plan = md.extra["torch_attention_plan"]
+    assert [(p.start, p.end) for p in plan.prefills] == [(0, 300), (400, 656)]
+    assert plan.decode.rows.tolist() == list(range(300, 400)) + [656]
+    # the 100 rows of the second sequence share its one table
+    assert plan.decode.tables.shape[0] == 4 and plan.decode.row_tables.tolist() == [1] * 100 + [3]
+
+
+def config(mode):
+    return TandemConfig.model_validate({"engine": {"cpu_prefill_attention": mode}})
+
+
+@pytest.mark.parametrize(("mode", "rows"), [("paged", None), ("sdpa", 9)])
+def test_forced_modes(mode, rows):
+    assert CpuAttentionBackend.for_model(config(mode), torch.float32, 4, 2, 64).sdpa_rows == rows
+
+
+def test_auto_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_tuning, "machine_is_busy", lambda: None)
+    monkeypatch.setattr(cpu_tuning.CpuMeter, "others_share", lambda self: 0.0)
+    calls = []
+
+    def measured(*shape_and_timer):
+        calls.append(shape_and_timer[:4])
+        assert shape_and_timer[4] is cpu_tuning.measure
+        return {"paged": [1, 2, 4, 8, 16], "sdpa": [2, 2.5, 3, 4, 5]}
+
+    monkeypatch.setattr(attention_cpu, "measure", measured)
+    tuning = cpu_tuning.ChoiceCache("attention")
+    first = CpuAttentionBackend.for_model(config("auto"), torch.bfloat16, 9, 3, 64, tuning)
+    second = CpuAttentionBackend.for_model(config("auto"), torch.bfloat16, 9, 3, 64, tuning)
+    other = CpuAttentionBackend.for_model(config("auto"), torch.float32, 9, 3, 64, tuning)
+    assert (first.sdpa_rows, second.sdpa_rows, other.sdpa_rows) == (256, 256, 256)
+    assert calls == [(torch.bfloat16, 9, 3, 64), (torch.float32, 9, 3, 64)]
+    assert issubclass(first, CpuAttentionBackend) and first.name == "cpu"
+
+
+def test_a_busy_machine_gets_the_fixed_rule_and_nothing_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_tuning, "machine_is_busy", lambda: 0.6)
+    monkeypatch.setattr(attention_cpu, "measure", lambda *shape: pytest.fail("measured on a busy machine"))
+    tuning = cpu_tuning.ChoiceCache("attention")
+    chosen = CpuAttentionBackend.for_model(config("auto"), torch.bfloat16, 9, 3, 64, tuning)
+    assert chosen.sdpa_rows == attention_cpu.FIXED_SDPA_ROWS
+    assert not list(tmp_path.rglob("attention-*.json"))
+    # without a tuning (a backend built outside a worker) the fixed rule too, nothing measured
+    assert CpuAttentionBackend.for_model(config("auto"), torch.bfloat16, 9, 3, 64).sdpa_rows == \
+        attention_cpu.FIXED_SDPA_ROWS
+
+
+def test_the_measurement_times_both_ways_at_every_row_count(monkeypatch):
+    monkeypatch.setattr(attention_cpu, "PREFILL_ROWS", (16, 32))
+    seconds = attention_cpu.measure(torch.float32, 4, 2, 32, cpu_tuning.measure)
+    assert set(seconds) == {"paged", "sdpa"} and all(len(v) == 2 and min(v) > 0 for v in seconds.values())

@@ -1,4 +1,5 @@
-"""The torch attention backend and the cpu one (its decode rows in a C++ kernel) against a naive
+"""The torch attention backend and the cpu one (its decode rows in a C++ kernel; its long
+sequences on the kernel or through SDPA) against a naive
 reference: per sequence, contiguous K/V, one query row at a time, GQA by repeat_interleave,
 causal and sliding-window masks written out by hand. Every test runs with both backends."""
 from __future__ import annotations
@@ -13,7 +14,10 @@ from tests.helpers.paged_batch import SeqSpec, build_metadata, scattered_tables,
 NUM_BLOCKS = 48
 NUM_LAYERS = 2
 LAYER = 1
-BACKENDS = {"torch": TorchAttentionBackend, "cpu": CpuAttentionBackend}
+# cpu-sdpa: the cpu backend with a sequence of 9 or more query rows in a step on torch's SDPA
+# (engine.cpu_prefill_attention = "sdpa"), fewer on the kernel
+BACKENDS = {"torch": TorchAttentionBackend, "cpu": CpuAttentionBackend,
+            "cpu-sdpa": type("CpuSdpa", (CpuAttentionBackend,), {"sdpa_rows": 9})}
 
 
 @pytest.fixture(params=list(BACKENDS), autouse=True)
