@@ -14,7 +14,7 @@ Runs wherever torch runs (CPU and CUDA; float32, float16, bfloat16). Per layer a
    heads of one KV head ride as that head's "query rows" (``[B, Hkv, G, D]``), so GQA needs no
    copy of K/V. Longer sequences (prefill, chunked prefill, extend) get one SDPA call each:
    causal over the fresh K/V when they have no cached prefix, else over their gathered context
-   with an explicit mask.
+   with an explicit mask (in pieces of query rows where that mask would pass MAX_MASK_BYTES).
 
 Query row ``t`` of a sequence sits at position ``p = context_len + t`` and sees key positions
 ``k <= p``, and with a sliding window ``W`` only ``k > p - W`` (HF's Mistral semantics: the last
@@ -34,6 +34,10 @@ from tandem.interfaces import AttentionBackend, AttentionMetadata
 PLAN_KEY = "torch_attention_plan"
 # Sequences with at most this many query rows go through the batched decode call, one row each.
 DECODE_QUERY_MAX = 8
+MAX_MASK_BYTES = 32 << 20
+"""A prefill's explicit mask ([query rows, keys]) is kept under this many bytes: beyond it the
+query rows go in pieces, each over the keys up to its own last position (a 2,048-token chunk of a
+128K context would otherwise take a 1 GiB float32 mask)."""
 
 
 @dataclass(slots=True)
@@ -159,19 +163,26 @@ class _StepPlan:
             self.masks[key] = _additive(visible, dtype)[:, None, None, :]
         return self.masks[key]
 
-    def prefill_mask(self, index: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
-        """Additive mask ``[query_len, seq_len]`` of prefill sequence ``index``."""
+    def prefill_mask(self, index: int, window: int | None, dtype: torch.dtype, rows: tuple[int, int] | None = None
+                     ) -> torch.Tensor:
+        """Additive mask ``[query_len, seq_len]`` of prefill sequence ``index`` (built once a step);
+        with ``rows`` = (a, b), that of its query rows a..b-1 over the keys up to row b-1's
+        position, ``[b - a, context_len + b]`` (built on each call: pieces are not kept)."""
         key = ("prefill", index, window, dtype)
-        if key not in self.masks:
-            seq = self.prefills[index]
-            device = seq.block_ids.device
-            query_pos = torch.arange(seq.context_len, seq.seq_len, device=device)[:, None]
-            key_pos = torch.arange(seq.seq_len, device=device)[None, :]
-            visible = key_pos <= query_pos
-            if window is not None:
-                visible &= key_pos > query_pos - window
-            self.masks[key] = _additive(visible, dtype)
-        return self.masks[key]
+        if rows is None and key in self.masks:
+            return self.masks[key]
+        seq = self.prefills[index]
+        a, b = rows if rows is not None else (0, seq.seq_len - seq.context_len)
+        device = seq.block_ids.device
+        query_pos = torch.arange(seq.context_len + a, seq.context_len + b, device=device)[:, None]
+        key_pos = torch.arange(seq.context_len + b, device=device)[None, :]
+        visible = key_pos <= query_pos
+        if window is not None:
+            visible &= key_pos > query_pos - window
+        mask = _additive(visible, dtype)
+        if rows is None:
+            self.masks[key] = mask
+        return mask
 
     def gather(self, kv_cache: torch.Tensor, kv: int, block_ids: torch.Tensor, key: tuple) -> torch.Tensor:
         """``[len(block_ids), block_size, Hkv, D]``: the blocks' K (kv=0) or V (kv=1), copied into a
@@ -260,9 +271,20 @@ class TorchAttentionBackend(AttentionBackend):
             k = plan.gather(kv_cache, 0, seq.block_ids, ("prefill", index)).flatten(0, 1)[: seq.seq_len].to(q.dtype)
             v = plan.gather(kv_cache, 1, seq.block_ids, ("prefill", index)).flatten(0, 1)[: seq.seq_len].to(q.dtype)
         causal_only = seq.context_len == 0 and self.sliding_window is None
-        mask = None if causal_only else plan.prefill_mask(index, self.sliding_window, q.dtype)
-        out = F.scaled_dot_product_attention(
-            q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, is_causal=causal_only,
-            scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
-        )
-        return out[0].transpose(0, 1)
+        gqa = self.num_heads != self.num_kv_heads
+        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+        n = seq.end - seq.start
+        piece = max(1, MAX_MASK_BYTES // (seq.seq_len * q.element_size()))
+        if causal_only or piece >= n:
+            mask = None if causal_only else plan.prefill_mask(index, self.sliding_window, q.dtype)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal_only, scale=self.scale,
+                                                 enable_gqa=gqa)
+            return out[0].transpose(0, 1)
+        outs = []
+        for a in range(0, n, piece):
+            b = min(n, a + piece)
+            keys = seq.context_len + b
+            mask = plan.prefill_mask(index, self.sliding_window, q.dtype, (a, b))
+            outs.append(F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, :keys], v[:, :, :keys], attn_mask=mask,
+                                                       scale=self.scale, enable_gqa=gqa))
+        return torch.cat(outs, dim=2)[0].transpose(0, 1)

@@ -107,3 +107,16 @@ def test_bfloat16_next_tokens_match_hf_on_each_kernel(kind, kernels):
     assert clear.sum() >= len(ids) // 2, "the test model must have clear next tokens"
     assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
     torch.testing.assert_close(got, want, atol=0.0125 * scale, rtol=0.02)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3", "qwen3"])
+def test_prompts_through_sdpa_match_hf(kind):
+    """The cpu backend with a sequence of 9 or more query rows in a step on torch's SDPA
+    (``engine.cpu_prefill_attention = "sdpa"``): a whole prompt, then chunks over a cached prefix
+    (Gemma 3's sliding layers take the masked path)."""
+    model, arch, hf = models(kind, "tandem")
+    sdpa = type("CpuSdpa", (CpuAttentionBackend,), {"sdpa_rows": 9})
+    ids = prompt()
+    for chunks in ([len(ids)], [10, 1, 12, len(ids) - 23]):
+        torch.testing.assert_close(run(model, arch, ids, chunks, attention=sdpa), hf_logits(hf, ids),
+                                   atol=ATOL, rtol=ATOL)

@@ -119,6 +119,15 @@ def test_prefill_over_cached_prefix():
     check(Case([(9, 6)]))
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_a_prefill_whose_mask_passes_the_bound_goes_in_pieces(monkeypatch, window):
+    """MAX_MASK_BYTES so small that each piece is a few query rows: the same values."""
+    import tandem.plugins.attention_torch as attention_torch
+
+    monkeypatch.setattr(attention_torch, "MAX_MASK_BYTES", 3 * 26 * 4)
+    check(Case([(9, 17), (0, 12), (3, 1)], seed=4), window)
+
+
 def test_chunked_prefill_carries_the_cache_between_steps():
     chunks = (5, 4, 11)
     case = Case([(0, sum(chunks))], seed=3)
