@@ -117,14 +117,12 @@ def tuned_sdpa_rows(tuning: Any, dtype: torch.dtype, num_heads: int, num_kv_head
                 "us": {k: [round(t * 1e6, 1) for t in v] for k, v in seconds.items()}}
 
     entry, source = tuning.get(shape, compute)
-    rows = entry.get("sdpa_rows", FIXED_SDPA_ROWS) if entry is not None else FIXED_SDPA_ROWS
     if entry is None:
         logger.warning("prefill attention: %s while tandem meant to time it; SDPA from %d rows (the fixed rule, "
                        "measured again at the next start)", source, FIXED_SDPA_ROWS)
-        source = "the fixed rule"
-    if rows is not None and not isinstance(rows, int):
-        rows = FIXED_SDPA_ROWS
-    return rows, source
+        return FIXED_SDPA_ROWS, "the fixed rule"
+    rows = entry.get("sdpa_rows", FIXED_SDPA_ROWS)
+    return (rows if rows is None or isinstance(rows, int) else FIXED_SDPA_ROWS), source  # a hand-edited cache
 
 
 def measure(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
