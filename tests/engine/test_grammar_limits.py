@@ -96,19 +96,17 @@ def test_an_aborted_compile_is_dropped_and_frees_its_thread(one_thread_llm):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     try:
-        compile_s = _compile_s(llm, huge_schema("w"))
         doomed_schema = huge_schema("d")
         doomed = engine.add_request("Answer:", SamplingParams(max_tokens=5, structured_outputs={"json": doomed_schema}))
         job = engine.structured._compiling[doomed]
         while job.started_at is None:
             time.sleep(0.001)
         engine.abort_request(doomed)
-        t0 = time.perf_counter()
         other = engine.add_request("Answer:", SamplingParams(
             max_tokens=3, temperature=0.0, structured_outputs={"json": huge_schema("o", 120)}))
         finished = _step_until(engine, lambda f: other in f)
         assert finished[other].outputs[0].finish_reason in ("stop", "length")
-        assert time.perf_counter() - t0 < 0.5 * compile_s
+        # Had the other grammar waited for the only thread, the doomed compile would be done by now.
         assert job.abandoned and not job.future.done()
         job.future.exception(timeout=120)
         from tandem.sampling_params import StructuredOutputsParams
