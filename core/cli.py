@@ -144,7 +144,7 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 
 def _add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
-    from tandem.quant.quantize import add_arguments
+    from tandem.quant.quantize_args import add_arguments
 
     add_arguments(parser)
 

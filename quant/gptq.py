@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from tandem.interfaces import QuantMethod
 from tandem.quant import cpu_int4
 from tandem.quant.packing import unpack_int32, values_per_word
+from tandem.quant.quantize_args import CHECKPOINT_FORMATS
 from tandem.quant.sharding import add_param, check_loaded, copy_checked, copy_shard, init_shards, unknown_tensor
 
-CHECKPOINT_FORMATS = {"gptq": 1, "gptq_v2": 0}  # → zero_offset
 TENSORS = ("qweight", "qzeros", "scales", "g_idx")
 
 

@@ -96,6 +96,16 @@ def test_version_of_the_console_script_is_the_distributions():
     assert result.stdout.strip() == f"tandem {importlib.metadata.version('tandem-serve')}"
 
 
+def test_the_parser_and_help_import_no_torch():
+    """Every subcommand's arguments are added without importing torch or transformers, so
+    ``tandem --help`` and ``--version`` answer at once (importing them takes seconds)."""
+    code = ("import sys; from tandem.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
 def test_config_help_lists_the_shared_flags_with_their_config_keys():
     result = tandem("config", "--help", env={**os.environ, "COLUMNS": "300"})
     assert result.returncode == 0

@@ -21,12 +21,10 @@ import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import save_file
-from transformers import LlamaConfig
-
-from tandem.models.tokenizer_training import EOT, stdlib_corpus_files, train_bpe_tokenizer
+if TYPE_CHECKING:
+    import torch
 
 PRESET_VERSION = 1
 MARKER_FILE = ".tandem-preset.json"
@@ -79,6 +77,10 @@ def make_demo_model(preset: str, path: str | Path) -> Path:
         return path
     path.mkdir(parents=True, exist_ok=True)
     (path / MARKER_FILE).unlink(missing_ok=True)
+    from safetensors.torch import save_file
+
+    from tandem.models.tokenizer_training import EOT, stdlib_corpus_files, train_bpe_tokenizer
+
     tokenizer = train_bpe_tokenizer(spec.vocab_size, stdlib_corpus_files(spec.corpus_files))
     tokenizer.save_pretrained(path)
     special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
@@ -91,6 +93,8 @@ def make_demo_model(preset: str, path: str | Path) -> Path:
 
 
 def _write_config(path: Path, spec: Preset, special: dict[str, int]) -> None:
+    from transformers import LlamaConfig
+
     config = LlamaConfig(
         architectures=["LlamaForCausalLM"],
         vocab_size=spec.vocab_size,
@@ -115,6 +119,8 @@ def _write_generation_config(path: Path, special: dict[str, int], eot_id: int) -
 
 
 def _random_weights(spec: Preset) -> dict[str, torch.Tensor]:
+    import torch
+
     gen = torch.Generator().manual_seed(spec.seed)
     h, head_dim = spec.hidden_size, spec.hidden_size // spec.num_attention_heads
     kv = spec.num_key_value_heads * head_dim

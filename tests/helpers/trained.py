@@ -2,7 +2,9 @@
 trained weights, and their oracle: HF transformers loading the same file in float32
 (``from_pretrained(folder, gguf_file=name)``), its tokenizer and chat template. The oracle is
 loaded once per process and its greedy answers are cached, so every module asking for the same
-prompt pays for it once.
+prompt pays for it once. transformers' conversion of the file (its GGUF parse takes seconds per
+load) is kept on disk by transformers' own ``save_pretrained`` under ``cache_dir()/oracle``,
+keyed by the file's sha256 and the transformers version, so the test processes convert it once.
 
     chat_ids([{"role": "user", "content": "Hi"}]) -> prompt token ids (HF's template)
     hf_greedy(prompt_ids, max_new_tokens) -> HF's greedy continuation, stopping at EOS
@@ -10,12 +12,19 @@ prompt pays for it once.
 from __future__ import annotations
 
 import functools
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
+import transformers
+from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tandem.models.presets import cache_dir
 from tests.helpers.gguf_files import registry_gguf
+from tests.helpers.oracle_cache import file_sha256
 
 SMOLLM2 = "smollm2-135m-instruct"
 NEW_TOKENS = 12
@@ -27,18 +36,43 @@ def smollm2_path() -> Path:
     return registry_gguf(SMOLLM2)
 
 
+def _converted(what: str, auto, **kwargs):
+    """``auto.from_pretrained`` of the GGUF file, through a folder transformers saved it to the
+    first time (written whole under a temporary name, then renamed into place)."""
+    path = smollm2_path()
+    folder = cache_dir() / "oracle" / f"{file_sha256(path)[:32]}-transformers-{transformers.__version__}" / what
+    if not folder.is_dir():
+        converted = auto.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{what}-"))
+        try:
+            if isinstance(converted, torch.nn.Module):  # save_pretrained refuses a model read from GGUF
+                config = converted.config
+                if hasattr(config, "quantization_config"):
+                    del config.quantization_config
+                config.save_pretrained(tmp)
+                save_model(converted, str(tmp / "model.safetensors"))
+            else:
+                converted.save_pretrained(tmp)
+            os.rename(tmp, folder)
+        except OSError:
+            if not folder.is_dir():
+                raise
+            # another process got there first: its folder holds the same conversion
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return auto.from_pretrained(str(folder), **kwargs)
+
+
 @functools.cache
 def hf_tokenizer():
-    path = smollm2_path()
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return _converted("tokenizer", AutoTokenizer)
 
 
 @functools.cache
 def hf_model():
     """transformers' float32 model of the file, loaded once per process."""
-    path = smollm2_path()
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                dtype=torch.float32).eval()
+    return _converted("model", AutoModelForCausalLM, dtype=torch.float32).eval()
 
 
 def chat_ids(messages: list[dict], tools: list[dict] | None = None) -> list[int]:

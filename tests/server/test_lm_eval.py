@@ -29,7 +29,7 @@ def _evaluate(model, model_args: dict | None = None) -> dict[str, list[dict]]:
     from lm_eval.tasks import TaskManager
 
     out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=[MC, GEN],
-                                  task_manager=TaskManager(include_path=str(TASK_DIR)),
+                                  task_manager=TaskManager(include_path=str(TASK_DIR), include_defaults=False),
                                   log_samples=True, bootstrap_iters=0)
     return {task: sorted(samples, key=lambda s: s["doc_id"]) for task, samples in out["samples"].items()}
 
