@@ -212,7 +212,8 @@ void prefetch_kv(const at::Tensor& kv, const at::Tensor& tables, const c10::opti
 at::Tensor attention_block(const at::Tensor& x, at::TensorList norms, const Linears& linear, int64_t l,
                            const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv, const int64_t* slot,
                            const at::Tensor& rows, const at::Tensor& tables,
-                           const c10::optional<at::Tensor>& row_tables, const at::Tensor& seq_lens, int64_t window, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, double eps,
+                           const c10::optional<at::Tensor>& row_tables, const at::Tensor& seq_lens, int64_t window,
+                           int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, double eps,
                            int64_t flags, int64_t prefetch_kv_bytes) {
   const int64_t m = x.size(0);
   prefetch_kv(kv, tables, row_tables, seq_lens, window, prefetch_kv_bytes);

@@ -3,8 +3,9 @@ trained weights, and their oracle: HF transformers loading the same file in floa
 (``from_pretrained(folder, gguf_file=name)``), its tokenizer and chat template. The oracle is
 loaded once per process and its greedy answers are cached, so every module asking for the same
 prompt pays for it once. transformers' conversion of the file (its GGUF parse takes seconds per
-load) is kept on disk by transformers' own ``save_pretrained`` under ``cache_dir()/oracle``,
-keyed by the file's sha256 and the transformers version, so the test processes convert it once.
+load) is saved once under ``cache_dir()/oracle`` (tests.helpers.oracle_cache.oracle_folder,
+keyed by the file's sha256 and the transformers version) and loaded from there by every test
+process.
 
     chat_ids([{"role": "user", "content": "Hi"}]) -> prompt token ids (HF's template)
     hf_greedy(prompt_ids, max_new_tokens) -> HF's greedy continuation, stopping at EOS
@@ -12,19 +13,14 @@ keyed by the file's sha256 and the transformers version, so the test processes c
 from __future__ import annotations
 
 import functools
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
-import transformers
 from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tandem.models.presets import cache_dir
 from tests.helpers.gguf_files import registry_gguf
-from tests.helpers.oracle_cache import file_sha256
+from tests.helpers.oracle_cache import oracle_folder
 
 SMOLLM2 = "smollm2-135m-instruct"
 NEW_TOKENS = 12
@@ -36,32 +32,25 @@ def smollm2_path() -> Path:
     return registry_gguf(SMOLLM2)
 
 
-def _converted(what: str, auto, **kwargs):
-    """``auto.from_pretrained`` of the GGUF file, through a folder transformers saved it to the
-    first time (written whole under a temporary name, then renamed into place)."""
+def _converted(name: str, auto, **kwargs):
+    """``auto.from_pretrained`` of the GGUF file, through the folder its conversion was saved to
+    the first time (tests.helpers.oracle_cache.oracle_folder)."""
     path = smollm2_path()
-    folder = cache_dir() / "oracle" / f"{file_sha256(path)[:32]}-transformers-{transformers.__version__}" / what
-    if not folder.is_dir():
+
+    def write(folder: Path) -> None:
         converted = auto.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs)
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{what}-"))
-        try:
-            if isinstance(converted, torch.nn.Module):  # save_pretrained refuses a model read from GGUF
-                config = converted.config
-                if hasattr(config, "quantization_config"):
-                    del config.quantization_config
-                config.save_pretrained(tmp)
-                save_model(converted, str(tmp / "model.safetensors"))
-            else:
-                converted.save_pretrained(tmp)
-            os.rename(tmp, folder)
-        except OSError:
-            if not folder.is_dir():
-                raise
-            # another process got there first: its folder holds the same conversion
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return auto.from_pretrained(str(folder), **kwargs)
+        if isinstance(converted, torch.nn.Module):
+            # save_pretrained refuses a model read from GGUF: its config (without the GGUF
+            # quantization entry) and its tensors instead; this copy is dropped right after
+            config = converted.config
+            if hasattr(config, "quantization_config"):
+                del config.quantization_config
+            config.save_pretrained(folder)
+            save_model(converted, str(folder / "model.safetensors"))
+        else:
+            converted.save_pretrained(folder)
+
+    return auto.from_pretrained(str(oracle_folder(path, name, write)), **kwargs)
 
 
 @functools.cache
