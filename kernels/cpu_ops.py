@@ -34,12 +34,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tandem")
 
 SOURCES = [Path(__file__).parent / "cpu" / name
-           for name in ("paged_attention.cpp", "linear.cpp", "linear_dpbf16.cpp", "elementwise.cpp",
+           for name in ("paged_attention.cpp", "linear.cpp", "linear_dpbf16.cpp", "linear_amx_f32.cpp", "elementwise.cpp",
                         "sampling.cpp", "gguf_matmul.cpp", "gguf_dpbf16.cpp", "decode_layers.cpp",
                         "work_pool.cpp")]
-HEADERS = [Path(__file__).parent / "cpu" / name for name in ("work_queue.h", "gguf_blocks.h")]
+HEADERS = [Path(__file__).parent / "cpu" / name for name in ("work_queue.h", "gguf_blocks.h", "amx_tiles.h")]
 OPS = ("paged_decode", "panel_linear", "panel_linear_dpbf16", "dpbf16_supported", "panel_linear_amx",
-       "amx_supported", "rms_norm", "add_rms_norm",
+       "amx_supported", "panel_linear_amx_f32", "rms_norm", "add_rms_norm",
        "silu_and_mul", "rotary_neox", "draw_rows", "argmax_rows", "gguf_linear", "gguf_dequantize_rows",
        "decode_layers", "use_work_pool", "head_rms_norm", "gemma_rms_norm", "gemma_add_rms_norm",
        "gelu_tanh_and_mul")
@@ -68,7 +68,8 @@ def build_name() -> str:
     return _build()[0]
 
 
-LINEAR_SOURCES = ("linear.cpp", "linear_dpbf16.cpp", "work_pool.cpp", "work_queue.h")
+LINEAR_SOURCES = ("linear.cpp", "linear_dpbf16.cpp", "linear_amx_f32.cpp", "work_pool.cpp", "work_queue.h",
+                  "amx_tiles.h")
 """The files the linear kernels' speed depends on (their code and the thread pool's)."""
 
 
@@ -176,6 +177,16 @@ def panel_linear_amx(out: torch.Tensor, x: torch.Tensor, panels: torch.Tensor, b
     exact in float32, float32 sums in another order), K a multiple of 32; call only where
     ``amx_supported()``."""
     _ops().panel_linear_amx(out, x, panels, bias, bf16_values)
+
+
+def panel_linear_amx_f32(out: torch.Tensor, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """``out = x @ W.T + bias`` in float32 on AMX tiles (linear_amx_f32.cpp): each value split
+    into three bfloat16 parts, the products of the parts that float32 resolves summed in float32.
+    ``x`` [M, K] float32 with contiguous rows, K a multiple of 32; ``panels`` contiguous float32
+    [ceil(N / 16), K / 2, 16, 2] (the pair panels' layout of ``panel_linear_dpbf16``, float32
+    values); ``out`` [M, N] float32 with contiguous rows; ``bias`` [N] float32 or None. Call only
+    where ``amx_supported()``."""
+    _ops().panel_linear_amx_f32(out, x, panels, bias)
 
 
 def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:

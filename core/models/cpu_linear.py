@@ -16,7 +16,10 @@ Kernels (``mode``):
   (other layers fall back to ``tandem``);
 - ``amx``: the same panels multiplied on AMX tiles (``panel_linear_amx``, same file), for
   bfloat16 layers with K a multiple of 32 on a CPU with AMX-BF16 (other layers fall back to
-  ``dpbf16``, then ``tandem``); ``dpbf16`` and ``amx`` share one packing;
+  ``dpbf16``, then ``tandem``); ``dpbf16`` and ``amx`` share one packing. A float32 layer (K a
+  multiple of 32) on ``amx`` keeps ``tandem``'s panels and multiplies them on the tiles as
+  three bfloat16 parts a value (``panel_linear_amx_f32``: float32's precision; faster than the
+  float32 FMAs only where there are many rows, so ``auto`` weighs it last);
 - ``onednn``: oneDNN's reordered weights (``torch.ops.mkldnn``), in the model's dtype where the
   CPU has instructions for it, else in float32 (twice the memory of a 16-bit model);
 - ``torch``: ``F.linear`` on the plain weights — the reference the tests compare against;
@@ -76,7 +79,10 @@ class PackedLinear:
                 packed = padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
             else:
                 assert (amx_fits if kind == "amx" else dpbf16_fits)(weight.dtype, k), (kind, weight.dtype, k)
-                packed = padded.view(panels, PANEL, k // 2, 2).transpose(1, 2).contiguous()
+                if weight.dtype == torch.float32:  # amx's float32 layers: tandem's panels
+                    packed = padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+                else:
+                    packed = padded.view(panels, PANEL, k // 2, 2).transpose(1, 2).contiguous()
         else:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(onednn_dtype(weight.dtype)).contiguous(), 1)
         return cls(kind, packed, n, k)
@@ -94,17 +100,18 @@ class PackedLinear:
             out = F.linear(x2 if x2.dtype == self.weight.dtype else x2.to(self.weight.dtype), self.weight,
                            None if bias is None else bias.to(self.weight.dtype))
         elif self.kind == "tandem" or self.kind in PAIR_KINDS:
-            # tandem's panels read float32 rows; the pair kernels bfloat16 rows at an even stride
-            want = torch.float32 if self.kind == "tandem" else torch.bfloat16
+            # tandem's panels read float32 rows (on AMX too); the pair kernels bfloat16 rows at an even stride
+            f32_panels = self.kind == "tandem" or self.weight.dtype == torch.float32
+            want = torch.float32 if f32_panels else torch.bfloat16
             # the pair kernels write a bfloat16 layer's out themselves, rounded as .to() would round it
-            out_dtype = torch.bfloat16 if self.kind != "tandem" and x.dtype == torch.bfloat16 else torch.float32
+            out_dtype = torch.bfloat16 if not f32_panels and x.dtype == torch.bfloat16 else torch.float32
             if x2.dtype != want or x2.stride(-1) != 1 or (want == torch.bfloat16 and x2.stride(0) % 2):
                 x2 = x2.to(want).contiguous()
             out = torch.empty(x2.shape[0], self.out_features, dtype=out_dtype)
             if bias is not None and bias.dtype != torch.float32:
                 bias = bias.float()
             kernel = {"tandem": cpu_ops.panel_linear, "dpbf16": cpu_ops.panel_linear_dpbf16,
-                      "amx": cpu_ops.panel_linear_amx}[self.kind]
+                      "amx": cpu_ops.panel_linear_amx_f32 if f32_panels else cpu_ops.panel_linear_amx}[self.kind]
             kernel(out, x2, self.weight, bias)
         else:
             compute = self.weight.dtype
@@ -120,7 +127,7 @@ class PackedLinear:
         the model's dtype rounds them). A bfloat16 layer on dpbf16 or amx has the kernel store them
         so, without the two conversion passes (torch's pass over the vocabulary wakes its thread
         team every step)."""
-        if self.kind not in PAIR_KINDS or x.dtype != torch.bfloat16:
+        if self.kind not in PAIR_KINDS or x.dtype != torch.bfloat16 or self.weight.dtype != torch.bfloat16:
             return self(x).float()
         x2 = x.reshape(-1, self.in_features)
         if x2.stride(-1) != 1 or x2.stride(0) % 2:
@@ -188,8 +195,8 @@ def amx_available() -> bool:
 
 def amx_fits(dtype: torch.dtype, in_features: int) -> bool:
     """Whether a layer of ``dtype`` weights with ``in_features`` inputs can use ``amx`` (K in
-    whole tiles of 32)."""
-    return dtype == torch.bfloat16 and in_features % 32 == 0
+    whole tiles of 32; bfloat16, or float32 split into bfloat16 parts)."""
+    return dtype in (torch.bfloat16, torch.float32) and in_features % 32 == 0
 
 
 def fitting_kind(kind: str, dtype: torch.dtype, in_features: int) -> str:
@@ -246,6 +253,8 @@ def kinds_for(shape: Shape) -> list[str]:
     rather than bfloat16 widened to float32), else the order of ``available_kinds()``."""
     kinds = [k for k in available_kinds() if k not in PAIR_KINDS]
     pairs = [k for k in ("amx", "dpbf16") if k in available_kinds() and fitting_kind(k, shape.dtype, shape.k) == k]
+    if shape.dtype != torch.bfloat16:  # float32 on AMX: three products' worth of tiles, weighed last
+        return [*kinds, *pairs]
     return [*pairs, *kinds]
 
 
@@ -298,8 +307,10 @@ def _dtype_and_k(module: nn.Module) -> tuple[torch.dtype, int]:
     return module.weight.dtype, module.weight.shape[1]
 
 
-def _layout(kind: str) -> str:
-    """Kernels with the same layout multiply one packing."""
+def _layout(kind: str, dtype: torch.dtype) -> str:
+    """Kernels with the same layout multiply one packing (``amx``'s float32 layers: tandem's)."""
+    if kind == "amx" and dtype == torch.float32:
+        return "tandem"
     return "pairs" if kind in PAIR_KINDS else kind
 
 
@@ -329,7 +340,7 @@ def _pack_tuned(layers: list[tuple[str, nn.Module]], lm_head_rows: int | None = 
     extra = {}
     for shape, mods in by_shape.items():
         for kind in choices[shape].kinds[1:]:
-            shared = _layout(kind) == _layout(choices[shape].primary)
+            shared = _layout(kind, shape.dtype) == _layout(choices[shape].primary, shape.dtype)
             extra[(shape, kind)] = sum(0 if shared or kind == "torch" and getattr(m, "tied", False)
                                        else _packed_bytes(kind, shape) for _, m in mods)
     primary_bytes = sum(_packed_bytes(choices[s].primary, s) * len(m) for s, m in by_shape.items())
@@ -341,9 +352,10 @@ def _pack_tuned(layers: list[tuple[str, nn.Module]], lm_head_rows: int | None = 
                 layouts: dict[str, PackedLinear] = {}
                 packings = {}
                 for k in choice.kinds:
-                    if _layout(k) not in layouts:
-                        layouts[_layout(k)] = PackedLinear.pack(k, module.weight)
-                    same = layouts[_layout(k)]
+                    layout = _layout(k, shape.dtype)
+                    if layout not in layouts:
+                        layouts[layout] = PackedLinear.pack(k, module.weight)
+                    same = layouts[layout]
                     packings[k] = PackedLinear(k, same.weight, same.out_features, same.in_features)
                 packed = packings[choice.primary] if len(packings) == 1 else \
                     BucketedLinear([packings[k] for k in choice.buckets])

@@ -35,7 +35,8 @@
 //   kind 2  a dense weight    (at::linear in the weight's dtype)
 //   kind 3  GGUF blocks       (gguf_linear of ggml_type)
 //   kind 4  bfloat16 pairs    (x in bfloat16, panel_linear_dpbf16, rounded back to T)
-//   kind 5  the same on AMX   (panel_linear_amx)
+//   kind 5  the same on AMX   (panel_linear_amx; a float32 weight: x in float32, panel_linear_amx_f32
+//                              on tandem's panels)
 //
 // Each part runs under a profiler scope ("decode_layers.linear" with the panel kernel itself as
 // ".matmul" inside it, ".norm", ".rotary", ".kv_write", ".attention", ".act_and_mul"; free when
@@ -59,6 +60,8 @@
 void panel_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias);
 void panel_linear_dpbf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
                          const c10::optional<at::Tensor>& bias, bool bf16_values);
+void panel_linear_amx_f32(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
+                          const c10::optional<at::Tensor>& bias);
 void panel_linear_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
                       const c10::optional<at::Tensor>& bias, bool bf16_values);
 void paged_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& rows,
@@ -110,8 +113,14 @@ at::Tensor linear_part(const at::Tensor& x, const at::Tensor& w, const int64_t* 
     case 1: return in_dtype(onednn_linear(in_dtype(x, w.scalar_type()), w), dtype);
     case 2: return in_dtype(at::linear(in_dtype(x, w.scalar_type()), w), dtype);
     case 3: return gguf_linear(x, w, info[3], info[2]);
-    case 4:
-    case 5: {  // a bfloat16 model's out straight from the kernel, rounded as .to() rounds it
+    case 5:
+      if (w.scalar_type() == at::kFloat) {
+        at::Tensor out = at::empty({x.size(0), info[1]}, x.options().dtype(at::kFloat));
+        panel_linear_amx_f32(out, in_dtype(x, at::kFloat).contiguous(), w, c10::nullopt);
+        return in_dtype(out, dtype);
+      }
+      [[fallthrough]];
+    case 4: {  // a bfloat16 model's out straight from the kernel, rounded as .to() rounds it
       const at::ScalarType out_dtype = dtype == at::kBFloat16 ? dtype : at::kFloat;
       at::Tensor out = at::empty({x.size(0), info[1]}, x.options().dtype(out_dtype));
       const at::Tensor x16 = in_dtype(x, at::kBFloat16).contiguous();

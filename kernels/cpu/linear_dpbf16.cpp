@@ -31,6 +31,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "amx_tiles.h"
 #include "work_queue.h"
 
 #include <algorithm>
@@ -225,18 +226,8 @@ constexpr int64_t kAmxPairs = 16;       // pair rows of a B tile (32 values of K
 constexpr int64_t kAmxShareRows = 64;   // up to these rows, each thread streams one range of panels
 constexpr int64_t kAmxChunkRows = 128;  // more rows go in chunks of this many (x's chunk stays in L2)
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// every tile 16 rows of 64 bytes
-TileConfig full_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = kAmxRows;
-  return cfg;
-}
+using tandem_cpu::TileConfig;
+using tandem_cpu::full_tiles;
 
 // x's rows for the AMX tiles: rows [0, full) straight from x, the rest (fewer than 16) from a
 // zero-padded copy

@@ -63,9 +63,16 @@ def test_logits_match_hf_with_tandem_kernels(kind, schedule):
     torch.testing.assert_close(run(model, arch, ids, chunks[schedule]), hf_logits(hf, ids), atol=ATOL, rtol=ATOL)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "phi3"])
-def test_logits_match_hf_with_onednn_linears(kind):
-    model, arch, hf = models(kind, "onednn")
+@pytest.mark.parametrize(("kind", "kernels"), [("llama", "onednn"), ("qwen3", "onednn"), ("phi3", "onednn"),
+                                               ("llama", "amx"), ("gemma3", "amx")])
+def test_logits_match_hf_with_onednn_or_amx_linears(kind, kernels):
+    """float32 layers on oneDNN, or on AMX tiles as three bfloat16 parts a value (where K is
+    whole tiles of 32; the rest on tandem's panels)."""
+    from tandem.models.cpu_linear import amx_available
+
+    if kernels == "amx" and not amx_available():
+        pytest.skip("this CPU (or its kernel) gives no AMX-BF16 instructions")
+    model, arch, hf = models(kind, kernels)
     ids = prompt(1)
     torch.testing.assert_close(run(model, arch, ids, [9, 1, 1, len(ids) - 11]), hf_logits(hf, ids),
                                atol=ATOL, rtol=ATOL)

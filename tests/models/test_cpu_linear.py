@@ -242,7 +242,69 @@ def test_pair_kernel_modes_pack_bfloat16_layers_and_leave_others_on_tandems_pane
     torch.testing.assert_close(ours.float(), theirs.float(), atol=5e-2, rtol=2e-2)
     fp32, _ = load_tiny_model(tiny_model_dir("llama"))
     assert pack_cpu_linears(fp32, kernel, CPU) == kernel
-    assert {m.packed.kind for m in fp32.modules() if isinstance(m, LinearLayer)} == {"tandem"}
+    # float32 layers: amx multiplies them as bfloat16 parts on tandem's panels; dpbf16 cannot
+    want = "amx" if kernel == "amx" else "tandem"
+    assert {m.packed.kind for m in fp32.modules() if isinstance(m, LinearLayer)} == {want}
+
+
+AMX_F32_CASES = [(rows, k) for rows in (1, 15, 16, 17, 33, 64, 65, 300) for k in (32, 96, 608)] + [(700, 32), (600, 1024)]
+
+
+@needs_amx
+@pytest.mark.parametrize(("rows", "k"), AMX_F32_CASES)
+def test_amx_float32_layers_are_as_exact_as_float32_arithmetic(rows, k):
+    """``panel_linear_amx_f32`` splits each float32 value into three bfloat16 parts and sums six
+    of their products: against float64 sums of the same float32 values it must be as close as
+    torch's own float32 product is (within float32's rounding, and never more than twice
+    ``F.linear``'s error) — on one tile of rows or many, the shared path (<= 64 rows) and
+    chunks (K 32 and 1024: chunks of 512 and of 160 rows), groups of two panels with a last
+    one alone, a last partial panel, with and without a bias."""
+    gen = torch.Generator().manual_seed(rows * k)
+    n = 16 * 6 + 3
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    x = torch.randn(rows, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    packed = PackedLinear.pack("amx", w)
+    assert packed.weight.shape == (7, k, 16)  # tandem's panels, float32
+    for b in (None, bias):
+        out = torch.empty(rows, n)
+        cpu_ops.panel_linear_amx_f32(out, x, packed.weight, b)
+        exact = x.double() @ w.double().t() + (0 if b is None else b.double())
+        ours = (out.double() - exact).abs().max().item()
+        torch_error = (F.linear(x, w, b).double() - exact).abs().max().item()
+        assert ours <= max(2 * torch_error, 1e-6), (ours, torch_error)
+        torch.testing.assert_close(out, exact.float(), atol=1e-5, rtol=1e-5)
+        assert torch.equal(packed(x, b), out)
+
+
+@needs_amx
+def test_amx_float32_keeps_values_of_every_magnitude():
+    """The split is exact at any exponent: large and small magnitudes, values one ulp from a
+    power of two, zeros — a weight times 1.0 comes back exactly (its three parts add up to it),
+    and every sum is within float32's rounding of float64's."""
+    k, n = 64, 17
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(n, k, generator=gen)
+    x = torch.zeros(4, k)
+    x[0, :8] = torch.tensor([1e30, -3e30, 1 + 2**-23, -(1 - 2**-24), 2.0**-100, 3.0, 0.0, -0.0])
+    x[1] = torch.randn(k, generator=gen) * 2.0**-60
+    x[2, 0] = 1.0  # out row 2: W's column 0 exactly, each weight recomposed from its three parts
+    x[3] = torch.randn(k, generator=gen)
+    out = torch.empty(4, n)
+    cpu_ops.panel_linear_amx_f32(out, x, PackedLinear.pack("amx", w).weight, None)
+    assert torch.equal(out[2], w[:, 0])
+    exact = x.double() @ w.double().t()
+    scale = x.double().abs() @ w.double().abs().t()  # a dot product's rounding is relative to this
+    assert ((out.double() - exact).abs() <= 1e-6 * scale).all()
+
+
+@needs_amx
+def test_amx_float32_takes_strided_rows_and_any_thread_count():
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(16 * 37 + 5, 64, generator=gen)
+    x = torch.randn(70, 192, generator=gen)[:, 64:128]
+    many = on_one_thread_and_more(PackedLinear.pack("amx", w), x)
+    torch.testing.assert_close(many, F.linear(x, w), atol=1e-5, rtol=1e-5)
 
 
 def test_dpbf16_mode_without_the_instructions_is_refused(monkeypatch):
@@ -286,7 +348,8 @@ def test_layers_a_pair_kernel_cannot_take_fall_back_in_order():
     assert fitting_kind("amx", torch.bfloat16, 64) == "amx"
     assert fitting_kind("amx", torch.bfloat16, 48) == "dpbf16"  # K not whole tiles of 32
     assert fitting_kind("amx", torch.bfloat16, 47) == fitting_kind("dpbf16", torch.bfloat16, 47) == "tandem"
-    assert fitting_kind("amx", torch.float32, 64) == "tandem"
+    assert fitting_kind("amx", torch.float32, 64) == "amx"  # split into bfloat16 parts on the tiles
+    assert fitting_kind("amx", torch.float32, 48) == "tandem"
     assert fitting_kind("onednn", torch.float32, 47) == "onednn"
 
 

@@ -166,20 +166,27 @@ def test_an_unreadable_cache_is_measured_again(cache_dir):
 @pytest.mark.parametrize("model_kind", ["llama", "llama_tied"])
 def test_a_model_on_mixed_kernels_keeps_its_logits_on_every_bucket(cache_dir, monkeypatch, model_kind, caplog):
     """A cache that puts each bucket on another kernel (and no memory limit): every batch size
-    goes through the kernel its bucket names, with the dense model's values."""
+    goes through the kernel its bucket names, with the dense model's values. With AMX, bucket 64
+    on ``amx``'s float32 kernel, which multiplies ``tandem``'s panels (one packing for both)."""
     path = tiny_model_dir(model_kind)
     ref, _ = load_tiny_model(path)
     model, _ = load_tiny_model(path)
-    mixed = ("torch", "tandem", "onednn", "tandem", "onednn")
+    amx = amx_available()
+    mixed = ("torch", "tandem", "onednn", "amx" if amx else "tandem", "onednn")
     shapes = {f"float32:{m.weight.shape[0]}x{m.weight.shape[1]}" for m in packed_layers(ref)}
     cpu_tuning.write_cache(cpu_tuning.cache_path(cpu_tuning.machine_key()), {}, {
-        key: ShapeChoice("tandem", mixed, times(tandem=[10] * 5, onednn=[5] * 5, torch=[5] * 5)) for key in shapes})
+        key: ShapeChoice("tandem", mixed, times(tandem=[10] * 5, onednn=[5] * 5, torch=[5] * 5,
+                                                **({"amx": [5] * 5} if amx else {}))) for key in shapes})
     monkeypatch.setattr(cpu_tuning, "EXTRA_BYTES_SHARE", 10.0)
     with caplog.at_level(logging.INFO, logger="tandem"):
         pack_cpu_linears(model, "auto", CPU)
     assert "all from the cache" in caplog.text
-    assert "o_proj 64→64 float32 ×2: torch (M ≈ 1), tandem (M ≈ 4, 64), onednn (M ≈ 16, 256)" in caplog.text
+    rest = "tandem (M ≈ 4), onednn (M ≈ 16, 256), amx (M ≈ 64)" if amx else "tandem (M ≈ 4, 64), onednn (M ≈ 16, 256)"
+    assert f"o_proj 64→64 float32 ×2: torch (M ≈ 1), {rest}" in caplog.text
     assert all(k == list(mixed) for k in kinds_of(model))
+    if amx:
+        o_proj = model.model.layers[0].self_attn.o_proj.packed
+        assert o_proj.by_bucket[1].weight is o_proj.by_bucket[3].weight
     head = model.lm_head
     assert (head.weight is model.model.embed_tokens.weight) if head.tied else head.weight is None
     with torch.inference_mode():
@@ -250,4 +257,7 @@ def test_bfloat16_shapes_are_timed_on_dpbf16_too_and_float32_ones_are_not(cache_
     assert kinds_for(Shape(torch.bfloat16, 64, 32))[:2] == (["amx", "dpbf16"] if amx_available() else ["dpbf16"])
     assert kinds_for(Shape(torch.bfloat16, 64, 48))[0] == "dpbf16"  # K not whole tiles of 32: not amx
     assert "dpbf16" not in kinds_for(Shape(torch.float32, 64, 32)) + kinds_for(Shape(torch.bfloat16, 64, 33))
-    assert "amx" not in kinds_for(Shape(torch.float32, 64, 32)) + kinds_for(Shape(torch.bfloat16, 64, 48))
+    assert "amx" not in kinds_for(Shape(torch.float32, 64, 48)) + kinds_for(Shape(torch.bfloat16, 64, 48))
+    # float32 on AMX (three bfloat16 parts a value): timed, but never the fixed rule's pick
+    f32 = kinds_for(Shape(torch.float32, 64, 32))
+    assert f32[0] == "tandem" and ("amx" in f32) == amx_available() and "amx" not in f32[:-1]
