@@ -34,10 +34,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tandem")
 
 SOURCES = [Path(__file__).parent / "cpu" / name
-           for name in ("paged_attention.cpp", "linear.cpp", "linear_dpbf16.cpp", "linear_amx_f32.cpp", "elementwise.cpp",
+           for name in ("paged_attention.cpp", "prefill_amx.cpp", "linear.cpp", "linear_dpbf16.cpp", "linear_amx_f32.cpp", "elementwise.cpp",
                         "sampling.cpp", "gguf_matmul.cpp", "gguf_dpbf16.cpp", "decode_layers.cpp",
                         "work_pool.cpp")]
-HEADERS = [Path(__file__).parent / "cpu" / name for name in ("work_queue.h", "gguf_blocks.h", "amx_tiles.h")]
+HEADERS = [Path(__file__).parent / "cpu" / name for name in ("work_queue.h", "gguf_blocks.h", "amx_tiles.h", "prefill_amx.h")]
 OPS = ("paged_decode", "panel_linear", "panel_linear_dpbf16", "dpbf16_supported", "panel_linear_amx",
        "amx_supported", "panel_linear_amx_f32", "rms_norm", "add_rms_norm",
        "silu_and_mul", "rotary_neox", "draw_rows", "argmax_rows", "gguf_linear", "gguf_dequantize_rows",
@@ -80,6 +80,20 @@ def linear_build() -> str:
     the kernel choices measured before it (``tandem.models.cpu_tuning``)."""
     _, isa, flags = _build()
     paths = [p for p in SOURCES + HEADERS if p.name in LINEAR_SOURCES]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in paths) + " ".join(flags).encode())
+    return f"{isa.lower()}_{digest.hexdigest()[:12]}"
+
+
+ATTENTION_SOURCES = ("paged_attention.cpp", "prefill_amx.cpp", "prefill_amx.h", "amx_tiles.h", "work_queue.h")
+"""The files the attention kernel's speed depends on."""
+
+
+@functools.cache
+def attention_build() -> str:
+    """``linear_build`` for the attention kernel (``ATTENTION_SOURCES``): what a timing of it
+    against SDPA depends on (``tandem.plugins.attention_cpu``)."""
+    _, isa, flags = _build()
+    paths = [p for p in SOURCES + HEADERS if p.name in ATTENTION_SOURCES]
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in paths) + " ".join(flags).encode())
     return f"{isa.lower()}_{digest.hexdigest()[:12]}"
 

@@ -109,7 +109,8 @@ def tuned_sdpa_rows(tuning: Any, dtype: torch.dtype, num_heads: int, num_kv_head
     where nothing was measured (no ``tuning``, a busy machine)."""
     if tuning is None:
         return FIXED_SDPA_ROWS, "the fixed rule"
-    shape = f"{str(dtype).removeprefix('torch.')}:{num_heads}x{num_kv_heads}x{head_dim}"
+    # the kernel's own build in the key: a change to it (its prompt rows on AMX tiles) moves the crossing
+    shape = f"{str(dtype).removeprefix('torch.')}:{num_heads}x{num_kv_heads}x{head_dim}:{cpu_ops.attention_build()}"
 
     def compute() -> dict:
         seconds = measure(dtype, num_heads, num_kv_heads, head_dim, tuning.measure)

@@ -17,7 +17,9 @@
 // keys at once by vdpbf16ps on the bfloat16 values, whose products are exact in float32), then
 // one softmax pass over the chunk, then its values in float32 FMAs.
 // A prefill is rows too (the cpu backend sends every token of a step as a row that sees the keys
-// up to its own position): the rows of one sequence read the same blocks, from cache.
+// up to its own position): the rows of one sequence read the same blocks, from cache. On the
+// bfloat16 path with AMX, runs of such rows go to prefill_amx.cpp (16 rows at a time on tiles);
+// the rows it leaves (decodes, short runs, a window) come here.
 //
 //   q, out   [T, H, D]                    rows[i] is the token row of query row i
 //   kv       [num_blocks, 2, bs, Hkv, D]  one layer of the pool (index 0: K, 1: V), D contiguous
@@ -30,6 +32,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include "prefill_amx.h"
 #include "work_queue.h"
 
 #include <c10/util/BFloat16.h>
@@ -453,11 +456,18 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at
 #ifdef TANDEM_ATTN_DPBF16
   if constexpr (std::is_same_v<scalar_t, at::BFloat16> && std::is_same_v<cache_t, at::BFloat16>) {
     if (d % 32 == 0 && bs == 16 && dpbf16_supported()) {
-      tandem_cpu::for_each_chunk(n_rows * head_parts, 1, [&](int64_t begin, int64_t end) {
+      // a prompt's rows on AMX tiles where it can (prefill_amx.cpp), the rest here
+      const std::vector<int64_t> left =
+          window > 0 ? std::vector<int64_t>{}
+                     : prefill_rows_amx(op, os0, os1, qp, qs0, qs1, kvp, ks0, ks1, ks2, ks3, rp, lp, trp, tables_p,
+                                        max_blocks, n_rows, kv_heads, groups, d, fscale);
+      const int64_t n_left = window > 0 ? n_rows : static_cast<int64_t>(left.size());
+      tandem_cpu::for_each_chunk(n_left * head_parts, 1, [&](int64_t begin, int64_t end) {
         const int64_t nq = part_heads * groups;
         std::vector<float> acc(nq * d), scores(nq * kChunkBlocks * 16), m(nq), l(nq);
         for (int64_t work = begin; work < end; ++work) {
-          const int64_t i = work / head_parts, h0 = (work % head_parts) * part_heads;
+          const int64_t at = work / head_parts, i = window > 0 ? at : left[at];
+          const int64_t h0 = (work % head_parts) * part_heads;
           const int64_t row = rp[i], len = lp[i];
           const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
           row_dpbf16(qp + row * qs0 + h0 * groups * qs1, qs1, op + row * os0 + h0 * groups * os1, os1,
