@@ -174,7 +174,9 @@ class EngineConfig(_Section):
     packed once (16-bit weights stay 16-bit), residual add + RMSNorm, SiLU-and-mul and rotary
     each in one pass; dpbf16: as tandem, but bfloat16 layers multiplied by AVX512-BF16's
     pair dot products (a CPU without them is refused); amx: as dpbf16, on AMX tiles (a CPU or
-    kernel without AMX-BF16 is refused; layers whose K is not a multiple of 32 use dpbf16); onednn: linear layers on oneDNN's packed weights (16-bit weights on a CPU
+    kernel without AMX-BF16 is refused; layers whose K is not a multiple of 32 use dpbf16), and
+    float32 layers on the tiles too, each value split into three bfloat16 parts whose six
+    leading products keep float32's precision; onednn: linear layers on oneDNN's packed weights (16-bit weights on a CPU
     without instructions for them are kept in float32, twice their memory), torch for the
     rest; torch: torch everywhere (``F.linear``; the reference); auto: each linear layer shape
     and batch-size bucket on the kernel measured fastest on this machine (timed once at the
@@ -183,8 +185,9 @@ class EngineConfig(_Section):
     backend's (cpu)."""
     cpu_prefill_attention: Literal["auto", "paged", "sdpa"] = "auto"
     """On CPU (the cpu attention backend): how a sequence with many query rows in a step (a
-    prompt, a chunk of one) attends. paged: each row on its own through the paged decode kernel,
-    which reads the pool in place; sdpa: the sequence's context gathered and torch's
+    prompt, a chunk of one) attends. paged: each row through the paged decode kernel, which
+    reads the pool in place (on a CPU with AMX, a bfloat16 prompt's rows 8-16 at a time on the
+    tiles); sdpa: the sequence's context gathered and torch's
     scaled_dot_product_attention over it, block by block (faster on long prompts, slower on
     short ones where its threads' wake-ups dominate); auto: the paged kernel up to a number of
     rows measured on this machine at the first start (cached beside the linear kernels'
