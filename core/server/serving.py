@@ -195,14 +195,20 @@ async def merged(ctx: ServingContext,
     iterator early aborts the unfinished requests."""
     inbox: asyncio.Queue = asyncio.Queue()
     pending: set[int] = set()  # indices in the inbox: a reader that falls behind holds one each
+    # Streams whose pump has taken the finished output (timed it, counted it, logged it). The
+    # shared output object can turn finished before its pump has read that last item; the loop
+    # below ends a stream only once its pump has, or its metrics and log line would be lost.
+    recorded: set[int] = set()
 
     async def pump(index: int, stream: RequestStream) -> None:
         timer = RequestTimer(ctx.metrics, stream.arrival_time)
         try:
             async for out in stream:
                 timer.on_output(out)
-                if out.finished and ctx.log_requests:
-                    _log_finished(stream, out)
+                if out.finished:
+                    if ctx.log_requests:
+                        _log_finished(stream, out)
+                    recorded.add(index)
                 if index not in pending:
                     pending.add(index)
                     inbox.put_nowait(index)
@@ -221,6 +227,8 @@ async def merged(ctx: ServingContext,
                 continue
             out = streams[index].output
             if out.finished:
+                if index not in recorded:  # its pump has yet to take the last item: it will say so
+                    continue
                 done.add(index)
             yield index, out
     finally:

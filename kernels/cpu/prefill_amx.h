@@ -10,7 +10,7 @@
 // seeing one key more than the one before) on AMX tiles, where the CPU has AMX-BF16 and d is a
 // multiple of 64, writing their outputs; returns the indices of the query rows it left to the
 // caller (all of them where it takes none). Arguments as paged_decode's (bfloat16 q, out and
-// pool, 16-token blocks, no window); table_rows may be null (no runs then).
+// pool, 16-token blocks, rows no window cuts short); table_rows may be null (no runs then).
 std::vector<int64_t> prefill_rows_amx(c10::BFloat16* out, int64_t os0, int64_t os1, const c10::BFloat16* q,
                                       int64_t qs0, int64_t qs1, const c10::BFloat16* kv, int64_t ks0, int64_t ks1,
                                       int64_t ks2, int64_t ks3, const int64_t* rows, const int64_t* lens,

@@ -2,7 +2,8 @@
 attention over the same bfloat16 inputs, and against the row kernel (the same call one row at a
 time, which leaves no run to take): runs of 8-16 rows of one sequence, their leftovers, context
 before the chunk, decode rows in the same call, head sizes 64-256 and 1-8 query heads per KV
-head, garbage in the pool past a sequence's end, one thread or two, and a window (not taken)."""
+head, garbage in the pool past a sequence's end, one thread or two, and a window (taken only
+where no row reaches past it)."""
 from __future__ import annotations
 
 import math
@@ -119,6 +120,14 @@ def test_one_thread_and_two_give_the_same_bits():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, many)
+
+
+@needs_amx
+def test_a_window_no_row_reaches_past_changes_nothing():
+    """A sliding layer's window longer than every row's context (a short prompt): the tiles take
+    the runs as without a window, bit for bit."""
+    inputs = step(4, 1, 256, [(0, 40), (10, 21)], seed=7)
+    assert torch.equal(attend(*inputs, window=61), attend(*inputs))
 
 
 @needs_amx
