@@ -37,7 +37,8 @@ SOURCES = [Path(__file__).parent / "cpu" / name
            for name in ("paged_attention.cpp", "prefill_amx.cpp", "linear.cpp", "linear_dpbf16.cpp", "linear_amx_f32.cpp", "elementwise.cpp",
                         "sampling.cpp", "gguf_matmul.cpp", "gguf_dpbf16.cpp", "decode_layers.cpp",
                         "work_pool.cpp")]
-HEADERS = [Path(__file__).parent / "cpu" / name for name in ("work_queue.h", "gguf_blocks.h", "amx_tiles.h", "prefill_amx.h")]
+HEADERS = [Path(__file__).parent / "cpu" / name
+           for name in ("work_queue.h", "gguf_blocks.h", "amx_tiles.h", "prefill_amx.h", "transpose16.h")]
 OPS = ("paged_decode", "panel_linear", "panel_linear_dpbf16", "dpbf16_supported", "panel_linear_amx",
        "amx_supported", "panel_linear_amx_f32", "rms_norm", "add_rms_norm",
        "silu_and_mul", "rotary_neox", "draw_rows", "argmax_rows", "gguf_linear", "gguf_dequantize_rows",
@@ -84,7 +85,8 @@ def linear_build() -> str:
     return f"{isa.lower()}_{digest.hexdigest()[:12]}"
 
 
-ATTENTION_SOURCES = ("paged_attention.cpp", "prefill_amx.cpp", "prefill_amx.h", "amx_tiles.h", "work_queue.h")
+ATTENTION_SOURCES = ("paged_attention.cpp", "prefill_amx.cpp", "prefill_amx.h", "amx_tiles.h", "transpose16.h",
+                     "work_queue.h")
 """The files the attention kernel's speed depends on."""
 
 

@@ -38,6 +38,7 @@
 #include <torch/library.h>
 
 #include "gguf_blocks.h"
+#include "transpose16.h"
 #include "work_queue.h"
 
 #include <algorithm>
@@ -320,30 +321,7 @@ void linear_impl(float* out, const float* x, int64_t m_size, const uint8_t* w, i
 #define TANDEM_PANELS 1
 #define TANDEM_PANELS_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
-// r[i] (16 x 32-bit lanes) := the matrix's column i: r[i][j] = old r[j][i]
-TANDEM_PANELS_TARGET inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {  // 2 x 2 blocks of single lanes
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {  // 2 x 2 blocks of pairs
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 16; i += 8) {  // 128-bit lanes: rows i .. i + 3 against i + 4 .. i + 7
-    for (int k = 0; k < 4; ++k) {
-      t[i + k] = _mm512_shuffle_i32x4(r[i + k], r[i + k + 4], 0x88);
-      t[i + k + 4] = _mm512_shuffle_i32x4(r[i + k], r[i + k + 4], 0xdd);
-    }
-  }
-  for (int k = 0; k < 8; ++k) {
-    r[k] = _mm512_shuffle_i32x4(t[k], t[k + 8], 0x88);
-    r[k + 8] = _mm512_shuffle_i32x4(t[k], t[k + 8], 0xdd);
-  }
-}
+using tandem_cpu::transpose16;
 
 // W's rows [n0, n0 + rows) as bfloat16 pair panels, the layout of linear_dpbf16.cpp's kernels:
 // panels [ceil(rows / 16), K / 2, 16, 2], panel p pair j column c = W[n0 + 16p + c, 2j .. 2j + 1],

@@ -54,32 +54,36 @@ constexpr int64_t kMaxChunkRows = 512; // more rows go in chunks of at most this
 constexpr int kParts = 3;
 
 struct Problem {
-  const float* x;
   const float* w;
   float* out;
   const float* bias;
-  int64_t m, k, n, n_panels, ldx, ldo;
+  int64_t m, k, n, n_panels, ldo;
   const uint16_t* xs;  // x's parts: part t, row r at xs + (t * padded_m + r) * k (rows past M zero)
   int64_t padded_m;
 };
 
 #ifdef TANDEM_AMX_F32
-// 16 float32 values into their three bfloat16 parts (h, m, l), each rounded to nearest even
-TANDEM_AMX_TARGET inline void split16(const float* src, uint16_t* h, uint16_t* m, uint16_t* l) {
-  const __m512 v = _mm512_loadu_ps(src);
-  const __m256i hb = (__m256i)_mm512_cvtneps_pbh(v);
-  const __m512 r = _mm512_sub_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hb), 16)));
-  const __m256i mb = (__m256i)_mm512_cvtneps_pbh(r);
-  const __m512 r2 = _mm512_sub_ps(r, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(mb), 16)));
-  const __m256i lb = (__m256i)_mm512_cvtneps_pbh(r2);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(h), hb);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(m), mb);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(l), lb);
+TANDEM_AMX_TARGET inline __m512 widened(__m512 v) {  // v rounded to bfloat16, as float32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+// v = h + m + l: the values whose roundings to bfloat16 are the three parts are v, r1 = v - h
+// and r2 = r1 - m (each difference exact in float32; r2 is already a bfloat16 value)
+TANDEM_AMX_TARGET inline void residues(__m512 v, __m512& r1, __m512& r2) {
+  r1 = _mm512_sub_ps(v, widened(v));
+  r2 = _mm512_sub_ps(r1, widened(r1));
 }
 
 // n values (a multiple of 16) into parts at h, h + stride, h + 2 * stride
 TANDEM_AMX_TARGET void split(const float* src, int64_t n, uint16_t* h, int64_t stride) {
-  for (int64_t i = 0; i < n; i += 16) split16(src + i, h + i, h + stride + i, h + 2 * stride + i);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(src + i);
+    __m512 r1, r2;
+    residues(v, r1, r2);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + i), (__m256i)_mm512_cvtneps_pbh(v));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + stride + i), (__m256i)_mm512_cvtneps_pbh(r1));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + 2 * stride + i), (__m256i)_mm512_cvtneps_pbh(r2));
+  }
 }
 
 // 32 float32 values (two 16-column rows of a panel, K = 2j and 2j + 1) as bfloat16 bits in the
@@ -91,23 +95,19 @@ TANDEM_AMX_TARGET inline __m512i pairs_of(__m512 first, __m512 second) {
   return _mm512_permutexvar_epi16(_mm512_load_si512(order), both);
 }
 
-TANDEM_AMX_TARGET inline __m512 widened(__m512 v) {  // v rounded to bfloat16, as float32
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
-
 // one panel [K][16] float32 into its three bfloat16 parts in the pair layout (part t at
 // parts + t * k * 16, pair row j at + j * 32)
 TANDEM_AMX_TARGET void split_panel(const float* panel, int64_t k, uint16_t* parts) {
   const int64_t part = k * kPanel;
   for (int64_t j = 0; j < k / 2; ++j) {
     const __m512 v0 = _mm512_loadu_ps(panel + 2 * j * kPanel), v1 = _mm512_loadu_ps(panel + (2 * j + 1) * kPanel);
-    const __m512 h0 = widened(v0), h1 = widened(v1);
-    const __m512 r0 = _mm512_sub_ps(v0, h0), r1 = _mm512_sub_ps(v1, h1);
-    const __m512 m0 = widened(r0), m1 = widened(r1);
+    __m512 a1, a2, b1, b2;
+    residues(v0, a1, a2);
+    residues(v1, b1, b2);
     uint16_t* row = parts + j * 2 * kPanel;
     _mm512_storeu_si512(row, pairs_of(v0, v1));
-    _mm512_storeu_si512(row + part, pairs_of(r0, r1));
-    _mm512_storeu_si512(row + 2 * part, pairs_of(_mm512_sub_ps(r0, m0), _mm512_sub_ps(r1, m1)));
+    _mm512_storeu_si512(row + part, pairs_of(a1, b1));
+    _mm512_storeu_si512(row + 2 * part, pairs_of(a2, b2));
   }
 }
 
@@ -175,14 +175,14 @@ TANDEM_AMX_TARGET void store(const Problem& p, const float* acc, int64_t r, int6
 TANDEM_AMX_TARGET void run_items(const Problem& p, int64_t chunk_rows, int64_t begin, int64_t end) {
   const tandem_cpu::TileConfig cfg = tandem_cpu::full_tiles();
   _tile_loadconfig(&cfg);
-  const int64_t groups = (p.n_panels + 1) / 2, part_size = p.k * kPanel, panel_size = p.k * kPanel;
+  const int64_t groups = (p.n_panels + 1) / 2, part_size = p.k * kPanel;  // a part is a panel's size
   uint16_t* parts = scratch(2 * kParts * part_size);
   alignas(64) float acc[4 * kRows * kPanel];
   for (int64_t work = begin; work < end; ++work) {
     const int64_t chunk = work / groups, first = (work % groups) * 2;
     const bool two = first + 1 < p.n_panels;
     for (int64_t q = 0; q < (two ? 2 : 1); ++q)
-      split_panel(p.w + (first + q) * panel_size, p.k, parts + q * kParts * part_size);
+      split_panel(p.w + (first + q) * part_size, p.k, parts + q * kParts * part_size);
     const int64_t row_end = std::min(p.m, (chunk + 1) * chunk_rows);
     for (int64_t r = chunk * chunk_rows; r < row_end; r += 2 * kRows) {
       const bool both = row_end - r > kRows;
@@ -232,8 +232,8 @@ void panel_linear_amx_f32(at::Tensor& out, const at::Tensor& x, const at::Tensor
   tandem_cpu::for_each_chunk(m, std::max<int64_t>(1, 4096 / k), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) split(xp + r * x.stride(0), k, xs.data() + r * k, padded_m * k);
   });
-  const Problem p{xp, panels.data_ptr<float>(), out.data_ptr<float>(), bp, m, k, out.size(1), panels.size(0),
-                  x.stride(0), out.stride(0), xs.data(), padded_m};
+  const Problem p{panels.data_ptr<float>(), out.data_ptr<float>(), bp, m, k, out.size(1), panels.size(0),
+                  out.stride(0), xs.data(), padded_m};
   const int64_t groups = (p.n_panels + 1) / 2;
   if (m <= kShareRows) {
     tandem_cpu::for_each_share(groups, tandem_cpu::chunk_for(groups, 8),

@@ -456,19 +456,16 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at
 #ifdef TANDEM_ATTN_DPBF16
   if constexpr (std::is_same_v<scalar_t, at::BFloat16> && std::is_same_v<cache_t, at::BFloat16>) {
     if (d % 32 == 0 && bs == 16 && dpbf16_supported()) {
-      // a prompt's rows on AMX tiles where it can (prefill_amx.cpp), the rest here; a window no
-      // row reaches past (a sliding layer's short prompt) changes nothing
-      const bool windowed = window > 0 && n_rows > 0 && *std::max_element(lp, lp + n_rows) > window;
-      const std::vector<int64_t> left =
-          windowed ? std::vector<int64_t>{}
-                   : prefill_rows_amx(op, os0, os1, qp, qs0, qs1, kvp, ks0, ks1, ks2, ks3, rp, lp, trp, tables_p,
-                                      max_blocks, n_rows, kv_heads, groups, d, fscale);
-      const int64_t n_left = windowed ? n_rows : static_cast<int64_t>(left.size());
+      // a prompt's rows on AMX tiles where it can (prefill_amx.cpp), the rest here
+      const std::vector<int64_t> left = prefill_rows_amx(op, os0, os1, qp, qs0, qs1, kvp, ks0, ks1, ks2, ks3, rp, lp,
+                                                         trp, tables_p, max_blocks, n_rows, kv_heads, groups, d, fscale,
+                                                         window);
+      const int64_t n_left = static_cast<int64_t>(left.size());
       tandem_cpu::for_each_chunk(n_left * head_parts, 1, [&](int64_t begin, int64_t end) {
         const int64_t nq = part_heads * groups;
         std::vector<float> acc(nq * d), scores(nq * kChunkBlocks * 16), m(nq), l(nq);
         for (int64_t work = begin; work < end; ++work) {
-          const int64_t at = work / head_parts, i = windowed ? at : left[at];
+          const int64_t i = left[work / head_parts];
           const int64_t h0 = (work % head_parts) * part_heads;
           const int64_t row = rp[i], len = lp[i];
           const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;

@@ -24,10 +24,10 @@
 #include <c10/util/BFloat16.h>
 
 #include "amx_tiles.h"
+#include "transpose16.h"
 #include "work_queue.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -48,30 +48,7 @@ constexpr int64_t kMinRows = 8;   // shorter runs stay with the row kernel
 constexpr float kNoScore = -1e30f;
 
 #ifdef TANDEM_PREFILL_AMX
-// 16 x 16 32-bit values transposed in place (r[i] becomes column i)
-TANDEM_AMX_TARGET inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
-    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
-  }
-  for (int i = 0; i < 8; ++i) {
-    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-  }
-}
+using tandem_cpu::transpose16;
 
 // exp of 16 float32 values: 2^n p(r) with x = n ln 2 + r, |r| <= ln 2 / 2, p Cephes' degree-6
 // polynomial (within 2 ulp of exp); x clamped to [-104, 88] first (exp is 0 below, and no score
@@ -162,17 +139,12 @@ TANDEM_AMX_TARGET void run_tiles(const Problem& p, const Run& run, int64_t h, st
       for (int64_t x = 0; x < d; x += 32) {
         const __m512i a = v0 != nullptr ? _mm512_loadu_si512(v0 + x) : _mm512_setzero_si512();
         const __m512i b = v1 != nullptr ? _mm512_loadu_si512(v1 + x) : _mm512_setzero_si512();
-        // dims x .. x + 15 and x + 16 .. x + 31, each value of a beside b's
-        const __m512i first = _mm512_permutex2var_epi16(
-            a, _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003, 0x00240004, 0x00250005, 0x00260006,
-                                 0x00270007, 0x00280008, 0x00290009, 0x002a000a, 0x002b000b, 0x002c000c, 0x002d000d,
-                                 0x002e000e, 0x002f000f),
-            b);
-        const __m512i second = _mm512_permutex2var_epi16(
-            a, _mm512_setr_epi32(0x00300010, 0x00310011, 0x00320012, 0x00330013, 0x00340014, 0x00350015, 0x00360016,
-                                 0x00370017, 0x00380018, 0x00390019, 0x003a001a, 0x003b001b, 0x003c001c, 0x003d001d,
-                                 0x003e001e, 0x003f001f),
-            b);
+        // dims x .. x + 15 and x + 16 .. x + 31, each value of a beside b's (index 32 + i: b's i)
+        const __m512i low = _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003, 0x00240004, 0x00250005,
+                                              0x00260006, 0x00270007, 0x00280008, 0x00290009, 0x002a000a, 0x002b000b,
+                                              0x002c000c, 0x002d000d, 0x002e000e, 0x002f000f);
+        const __m512i first = _mm512_permutex2var_epi16(a, low, b);
+        const __m512i second = _mm512_permutex2var_epi16(a, _mm512_add_epi16(low, _mm512_set1_epi16(16)), b);
         _mm512_storeu_si512(vt + (x / 16) * 512 + kp * 32, first);
         _mm512_storeu_si512(vt + (x / 16 + 1) * 512 + kp * 32, second);
       }
@@ -277,11 +249,14 @@ std::vector<int64_t> prefill_rows_amx(c10::BFloat16* out, int64_t os0, int64_t o
                                       int64_t qs0, int64_t qs1, const c10::BFloat16* kv, int64_t ks0, int64_t ks1,
                                       int64_t ks2, int64_t ks3, const int64_t* rows, const int64_t* lens,
                                       const int64_t* table_rows, const int64_t* tables, int64_t max_blocks,
-                                      int64_t n_rows, int64_t kv_heads, int64_t groups, int64_t d, float scale) {
+                                      int64_t n_rows, int64_t kv_heads, int64_t groups, int64_t d, float scale,
+                                      int64_t window) {
   std::vector<int64_t> rest;
 #ifdef TANDEM_PREFILL_AMX
   std::vector<Run> runs;
-  if (table_rows != nullptr && d % 64 == 0 && amx_supported()) {
+  // a window some row reaches past leaves every row to the caller; one none does changes nothing
+  const bool windowed = window > 0 && n_rows > 0 && *std::max_element(lens, lens + n_rows) > window;
+  if (!windowed && table_rows != nullptr && d % 64 == 0 && amx_supported()) {
     for (int64_t i = 0; i < n_rows;) {
       int64_t n = 1;
       while (n < kRows && i + n < n_rows && table_rows[i + n] == table_rows[i] && lens[i + n] == lens[i] + n &&
