@@ -30,6 +30,13 @@ released: its request stays watched, and once it reports done (the late data arr
 is gone (a killed peer's pending read writes nothing), ``poll`` reports the transfer "closed" and
 its local blocks become the caller's. For the same reason a transfer one of whose reads failed
 is reported only once its other reads ended too.
+
+A known fault of UCX's TCP path, not of this module: UCX emulates a READ over TCP in software (the
+owner's worker answers each GET request with active messages), and a reply that UCX sends on an
+endpoint it has just marked failed (the reader died) aborts the owner process ("ucp_request.inl:
+Fatal: unexpected error: Endpoint timeout", from ``ucp_request_try_send``, which takes any error but
+"no resource" as fatal). Seen in 2 of ~300 readers killed mid-read over ``UCX_TLS=tcp``; never over
+shared memory, where the owner's worker takes no part in a read.
 """
 from __future__ import annotations
 

@@ -59,8 +59,13 @@ def make_connector(pool: torch.Tensor, compat: str = COMPAT, shards=None, rank: 
     return connector
 
 
-def serve_pool(conn, layout: Layout, seed: int, env: dict[str, str], tp: int = 1, rank: int = 0) -> None:
-    """Rank ``rank`` of a tp-way owner: its heads of the seeded whole pool."""
+def serve_pool(conn, layout: Layout, seed: int, env: dict[str, str], tp: int = 1, rank: int = 0,
+               stderr_path: str | None = None) -> None:
+    """Rank ``rank`` of a tp-way owner: its heads of the seeded whole pool. With ``stderr_path``
+    its file descriptor 2 (where UCX writes why it aborts a process) goes to that file."""
+    if stderr_path is not None:
+        with open(stderr_path, "ab") as log:
+            os.dup2(log.fileno(), 2)
     os.environ.update(env)
     shards = head_shards(layout, tp)
     mine = shards[rank]
@@ -147,8 +152,8 @@ def _proc_state(pid: int) -> str:
 
 
 def start_owner(layout: Layout = SMALL, seed: int = 0, env: dict[str, str] | None = None, tp: int = 1,
-                rank: int = 0) -> tuple[PeerProcess, dict]:
-    owner = PeerProcess(serve_pool, layout, seed, env or {}, tp, rank)
+                rank: int = 0, stderr_path: str | None = None) -> tuple[PeerProcess, dict]:
+    owner = PeerProcess(serve_pool, layout, seed, env or {}, tp, rank, stderr_path)
     return owner, owner.receive()
 
 

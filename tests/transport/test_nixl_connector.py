@@ -13,6 +13,7 @@ import resource
 import signal
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -240,26 +241,38 @@ def test_a_late_read_of_a_killed_owner_is_closed_and_writes_nothing(monkeypatch)
 
 
 @pytest.mark.timeout(120)
-def test_owner_survives_a_reader_killed_mid_read(reader_env, transport):
-    owner_process, handshake = start_owner(LARGE, seed=6, env=TRANSPORTS[transport])
-    reader_process = PeerProcess(read_forever, handshake, LARGE, TRANSPORTS[transport])
-    try:
-        assert reader_process.receive() == "reading"
-        time.sleep(0.2)
-        os.kill(reader_process.process.pid, signal.SIGKILL)
-        reader_process.process.join(10)
-        time.sleep(0.5)
-        assert owner_process.process.is_alive()
-        pool = torch.zeros(LARGE.shape)
-        connector = make_connector(pool)
-        peer = connector.add_peer(handshake)
-        connector.start_read("after", peer, [7, 9], [0, 1], deadline_s=10.0)
-        assert wait_outcomes(connector, ["after"], 10.0) == {"after": "done"}
-        assert torch.equal(pool[[0, 1]], owner_blocks(owner_process, [7, 9]))
-        connector.close()
-    finally:
-        reader_process.stop()
-        owner_process.stop()
+def test_owner_survives_a_reader_killed_mid_read(reader_env, transport, tmp_path):
+    """The owner keeps serving after its reader was killed mid-read. Over ``UCX_TLS=tcp`` UCX itself
+    can abort the owner here, rarely (transport/nixl.py's docstring: a software GET reply on an
+    endpoint UCX has just failed, "unexpected error: Endpoint timeout"; 2 of ~300 tries): that one
+    abort, recognised by UCX's own message, is tried again once; any other death fails at once."""
+    for attempt in (1, 2):
+        stderr_path = tmp_path / f"owner-{attempt}.log"
+        owner_process, handshake = start_owner(LARGE, seed=6, env=TRANSPORTS[transport], stderr_path=str(stderr_path))
+        reader_process = PeerProcess(read_forever, handshake, LARGE, TRANSPORTS[transport])
+        try:
+            assert reader_process.receive() == "reading"
+            time.sleep(0.2)
+            os.kill(reader_process.process.pid, signal.SIGKILL)
+            reader_process.process.join(10)
+            time.sleep(0.5)
+            if not owner_process.process.is_alive():
+                why = stderr_path.read_text(errors="replace")
+                if attempt == 1 and transport == "tcp" and "unexpected error: Endpoint timeout" in why:
+                    warnings.warn(f"UCX aborted the owner (its known TCP fault), trying again: {why.strip()}")
+                    continue
+                pytest.fail(f"the owner died (exit code {owner_process.process.exitcode}): {why}")
+            pool = torch.zeros(LARGE.shape)
+            connector = make_connector(pool)
+            peer = connector.add_peer(handshake)
+            connector.start_read("after", peer, [7, 9], [0, 1], deadline_s=10.0)
+            assert wait_outcomes(connector, ["after"], 10.0) == {"after": "done"}
+            assert torch.equal(pool[[0, 1]], owner_blocks(owner_process, [7, 9]))
+            connector.close()
+            return
+        finally:
+            reader_process.stop()
+            owner_process.stop()
 
 
 # ---------------------------------------------------------------------------------- in-process
