@@ -38,9 +38,9 @@ SOURCES = [Path(__file__).parent / "cpu" / name
                         "sampling.cpp", "gguf_matmul.cpp", "gguf_dpbf16.cpp", "decode_layers.cpp",
                         "work_pool.cpp")]
 HEADERS = [Path(__file__).parent / "cpu" / name
-           for name in ("work_queue.h", "gguf_blocks.h", "amx_tiles.h", "prefill_amx.h", "transpose16.h")]
+           for name in ("work_queue.h", "gguf_blocks.h", "amx_tiles.h", "prefill_amx.h", "transpose16.h", "vec_exp.h")]
 OPS = ("paged_decode", "panel_linear", "panel_linear_dpbf16", "dpbf16_supported", "panel_linear_amx",
-       "amx_supported", "panel_linear_amx_f32", "rms_norm", "add_rms_norm",
+       "panel_linear_amx_silu", "amx_supported", "panel_linear_amx_f32", "rms_norm", "add_rms_norm",
        "silu_and_mul", "rotary_neox", "draw_rows", "argmax_rows", "gguf_linear", "gguf_dequantize_rows",
        "decode_layers", "use_work_pool", "head_rms_norm", "gemma_rms_norm", "gemma_add_rms_norm",
        "gelu_tanh_and_mul")
@@ -70,7 +70,7 @@ def build_name() -> str:
 
 
 LINEAR_SOURCES = ("linear.cpp", "linear_dpbf16.cpp", "linear_amx_f32.cpp", "work_pool.cpp", "work_queue.h",
-                  "amx_tiles.h")
+                  "amx_tiles.h", "vec_exp.h")
 """The files the linear kernels' speed depends on (their code and the thread pool's)."""
 
 
@@ -86,7 +86,7 @@ def linear_build() -> str:
 
 
 ATTENTION_SOURCES = ("paged_attention.cpp", "prefill_amx.cpp", "prefill_amx.h", "amx_tiles.h", "transpose16.h",
-                     "work_queue.h")
+                     "vec_exp.h", "work_queue.h")
 """The files the attention kernel's speed depends on."""
 
 
@@ -193,6 +193,16 @@ def panel_linear_amx(out: torch.Tensor, x: torch.Tensor, panels: torch.Tensor, b
     exact in float32, float32 sums in another order), K a multiple of 32; call only where
     ``amx_supported()``."""
     _ops().panel_linear_amx(out, x, panels, bias, bf16_values)
+
+
+def panel_linear_amx_silu(out: torch.Tensor, x: torch.Tensor, panels: torch.Tensor) -> None:
+    """``out = SiLU(x @ gate.T) * (x @ up.T)`` in one pass over the amx panels of a gated MLP's
+    fused ``[gate; up]`` projection (``PackedLinear.pack("amx", w)``, ``w`` [2 I, K] bfloat16,
+    I a multiple of 16): ``out`` [M, I] bfloat16, as ``silu_and_mul`` computes it on the bfloat16
+    ``panel_linear_amx`` product (gate and up rounded to bfloat16 first, then SiLU's value, then the
+    product) up to the last bit of its exp; the product's ``[M, 2 I]`` never exists. Call only
+    where ``amx_supported()``."""
+    _ops().panel_linear_amx_silu(out, x, panels)
 
 
 def panel_linear_amx_f32(out: torch.Tensor, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> None:

@@ -139,6 +139,20 @@ class PackedLinear:
 
 
 
+def amx_silu_panels(layer: nn.Module, rows: int) -> torch.Tensor | None:
+    """The amx panels a batch of ``rows`` rows of a gated MLP's fused ``[gate; up]`` projection
+    ``layer`` multiplies by, where ``cpu_ops.panel_linear_amx_silu`` can take the product and
+    SiLU-and-mul in one pass (bfloat16, no bias, gate's outputs a multiple of 16); else None.
+    The C++ decode loop takes that pass on the same condition (``decode_layers.cpp``)."""
+    packed = getattr(layer, "packed", None)
+    if isinstance(packed, BucketedLinear):
+        packed = packed.by_bucket[bucket_index(rows)]
+    if (not isinstance(packed, PackedLinear) or packed.kind != "amx" or packed.weight.dtype != torch.bfloat16
+            or getattr(layer, "bias", None) is not None or packed.out_features % 32):
+        return None
+    return packed.weight
+
+
 class BucketedLinear:
     """A layer that multiplies each batch with the kernel chosen for its bucket of rows
     (``cpu_tuning.bucket_index``): ``by_bucket[i]`` is one of the layer's packings."""

@@ -40,6 +40,8 @@
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
+
+#include "vec_exp.h"
 #define TANDEM_DPBF16 1
 #define TANDEM_DPBF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 #if defined(__linux__) && __GNUC__ >= 11
@@ -69,6 +71,9 @@ struct Problem {
   const float* bias;
   bool bf16_values;      // float32 out rounded to bfloat16 values
   int64_t m, pairs, n, n_panels, ldx, ldo;
+  // panel_linear_amx_silu: W = [gate; up], out = SiLU(x gate^T) * (x up^T) [M, N / 2]; up's
+  // panels start up_panels panels on (0: a plain product)
+  int64_t up_panels = 0;
 };
 
 #ifdef TANDEM_DPBF16
@@ -175,6 +180,21 @@ TANDEM_DPBF16_TARGET void store_rows_wide(const Problem& p, const float* acc, in
     if (p.bf16_values)  // the rounded bits back in the high half of a float32
       v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round_to_bf16(v)), 16));
     _mm512_mask_storeu_ps(p.out + r * p.ldo + col0, mask, v);
+  }
+}
+
+// store_rows_wide for two neighbouring full panels into a bfloat16 out: a row's 32 values leave
+// as one 64-byte store. Two 32-byte stores into one line, made a whole tile of rows apart, cost
+// the line twice in a prefill's output, which does not stay in cache (docs/benchmarks.md).
+TANDEM_DPBF16_TARGET void store_pair_wide(const Problem& p, const float* acc0, const float* acc1, int64_t row0,
+                                          int64_t row_end, int64_t col0) {
+  const __m512 bias0 = p.bias != nullptr ? _mm512_loadu_ps(p.bias + col0) : _mm512_setzero_ps();
+  const __m512 bias1 = p.bias != nullptr ? _mm512_loadu_ps(p.bias + col0 + kPanel) : _mm512_setzero_ps();
+  for (int64_t r = row0; r < row_end; ++r) {
+    const __m512 v0 = _mm512_add_ps(_mm512_loadu_ps(acc0 + (r - row0) * kPanel), bias0);
+    const __m512 v1 = _mm512_add_ps(_mm512_loadu_ps(acc1 + (r - row0) * kPanel), bias1);
+    _mm512_storeu_si512(p.out16 + r * p.ldo + col0,
+                        _mm512_inserti64x4(_mm512_castsi256_si512(round_to_bf16(v0)), round_to_bf16(v1), 1));
   }
 }
 
@@ -301,11 +321,78 @@ TANDEM_AMX_TARGET void amx_items(const AmxRows& xs, int64_t chunk_rows, int64_t 
       else if (both) amx_block<false, true>(xs, r, panel, panel_size, pf, acc0, acc1);
       else amx_block<false, false>(xs, r, panel, panel_size, pf, acc0, acc1);
       const int64_t rows_end = std::min(row_end, r + 2 * kAmxRows);
+      if (wide && two && p.out16 != nullptr && (first + 2) * kPanel <= p.n) {
+        store_pair_wide(p, acc0, acc1, r, rows_end, first * kPanel);
+        continue;
+      }
       for (int64_t q = 0; q < (two ? 2 : 1); ++q) {
         const int64_t col0 = (first + q) * kPanel, cols = std::min(kPanel, p.n - col0);
         const float* acc = q == 0 ? acc0 : acc1;
         if (wide) store_rows_wide(p, acc, r, rows_end, col0, cols);
         else store_rows(p, acc, r, rows_end, col0, cols);
+      }
+    }
+  }
+  _tile_release();
+}
+
+// SiLU(gate) * up of 16 columns from their float32 sums, as silu_and_mul computes it after a
+// bfloat16 gate_up product (elementwise.cpp): gate and up rounded to bfloat16, SiLU's value
+// rounded, the product rounded. The exp is vec_exp.h's and 1 / (1 + e) a refined rcp14, where
+// the unfused pass has libm's exp and a division: the two may differ in a last bit.
+TANDEM_AMX_TARGET inline __m256i silu_mul16(__m512 gate, __m512 up) {
+  const auto widened = [](__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); };
+  const __m512 g = widened(round_to_bf16(gate)), u = widened(round_to_bf16(up));
+  const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), tandem_cpu::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+  __m512 inv = _mm512_rcp14_ps(den);
+  inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.f)));  // one Newton step
+  return round_to_bf16(_mm512_mul_ps(widened(round_to_bf16(_mm512_mul_ps(g, inv))), u));
+}
+
+// panel_linear_amx_silu's work items [begin, end): item = row chunk * groups + group, group j
+// the gate panels 2j and 2j + 1 (the last may have one) and the same two up panels, multiplied
+// as two panel pairs; a row's 32 outputs leave as one 64-byte store (store_pair_wide's reason)
+TANDEM_AMX_TARGET void amx_silu_items(const AmxRows& xs, int64_t chunk_rows, int64_t begin, int64_t end) {
+  const Problem& p = xs.p;
+  const TileConfig cfg = full_tiles();
+  _tile_loadconfig(&cfg);
+  alignas(64) float g0[2 * kAmxRows * kPanel], g1[2 * kAmxRows * kPanel];
+  alignas(64) float u0[2 * kAmxRows * kPanel], u1[2 * kAmxRows * kPanel];
+  const int64_t half = p.up_panels, groups = (half + 1) / 2, panel_size = p.pairs * 2 * kPanel;
+  for (int64_t work = begin; work < end; ++work) {
+    const int64_t chunk = work / groups, first = (work % groups) * 2;
+    const bool two = first + 1 < half;
+    const uint16_t* gate = p.w + first * panel_size;
+    const uint16_t* up = gate + half * panel_size;
+    const bool next = work + 1 < end && first + 2 < half;
+    const int64_t row_end = std::min(p.m, (chunk + 1) * chunk_rows);
+    for (int64_t r = chunk * chunk_rows; r < row_end; r += 2 * kAmxRows) {
+      const bool both = row_end - r > kAmxRows, lead = r == chunk * chunk_rows && next;
+      const uint16_t* gate_ahead = lead ? gate + 2 * panel_size : nullptr;
+      const uint16_t* up_ahead = lead ? up + 2 * panel_size : nullptr;
+      if (two && both) {
+        amx_block<true, true>(xs, r, gate, panel_size, gate_ahead, g0, g1);
+        amx_block<true, true>(xs, r, up, panel_size, up_ahead, u0, u1);
+      } else if (two) {
+        amx_block<true, false>(xs, r, gate, panel_size, gate_ahead, g0, g1);
+        amx_block<true, false>(xs, r, up, panel_size, up_ahead, u0, u1);
+      } else if (both) {
+        amx_block<false, true>(xs, r, gate, panel_size, gate_ahead, g0, g1);
+        amx_block<false, true>(xs, r, up, panel_size, up_ahead, u0, u1);
+      } else {
+        amx_block<false, false>(xs, r, gate, panel_size, gate_ahead, g0, g1);
+        amx_block<false, false>(xs, r, up, panel_size, up_ahead, u0, u1);
+      }
+      const int64_t rows_end = std::min(row_end, r + 2 * kAmxRows);
+      for (int64_t row = r; row < rows_end; ++row) {
+        const int64_t i = (row - r) * kPanel;
+        c10::BFloat16* dst = p.out16 + row * p.ldo + first * kPanel;
+        const __m256i lo = silu_mul16(_mm512_loadu_ps(g0 + i), _mm512_loadu_ps(u0 + i));
+        if (two)
+          _mm512_storeu_si512(dst, _mm512_inserti64x4(_mm512_castsi256_si512(lo),
+                                                      silu_mul16(_mm512_loadu_ps(g1 + i), _mm512_loadu_ps(u1 + i)), 1));
+        else
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), lo);
       }
     }
   }
@@ -349,8 +436,9 @@ bool amx_supported() { return cpu_has_amx(); }
 namespace {
 
 // The arguments' checks (both kernels take the same), and the problem they describe.
+// `pairs_out`: out holds half the columns the panels make (panel_linear_amx_silu's [M, N / 2]).
 Problem checked_problem(const char* name, at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
-                        const c10::optional<at::Tensor>& bias, bool bf16_values) {
+                        const c10::optional<at::Tensor>& bias, bool bf16_values, bool pairs_out = false) {
   TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu() && out.device().is_cpu(), name, " runs on the CPU");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.size(1) % 2 == 0 &&
                   x.stride(0) % 2 == 0,
@@ -359,9 +447,9 @@ Problem checked_problem(const char* name, at::Tensor& out, const at::Tensor& x, 
                   panels.size(2) == kPanel && panels.size(3) == 2 && panels.is_contiguous(),
               name, ": panels must be contiguous bfloat16 [P, K / 2, 16, 2]");
   const bool out16 = out.scalar_type() == at::kBFloat16;
+  const int64_t n = out.size(1) * (pairs_out ? 2 : 1);
   TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && (out16 || out.scalar_type() == at::kFloat) &&
-                  out.stride(1) == 1 && out.size(1) <= panels.size(0) * kPanel &&
-                  out.size(1) > (panels.size(0) - 1) * kPanel,
+                  out.stride(1) == 1 && n <= panels.size(0) * kPanel && n > (panels.size(0) - 1) * kPanel,
               name, ": out must be float32 or bfloat16 [M, N] with N filling the panels");
   TORCH_CHECK(!(bf16_values && out16), name, ": bf16_values is for a float32 out");
   const float* bp = nullptr;
@@ -373,7 +461,7 @@ Problem checked_problem(const char* name, at::Tensor& out, const at::Tensor& x, 
   return Problem{reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()),
                  reinterpret_cast<const uint16_t*>(panels.data_ptr<c10::BFloat16>()),
                  out16 ? nullptr : out.data_ptr<float>(), out16 ? out.data_ptr<c10::BFloat16>() : nullptr, bp, bf16_values,
-                 x.size(0), panels.size(1), out.size(1), panels.size(0),
+                 x.size(0), panels.size(1), n, panels.size(0),
                  x.stride(0), out.stride(0)};
 }
 
@@ -397,10 +485,10 @@ void panel_linear_dpbf16(at::Tensor& out, const at::Tensor& x, const at::Tensor&
 #endif
 }
 
-void panel_linear_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
-                      const c10::optional<at::Tensor>& bias, bool bf16_values) {
-  TORCH_CHECK(cpu_has_amx(), "panel_linear_amx: this CPU (or its kernel) gives no AMX-BF16 instructions");
-  const Problem p = checked_problem("panel_linear_amx", out, x, panels, bias, bf16_values);
+namespace {
+
+// panel_linear_amx and panel_linear_amx_silu on a checked problem
+void run_amx(const Problem& p) {
 #ifdef TANDEM_AMX
   TORCH_CHECK(p.pairs % kAmxPairs == 0, "panel_linear_amx: K must be a multiple of 32");
   if (p.m == 0) return;
@@ -409,26 +497,54 @@ void panel_linear_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
   for (int64_t r = full; r < p.m; ++r)
     std::memcpy(tail.data() + (r - full) * p.pairs * 2, p.x + r * p.ldx, p.pairs * 4);
   const AmxRows xs{p, full, tail.data()};
-  const int64_t groups = (p.n_panels + 1) / 2;
+  const bool silu = p.up_panels > 0;
+  const int64_t groups = ((silu ? p.up_panels : p.n_panels) + 1) / 2;
+  const auto items = [&](int64_t chunk_rows, int64_t begin, int64_t end) {
+    if (silu) amx_silu_items(xs, chunk_rows, begin, end);
+    else amx_items(xs, chunk_rows, begin, end);
+  };
   if (p.m <= kAmxShareRows) {
     tandem_cpu::for_each_share(groups, tandem_cpu::chunk_for(groups, 8),
-                               [&](int64_t begin, int64_t end) { amx_items(xs, kAmxShareRows, begin, end); });
+                               [&](int64_t begin, int64_t end) { items(kAmxShareRows, begin, end); });
     return;
   }
   const int64_t total = (p.m + kAmxChunkRows - 1) / kAmxChunkRows * groups;
   tandem_cpu::for_each_chunk(total, tandem_cpu::chunk_for(total, 8),
-                             [&](int64_t begin, int64_t end) { amx_items(xs, kAmxChunkRows, begin, end); });
+                             [&](int64_t begin, int64_t end) { items(kAmxChunkRows, begin, end); });
+#else
+  (void)p;
 #endif
+}
+
+}  // namespace
+
+void panel_linear_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
+                      const c10::optional<at::Tensor>& bias, bool bf16_values) {
+  TORCH_CHECK(cpu_has_amx(), "panel_linear_amx: this CPU (or its kernel) gives no AMX-BF16 instructions");
+  run_amx(checked_problem("panel_linear_amx", out, x, panels, bias, bf16_values));
+}
+
+void panel_linear_amx_silu(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels) {
+  TORCH_CHECK(cpu_has_amx(), "panel_linear_amx_silu: this CPU (or its kernel) gives no AMX-BF16 instructions");
+  TORCH_CHECK(panels.dim() == 4 && panels.size(0) % 2 == 0 && out.dim() == 2 &&
+                  out.size(1) * 2 == panels.size(0) * kPanel && out.scalar_type() == at::kBFloat16,
+              "panel_linear_amx_silu: panels of [gate; up] with gate's rows a multiple of 16, and a bfloat16 out "
+              "[M, rows of gate]");
+  Problem p = checked_problem("panel_linear_amx_silu", out, x, panels, c10::nullopt, false, true);
+  p.up_panels = panels.size(0) / 2;
+  run_amx(p);
 }
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("panel_linear_dpbf16(Tensor(a!) out, Tensor x, Tensor panels, Tensor? bias, bool bf16_values=False) -> ()");
   m.def("dpbf16_supported() -> bool", &dpbf16_supported);
   m.def("panel_linear_amx(Tensor(a!) out, Tensor x, Tensor panels, Tensor? bias, bool bf16_values=False) -> ()");
+  m.def("panel_linear_amx_silu(Tensor(a!) out, Tensor x, Tensor panels) -> ()");
   m.def("amx_supported() -> bool", &amx_supported);
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("panel_linear_dpbf16", &panel_linear_dpbf16);
   m.impl("panel_linear_amx", &panel_linear_amx);
+  m.impl("panel_linear_amx_silu", &panel_linear_amx_silu);
 }

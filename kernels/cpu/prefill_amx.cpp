@@ -34,6 +34,8 @@
 
 #if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__) && __GNUC__ >= 11
 #include <immintrin.h>
+
+#include "vec_exp.h"
 #define TANDEM_PREFILL_AMX 1
 #define TANDEM_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
 #endif
@@ -50,24 +52,7 @@ constexpr float kNoScore = -1e30f;
 #ifdef TANDEM_PREFILL_AMX
 using tandem_cpu::transpose16;
 
-// exp of 16 float32 values: 2^n p(r) with x = n ln 2 + r, |r| <= ln 2 / 2, p Cephes' degree-6
-// polynomial (within 2 ulp of exp); x clamped to [-104, 88] first (exp is 0 below, and no score
-// difference here is above 0)
-TANDEM_AMX_TARGET inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-104.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln 2 in two parts: n * the first is exact
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
+using tandem_cpu::exp16;
 
 struct Run {
   int64_t first;  // its first query row (rows first .. first + n - 1)

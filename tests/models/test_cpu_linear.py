@@ -10,7 +10,14 @@ import torch.nn.functional as F
 
 from tandem.config import TandemConfig
 from tandem.kernels import cpu_ops
-from tandem.models.cpu_linear import PackedLinear, amx_available, dpbf16_available, pack_cpu_linears, resolve_kind
+from tandem.models.cpu_linear import (
+    PackedLinear,
+    amx_available,
+    amx_silu_panels,
+    dpbf16_available,
+    pack_cpu_linears,
+    resolve_kind,
+)
 from tandem.models.layers import LinearLayer, LMHead
 from tests.helpers.tiny_models import load_tiny_model, tiny_model_dir
 
@@ -316,12 +323,13 @@ def test_dpbf16_mode_without_the_instructions_is_refused(monkeypatch):
 
 
 @pytest.mark.parametrize("kernel", PAIR_KERNELS)
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 65, 100])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 64, 65, 100])
 def test_pair_kernels_bfloat16_out_is_the_float32_out_rounded_by_torch(kernel, rows):
     """A bfloat16 ``out`` gets each float32 sum (plus bias) rounded exactly as torch's
     conversion rounds it, on every path (dpbf16: M <= 8 and blocked; amx: the shared and the
-    chunked ones, a partial block of 16 rows); a float32 ``out`` with ``bf16_values`` those
-    rounded values widened back (``PackedLinear.logits``)."""
+    chunked ones, a partial block of 16 rows, from 64 rows two full panels stored together and a
+    last odd one alone); a float32 ``out`` with ``bf16_values`` those rounded values widened back
+    (``PackedLinear.logits``)."""
     op = PAIR_OPS[kernel]
     gen = torch.Generator().manual_seed(rows)
     n, k = 16 * 5 + 3, 96
@@ -366,3 +374,97 @@ def test_amx_kernel_refuses_a_cpu_without_amx():
     w = PackedLinear.pack("dpbf16", torch.zeros(16, 32, dtype=torch.bfloat16)).weight
     with pytest.raises(RuntimeError, match="no AMX-BF16"):
         cpu_ops.panel_linear_amx(torch.empty(1, 16), torch.zeros(1, 32, dtype=torch.bfloat16), w, None)
+
+
+def _silu_of_amx(x: torch.Tensor, panels: torch.Tensor, width: int) -> torch.Tensor:
+    out = torch.empty(x.shape[0], width, dtype=torch.bfloat16)
+    cpu_ops.panel_linear_amx_silu(out, x, panels)
+    return out
+
+
+@needs_amx
+@pytest.mark.parametrize(("width", "k"), [(48, 64), (64, 96), (1536, 576)])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 64, 65, 200])
+def test_amx_silu_pass_equals_the_product_then_silu_and_mul(width, k, rows):
+    """``panel_linear_amx_silu`` on the panels of ``[gate; up]`` against the two passes it
+    replaces (``panel_linear_amx`` to a bfloat16 ``[M, 2 I]``, then ``silu_and_mul``): the same
+    bits but for a last one where its exp and libm's round apart, and within bfloat16's rounding
+    of float64 arithmetic on the same values. ``width`` 48: an odd number of gate panels (the
+    last pair alone); rows on the shared (<= 64) and chunked paths, with partial tiles."""
+    gen = torch.Generator().manual_seed(rows * 7 + width)
+    w = (torch.randn(2 * width, k, generator=gen) / k**0.5).bfloat16()
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    panels = PackedLinear.pack("amx", w).weight
+    fused = _silu_of_amx(x, panels, width)
+    gate_up = torch.empty(rows, 2 * width, dtype=torch.bfloat16)
+    cpu_ops.panel_linear_amx(gate_up, x, panels, None)
+    unfused = torch.empty(rows, width, dtype=torch.bfloat16)
+    cpu_ops.silu_and_mul(unfused, gate_up)
+    apart = (fused.view(torch.int16).int() - unfused.view(torch.int16).int()).abs()
+    assert int(apart.max()) <= 1 and int((apart > 0).sum()) <= max(1, apart.numel() // 1000)
+    product = x.double() @ w.double().T
+    gate, up = product[:, :width], product[:, width:]
+    torch.testing.assert_close(fused.double(), F.silu(gate) * up, atol=2e-2, rtol=2e-2)
+
+
+@needs_amx
+def test_amx_silu_pass_takes_strided_rows_and_any_thread_count_and_refuses_a_wrong_out():
+    gen = torch.Generator().manual_seed(5)
+    w = (torch.randn(2 * 96, 64, generator=gen) / 8).bfloat16()
+    x = torch.randn(90, 192, generator=gen).bfloat16()[:, 64:128]  # rows 192 apart
+    panels = PackedLinear.pack("amx", w).weight
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _silu_of_amx(x, panels, 96)
+        torch.set_num_threads(max(2, threads))
+        many = _silu_of_amx(x, panels, 96)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+    assert torch.equal(many, _silu_of_amx(x.contiguous(), panels, 96))
+    with pytest.raises(RuntimeError, match="panel_linear_amx_silu"):
+        _silu_of_amx(x, panels, 95)
+    with pytest.raises(RuntimeError, match="panel_linear_amx_silu"):
+        cpu_ops.panel_linear_amx_silu(torch.empty(90, 96), x, panels)  # float32 out
+
+
+@needs_amx
+def test_a_gated_mlp_on_amx_takes_the_one_pass_where_it_applies():
+    """``GatedMLP`` with SiLU on an amx-packed bfloat16 ``[gate; up]`` multiplies and applies
+    SiLU-and-mul in one pass (``amx_silu_panels`` names the panels) and gives what its two passes
+    give; a bias, another kernel or a float32 layer keep the two passes."""
+    from tandem.models.layers import GatedMLP
+    from tandem.quant.unquantized import UnquantizedLinearMethod
+
+    gen = torch.Generator().manual_seed(11)
+    gate, up = torch.randn(96, 64, generator=gen) / 8, torch.randn(96, 64, generator=gen) / 8
+    down = torch.randn(64, 96, generator=gen) / 10
+
+    def mlp_for(mode: str, dtype: torch.dtype = torch.bfloat16, bias: bool = False) -> GatedMLP:
+        mlp = GatedMLP(64, 96, bias, "silu", UnquantizedLinearMethod())
+        mlp.gate_up_proj.load("weight", gate, 0)
+        mlp.gate_up_proj.load("weight", up, 1)
+        mlp.down_proj.load("weight", down, 0)
+        if bias:
+            mlp.gate_up_proj.load("bias", torch.zeros(96), 0)
+            mlp.gate_up_proj.load("bias", torch.zeros(96), 1)
+            mlp.down_proj.load("bias", torch.zeros(64), 0)
+        mlp = mlp.to(dtype)
+        assert mlp.use_cpu_kernels()
+        pack_cpu_linears(mlp, mode, torch.device("cpu"))
+        return mlp
+
+    x = torch.randn(7, 64, generator=gen).bfloat16()
+    mlp = mlp_for("amx")
+    assert amx_silu_panels(mlp.gate_up_proj, 7) is not None
+    one_pass = mlp(x)
+    act = torch.empty(7, 96, dtype=torch.bfloat16)
+    cpu_ops.silu_and_mul(act, mlp.gate_up_proj(x))
+    two_passes = mlp.down_proj(act)
+    torch.testing.assert_close(one_pass.float(), two_passes.float(), atol=1e-2, rtol=1e-2)
+    g, u = x.double() @ gate.bfloat16().double().T, x.double() @ up.bfloat16().double().T
+    torch.testing.assert_close(one_pass.double(), (F.silu(g) * u) @ down.bfloat16().double().T, atol=3e-2, rtol=3e-2)
+    assert amx_silu_panels(mlp_for("amx", bias=True).gate_up_proj, 7) is None
+    assert amx_silu_panels(mlp_for("dpbf16").gate_up_proj, 7) is None
+    assert amx_silu_panels(mlp_for("amx", torch.float32).gate_up_proj, 7) is None
