@@ -176,7 +176,8 @@ class EngineConfig(_Section):
     pair dot products (a CPU without them is refused); amx: as dpbf16, on AMX tiles (a CPU or
     kernel without AMX-BF16 is refused; layers whose K is not a multiple of 32 use dpbf16), and
     float32 layers on the tiles too, each value split into three bfloat16 parts whose six
-    leading products keep float32's precision; onednn: linear layers on oneDNN's packed weights (16-bit weights on a CPU
+    leading products keep float32's precision, and a bfloat16 gated MLP's SiLU-and-mul taken
+    in its gate/up product's pass; onednn: linear layers on oneDNN's packed weights (16-bit weights on a CPU
     without instructions for them are kept in float32, twice their memory), torch for the
     rest; torch: torch everywhere (``F.linear``; the reference); auto: each linear layer shape
     and batch-size bucket on the kernel measured fastest on this machine (timed once at the
