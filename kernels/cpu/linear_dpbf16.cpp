@@ -163,6 +163,11 @@ TANDEM_DPBF16_TARGET inline __m256i round_to_bf16(__m512 v) {
   return _mm512_cvtepi32_epi16(rounded);
 }
 
+// bfloat16 bits back to float32, exactly
+TANDEM_DPBF16_TARGET inline __m512 widened_bf16(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
 // store_rows for a row block of at least kWideRows rows (a prefill's): 16 lanes at a time, the
 // columns past N masked off. Fewer rows (a decode step's) keep the scalar loop, which measured
 // faster there on Zen 4 (batch 1 and 16 steps slower with this one).
@@ -178,7 +183,7 @@ TANDEM_DPBF16_TARGET void store_rows_wide(const Problem& p, const float* acc, in
       continue;
     }
     if (p.bf16_values)  // the rounded bits back in the high half of a float32
-      v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round_to_bf16(v)), 16));
+      v = widened_bf16(round_to_bf16(v));
     _mm512_mask_storeu_ps(p.out + r * p.ldo + col0, mask, v);
   }
 }
@@ -341,12 +346,19 @@ TANDEM_AMX_TARGET void amx_items(const AmxRows& xs, int64_t chunk_rows, int64_t 
 // rounded, the product rounded. The exp is vec_exp.h's and 1 / (1 + e) a refined rcp14, where
 // the unfused pass has libm's exp and a division: the two may differ in a last bit.
 TANDEM_AMX_TARGET inline __m256i silu_mul16(__m512 gate, __m512 up) {
-  const auto widened = [](__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); };
-  const __m512 g = widened(round_to_bf16(gate)), u = widened(round_to_bf16(up));
+  const __m512 g = widened_bf16(round_to_bf16(gate)), u = widened_bf16(round_to_bf16(up));
   const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), tandem_cpu::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
   __m512 inv = _mm512_rcp14_ps(den);
   inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.f)));  // one Newton step
-  return round_to_bf16(_mm512_mul_ps(widened(round_to_bf16(_mm512_mul_ps(g, inv))), u));
+  return round_to_bf16(_mm512_mul_ps(widened_bf16(round_to_bf16(_mm512_mul_ps(g, inv))), u));
+}
+
+// amx_block for gate's panels (into g0, g1) and then up's (into u0, u1), the same rows
+template <bool two, bool both>
+TANDEM_AMX_TARGET void gate_up_blocks(const AmxRows& xs, int64_t r, const uint16_t* gate, const uint16_t* up,
+                                      int64_t panel_size, bool lead, float* g0, float* g1, float* u0, float* u1) {
+  amx_block<two, both>(xs, r, gate, panel_size, lead ? gate + 2 * panel_size : nullptr, g0, g1);
+  amx_block<two, both>(xs, r, up, panel_size, lead ? up + 2 * panel_size : nullptr, u0, u1);
 }
 
 // panel_linear_amx_silu's work items [begin, end): item = row chunk * groups + group, group j
@@ -367,22 +379,12 @@ TANDEM_AMX_TARGET void amx_silu_items(const AmxRows& xs, int64_t chunk_rows, int
     const bool next = work + 1 < end && first + 2 < half;
     const int64_t row_end = std::min(p.m, (chunk + 1) * chunk_rows);
     for (int64_t r = chunk * chunk_rows; r < row_end; r += 2 * kAmxRows) {
+      // the next group's weights asked for while this group's first rows read these
       const bool both = row_end - r > kAmxRows, lead = r == chunk * chunk_rows && next;
-      const uint16_t* gate_ahead = lead ? gate + 2 * panel_size : nullptr;
-      const uint16_t* up_ahead = lead ? up + 2 * panel_size : nullptr;
-      if (two && both) {
-        amx_block<true, true>(xs, r, gate, panel_size, gate_ahead, g0, g1);
-        amx_block<true, true>(xs, r, up, panel_size, up_ahead, u0, u1);
-      } else if (two) {
-        amx_block<true, false>(xs, r, gate, panel_size, gate_ahead, g0, g1);
-        amx_block<true, false>(xs, r, up, panel_size, up_ahead, u0, u1);
-      } else if (both) {
-        amx_block<false, true>(xs, r, gate, panel_size, gate_ahead, g0, g1);
-        amx_block<false, true>(xs, r, up, panel_size, up_ahead, u0, u1);
-      } else {
-        amx_block<false, false>(xs, r, gate, panel_size, gate_ahead, g0, g1);
-        amx_block<false, false>(xs, r, up, panel_size, up_ahead, u0, u1);
-      }
+      if (two && both) gate_up_blocks<true, true>(xs, r, gate, up, panel_size, lead, g0, g1, u0, u1);
+      else if (two) gate_up_blocks<true, false>(xs, r, gate, up, panel_size, lead, g0, g1, u0, u1);
+      else if (both) gate_up_blocks<false, true>(xs, r, gate, up, panel_size, lead, g0, g1, u0, u1);
+      else gate_up_blocks<false, false>(xs, r, gate, up, panel_size, lead, g0, g1, u0, u1);
       const int64_t rows_end = std::min(row_end, r + 2 * kAmxRows);
       for (int64_t row = r; row < rows_end; ++row) {
         const int64_t i = (row - r) * kPanel;

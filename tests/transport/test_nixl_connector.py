@@ -244,7 +244,7 @@ def test_a_late_read_of_a_killed_owner_is_closed_and_writes_nothing(monkeypatch)
 def test_owner_survives_a_reader_killed_mid_read(reader_env, transport, tmp_path):
     """The owner keeps serving after its reader was killed mid-read. Over ``UCX_TLS=tcp`` UCX itself
     can abort the owner here, rarely (transport/nixl.py's docstring: a software GET reply on an
-    endpoint UCX has just failed, "unexpected error: Endpoint timeout"; 2 of ~300 tries): that one
+    endpoint UCX has just failed, "unexpected error: Endpoint timeout"): that one
     abort, recognised by UCX's own message, is tried again once; any other death fails at once."""
     for attempt in (1, 2):
         stderr_path = tmp_path / f"owner-{attempt}.log"
