@@ -420,7 +420,7 @@ def _measure(shape: Shape, weight: torch.Tensor, kinds: list[str]) -> ShapeChoic
     gen = torch.Generator().manual_seed(0)
     inputs = [torch.randn(m, shape.k, generator=gen).to(shape.dtype) for m in M_BUCKETS]
     with torch.inference_mode():
-        return cpu_tuning.choose(cpu_tuning.measure(candidates, inputs), kinds[0])
+        return cpu_tuning.choose(cpu_tuning.measure(candidates, inputs, before=cpu_tuning.pool_job()), kinds[0])
 
 
 def describe(by_shape: dict[Shape, list[tuple[str, nn.Module]]], choices: dict[Shape, ShapeChoice]) -> list[str]:

@@ -28,10 +28,13 @@ Timing (``measure``): each candidate multiplies by copies of the weight in turn,
 reads every weight from memory once, and one weight timed again and again from the cache would
 favour the kernel with the quicker arithmetic over the one that streams memory faster (it made
 oneDNN look fastest for SmolLM2's gate/up projection at one row, where it is the slowest).
-Candidates run interleaved, round after round, each timed on its second call in a row (the first
-wakes the threads it runs on, which the one before may have left asleep: timed alone, whichever
-kernel came after another thread pool's paid for waking its own — in a step they run back to
-back), and each keeps its fastest run (the least disturbed by other processes) until every
+Candidates run interleaved, round after round, each timed on a call that follows a short job on
+tandem's work pool (``pool_job``), as every linear layer's call follows one in a decode step (the
+norms, attention and the other products of tandem's kernels run there): a kernel on OpenMP's
+threads then pays for waking them, which under ``OMP_WAIT_POLICY=PASSIVE`` have slept since its
+last call, and shares the cores with the pool's helpers still spinning. Timed on its second call
+in a row instead, oneDNN looked faster than ``amx`` for SmolLM2's qkv projection on an AMX Xeon
+and made the decode step at 16 sequences a third slower. Each keeps its fastest run (the least disturbed by other processes) until every
 candidate has ``MIN_ROUNDS`` runs and the bucket's time budget is spent. Timings taken while
 other processes keep the CPU busy are wrong in a way no minimum repairs (a parallel kernel
 waits at every barrier for its descheduled thread, a single-threaded one does not), and a
@@ -72,7 +75,7 @@ MAX_COPIES = 128
 BUSY_SHARE = 0.15
 """Other processes' share of all CPUs above which timings are not trusted."""
 BUSY_PROBE_S = 0.05
-CACHE_VERSION = 3
+CACHE_VERSION = 4
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16",
              "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
 """The /proc/cpuinfo flags that decide which instructions a kernel can use."""
@@ -149,12 +152,27 @@ class Rotation:
         return fn(x)
 
 
+def pool_job() -> Callable[[], None] | None:
+    """A short job on tandem's work pool (a SiLU-and-mul of 4 rows of 16K float32 values, shared
+    out in chunks), the kind of call that comes before each linear layer's in a decode step;
+    None where tandem's kernels do not build (then every kernel runs on OpenMP's threads)."""
+    from tandem.kernels import cpu_ops
+
+    if not cpu_ops.load():
+        return None
+    gate_up, out = torch.ones(4, 1 << 15), torch.empty(4, 1 << 14)
+    return lambda: cpu_ops.silu_and_mul(out, gate_up)
+
+
 def measure(candidates: Mapping[str, Callable[[torch.Tensor], object]], inputs: Sequence[torch.Tensor],
             budget_s: float = BUCKET_BUDGET_S, min_rounds: int = MIN_ROUNDS,
-            clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+            clock: Callable[[], float] = time.perf_counter,
+            before: Callable[[], object] | None = None) -> dict[str, list[float]]:
     """The fastest of each candidate's interleaved runs on each of ``inputs`` (one per bucket),
     in seconds: ``{name: [seconds per input]}``. Each input gets ``min_rounds`` rounds at least
-    and more while ``budget_s`` lasts; one untimed run first (caches, lazy set-up)."""
+    and more while ``budget_s`` lasts; one untimed run first (caches, lazy set-up). Each timed
+    run follows an untimed call of ``before`` (what runs before the kernel in a step: the
+    module doc), or of the candidate itself where None."""
     best = {name: [math.inf] * len(inputs) for name in candidates}
     for i, x in enumerate(inputs):
         for fn in candidates.values():
@@ -162,7 +180,10 @@ def measure(candidates: Mapping[str, Callable[[torch.Tensor], object]], inputs: 
         rounds, deadline = 0, clock() + budget_s
         while rounds < min_rounds or clock() < deadline:
             for name, fn in candidates.items():
-                fn(x)  # untimed: the threads it runs on are awake, as in a step's run of kernels
+                if before is None:
+                    fn(x)
+                else:
+                    before()
                 t0 = clock()
                 fn(x)
                 best[name][i] = min(best[name][i], clock() - t0)
@@ -318,7 +339,11 @@ class ChoiceCache:
     file's lock, only on a machine other processes leave alone, and cached only if that held
     while it ran. Handed to plugins (``AttentionBackend.for_model``), which may not import core."""
 
-    measure = staticmethod(measure)
+    @staticmethod
+    def measure(candidates: Mapping[str, Callable[[torch.Tensor], object]], inputs: Sequence[torch.Tensor],
+                **kwargs) -> dict[str, list[float]]:
+        """``measure``, each timed run after a ``pool_job`` as in a step."""
+        return measure(candidates, inputs, before=pool_job(), **kwargs)
 
     def __init__(self, name: str) -> None:
         self.name = name

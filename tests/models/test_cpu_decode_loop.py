@@ -113,6 +113,23 @@ def test_gguf_blocks_through_the_loop_match_hf_greedy(tmp_path, loop_calls, type
     assert 2 in loop_calls  # both sequences decoding in one step
 
 
+@pytest.mark.parametrize("kernels", ["tandem", "dpbf16", "amx"])
+def test_an_engine_forced_onto_one_of_tandems_kernels_keeps_the_loop(kernels, loop_calls):
+    """``engine.cpu_kernels`` naming one of tandem's own linear kernels keeps its element-wise
+    kernels and the decode loop (as ``auto`` does), and the greedy tokens stay HF's."""
+    if kernels == "dpbf16" and not dpbf16_available() or kernels == "amx" and not amx_available():
+        pytest.skip(f"this CPU has no instructions for {kernels}")
+    hf = hf_model(tiny_model_dir("llama"))
+    ids = [5, 100, 200, 300, 17, 42, 99, 7]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids):].tolist()
+    llm = LLM(model=str(tiny_model_dir("llama")), num_kv_blocks=32, dtype="float32", num_threads=1,
+              cpu_kernels=kernels)
+    got = llm.generate([ids], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0].token_ids
+    assert got == want
+    assert loop_calls[1:] == [1] * 5  # every decode step through the loop (the prompt too)
+
+
 def test_asking_for_the_kv_ahead_leaves_the_values_as_they_were(loop_calls, monkeypatch):
     want, ids = decode_logits("llama", "tandem")
     monkeypatch.setenv("TANDEM_CPU_PREFETCH_KV_KB", "0")

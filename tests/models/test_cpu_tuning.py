@@ -50,9 +50,9 @@ def test_measure_keeps_each_candidates_fastest_run():
     assert all(s < 0.001 for s in got["fast"]), got
 
 
-def test_each_candidate_is_timed_on_its_second_call_in_a_row():
-    """A kernel whose first call after another's pays a wake-up (here 2 ms of sleep) is timed
-    as it runs inside a step, back to back with itself."""
+def test_each_candidate_is_timed_after_itself_or_after_what_comes_before_it_in_a_step():
+    """A kernel whose first call after another's pays a wake-up (here 2 ms of sleep): timed on
+    its second call in a row by default, and with the wake-up after ``before``."""
     last = [None]
 
     def kernel(name):
@@ -64,6 +64,19 @@ def test_each_candidate_is_timed_on_its_second_call_in_a_row():
 
     got = measure({"a": kernel("a"), "b": kernel("b")}, [torch.zeros(1)], budget_s=0.01)
     assert got["a"][0] < 0.001 and got["b"][0] < 0.001, got
+
+    # with what runs before it in a step (`before`, the work pool's job), the wake-up is timed
+    pool = kernel("pool")
+    got = measure({"a": kernel("a"), "b": kernel("b")}, [torch.zeros(1)], budget_s=0.01, before=lambda: pool(None))
+    assert got["a"][0] >= 0.002 and got["b"][0] >= 0.002, got
+
+
+def test_choice_caches_time_each_run_after_the_pool_job(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(cpu_tuning, "pool_job", lambda: "the pool job")
+    monkeypatch.setattr(cpu_tuning, "measure", lambda candidates, inputs, **kw: seen.update(kw) or {})
+    cpu_tuning.ChoiceCache("attention").measure({}, [])
+    assert seen["before"] == "the pool job"
 
 
 def test_candidates_rotate_over_weight_copies_that_pass_the_streamed_bytes():

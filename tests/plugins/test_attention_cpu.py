@@ -147,7 +147,7 @@ def test_auto_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
 
     def measured(*shape_and_timer):
         calls.append(shape_and_timer[:4])
-        assert shape_and_timer[4] is cpu_tuning.measure
+        assert shape_and_timer[4] is cpu_tuning.ChoiceCache.measure
         return {"paged": [1, 2, 4, 8, 16], "sdpa": [2, 2.5, 3, 4, 5]}
 
     monkeypatch.setattr(attention_cpu, "measure", measured)
