@@ -26,11 +26,12 @@ Read bandwidth: ``x.sum()`` over a float32 buffer larger than the last-level cac
 pages tandem's weights get (2 MiB ones where the system gives them, ``tandem.models.huge_pages``:
 a floor read from 4 KiB pages would understate what the machine can read). It is sampled *during*
 the run, after every ``BANDWIDTH_SAMPLE_EVERY`` th step (``recording_steps``; the time spent
-sampling is left out of the run's time), and each step is compared with the floor at the sample
-nearest to it: on a shared machine the read bandwidth can double or halve within minutes as
-other tenants come and go, and a floor measured once before or after the run would compare the
-steps with another machine. The ratio printed is the median over the steps of step / floor; a
-run too short for a sample is compared with a bandwidth measured after it. GEMM rate:
+sampling is left out of the run's time), and each step is compared with the floor at the higher
+of the two samples around it (``step_bandwidths``): on a shared machine the read bandwidth can
+double or halve within minutes as other tenants come and go, and a floor measured once before or
+after the run would compare the steps with another machine. The ratio printed is the median over
+the steps of step / floor; a run too short for a sample is compared with a bandwidth measured
+after it. GEMM rate:
 the fastest of ``torch.matmul`` and (on the CPU) tandem's packed kernels of
 ``tandem.models.cpu_linear`` for [B, hidden] × [hidden, intermediate] in the bench's dtype, the
 weight in the model's layout (a weight that fits in cache, so it measures arithmetic, not
@@ -252,16 +253,19 @@ def decode_batches(records: Sequence[RecordedStep], full_batch: int) -> list[int
 
 
 def step_bandwidths(records: Sequence[RecordedStep], fallback: float) -> list[float]:
-    """Each record's read bandwidth: the sample nearest to it in step order (the earlier of two
-    as near), ``fallback`` where the run has none."""
+    """Each record's read bandwidth: the higher of the samples taken just before and just
+    after it (one sample where it has only one neighbour), ``fallback`` where the run has none.
+    A floor takes the machine at its best: a sum the OS held up for a moment reads low (and
+    would put the steps near it below their "floor"), but nothing makes one read faster than
+    the memory can."""
     sampled = [i for i, r in enumerate(records) if r.read_bytes_per_s is not None]
     if not sampled:
         return [fallback] * len(records)
     out = []
     for i in range(len(records)):
-        at = bisect.bisect_left(sampled, i)
-        near = min(sampled[max(0, at - 1):at + 1], key=lambda j: (abs(j - i), j))
-        out.append(records[near].read_bytes_per_s)
+        at = bisect.bisect_left(sampled, i)  # sampled[at]: the first sample taken after step i
+        around = sampled[max(0, at - 1):at + 1]
+        out.append(max(records[j].read_bytes_per_s for j in around))
     return out
 
 
@@ -269,7 +273,7 @@ def roofline_line(arch: ModelArchConfig, records: Sequence[RecordedStep], batch:
                   machine: Machine) -> str:
     """One line: the median measured pure decode step at ``batch`` against its floor, the cost
     averaged over those steps (their own context lengths), the ratio the median over the steps
-    of each one's time over its floor (at the bandwidth sampled nearest to it, module doc)."""
+    of each one's time over its floor (at the bandwidth sampled around it, module doc)."""
     bandwidths = step_bandwidths(records, machine.read_bytes_per_s)
     chosen = [i for i, r in enumerate(records) if r.is_pure_decode and r.stats.num_seqs == batch]
     steps = [records[i] for i in chosen]

@@ -98,10 +98,14 @@ def _step(num_seqs: int, num_prompt_tokens: int = 0, duration_s: float = 0.01,
     return RecordedStep(stats, (10,) * num_seqs, bandwidth)
 
 
-def test_each_step_takes_the_bandwidth_sampled_nearest_to_it():
+def test_each_step_takes_the_higher_of_the_bandwidths_sampled_around_it():
+    # a sample is taken right after its step: step 0 has only the sample after it; steps 1-3
+    # lie between the samples after steps 0 and 3; steps 4-5 come after the last one
     steps = [_step(1, bandwidth=10.0), _step(1), _step(1), _step(1, bandwidth=40.0), _step(1), _step(1)]
-    # step 1 is nearer sample 0, step 2 nearer sample 3; after the last sample, the last one
-    assert step_bandwidths(steps, fallback=99.0) == [10.0, 10.0, 40.0, 40.0, 40.0, 40.0]
+    assert step_bandwidths(steps, fallback=99.0) == [10.0, 40.0, 40.0, 40.0, 40.0, 40.0]
+    # one sample disturbed (the OS held the sum up) does not lower the floor of the steps by it
+    steps = [_step(1, bandwidth=25.0), _step(1), _step(1, bandwidth=5.0), _step(1), _step(1, bandwidth=26.0)]
+    assert step_bandwidths(steps, fallback=99.0) == [25.0, 25.0, 25.0, 26.0, 26.0]
     assert step_bandwidths([_step(1), _step(1)], fallback=99.0) == [99.0, 99.0]
 
 
@@ -110,11 +114,12 @@ def test_the_ratio_is_the_median_of_each_steps_time_over_its_own_floor():
     cost = decode_cost(arch, (10,), 4)
     memory_bytes = cost.weight_bytes + cost.kv_bytes
     machine = Machine(read_bytes_per_s=1.0, gemm_flops_per_s={1: 1e30})  # memory-bound
-    # three decode steps at bandwidths B, B/2, B/2 (their floors t, 2t, 2t) taking 2t, 3t, 2t: ratios 2, 1.5, 1
+    # samples B/2, B/2, B after three decode steps, so the steps' bandwidths are B/2, B/2, B
+    # (their floors 2t, 2t, t); taking 2t, 3t, 2t: ratios 1, 1.5, 2
     t = 1e-3
     bandwidth = memory_bytes / t
-    steps = [_step(1, duration_s=2 * t, bandwidth=bandwidth), _step(1, duration_s=3 * t, bandwidth=bandwidth / 2),
-             _step(1, duration_s=2 * t, bandwidth=bandwidth / 2)]
+    steps = [_step(1, duration_s=2 * t, bandwidth=bandwidth / 2), _step(1, duration_s=3 * t, bandwidth=bandwidth / 2),
+             _step(1, duration_s=2 * t, bandwidth=bandwidth)]
     line = roofline_line(arch, steps, 1, "float32", machine)
     assert re.search(r"→ 1\.50x the floor \(median over the steps\)$", line), line
     assert "floor 2.0 ms (memory-bound" in line, line  # the median floor
