@@ -43,7 +43,7 @@ OPS = ("paged_decode", "panel_linear", "panel_linear_dpbf16", "dpbf16_supported"
        "panel_linear_amx_silu", "amx_supported", "panel_linear_amx_f32", "rms_norm", "add_rms_norm",
        "silu_and_mul", "rotary_neox", "draw_rows", "argmax_rows", "gguf_linear", "gguf_dequantize_rows",
        "decode_layers", "use_work_pool", "head_rms_norm", "gemma_rms_norm", "gemma_add_rms_norm",
-       "gelu_tanh_and_mul")
+       "gelu_tanh_and_mul", "copy_rows")
 """Every operator of the library, each wrapped below."""
 _ISA_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
@@ -220,6 +220,15 @@ def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: floa
     torch rounds. ``out``, ``x`` [rows, width] with contiguous rows and ``weight`` [width]
     contiguous, all of one dtype: float32, bfloat16 or float16."""
     _ops().rms_norm(out, x, weight, eps)
+
+
+def copy_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[index[i]] = src[i]`` for every row i of ``src`` (elementwise.cpp): torch's
+    ``dst.index_copy_(0, index, src)``, a row a ``memcpy``, rows shared out over tandem's work
+    pool. Each row (everything past dimension 0) one contiguous run in both, one dtype, the same
+    row shape; ``index`` int64 [N], every entry a row of ``dst`` (else RuntimeError, nothing
+    copied); a row named twice gets one of its sources."""
+    _ops().copy_rows(dst, index, src)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:

@@ -1,6 +1,8 @@
 """The "cpu" attention backend: the torch backend with attention read from the pool in place.
 
-The KV writes are the torch backend's (tandem.plugins.attention_torch). Every query row of the
+The KV writes go to the torch backend's rows of the pool (tandem.plugins.attention_torch), copied
+row by row on tandem's threads (``cpu_ops.copy_rows``; torch's ``index_copy_`` where the kernels
+do not build). Every query row of the
 step (decodes, drafts being checked, and each token of a prefill or a chunk, after the step's K
 and V are written) goes to the C++ kernel of ``tandem.kernels.cpu_ops`` as a one-query row that
 sees the keys up to its own position: the kernel walks each row's block table over the pool
@@ -35,7 +37,8 @@ import torch
 
 from tandem.interfaces import AttentionMetadata
 from tandem.kernels import cpu_ops
-from tandem.plugins.attention_torch import DECODE_QUERY_MAX, PLAN_KEY, TorchAttentionBackend, _StepPlan
+from tandem.plugins.attention_torch import (DECODE_QUERY_MAX, PLAN_KEY, TorchAttentionBackend, _slot_rows, _StepPlan,
+                                            _written)
 
 logger = logging.getLogger("tandem")
 
@@ -78,6 +81,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
             metadata.extra[PLAN_KEY] = _StepPlan.build(metadata, decode_query_max=limit)
         else:
             super().prepare_metadata(metadata)
+
+    @classmethod
+    def _write(cls, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan) -> None:
+        if kv_cache.device.type != "cpu" or key.dtype != kv_cache.dtype or not cpu_ops.load():
+            return super()._write(key, value, kv_cache, plan)
+        rows, k_rows, v_rows = _slot_rows(kv_cache, plan)
+        key, value = _written(key, value, plan)
+        cpu_ops.copy_rows(rows, k_rows, key)
+        cpu_ops.copy_rows(rows, v_rows, value)
 
     def _decode_into(self, out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan) -> None:
         if query.device.type != "cpu" or not cpu_ops.load():

@@ -208,6 +208,24 @@ def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.masked_fill_(~visible, float("-inf"))
 
 
+def _written(key: torch.Tensor, value: torch.Tensor, plan: _StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V rows of the step's tokens that have a slot."""
+    if plan.write_rows is not None:
+        return key[plan.write_rows], value[plan.write_rows]
+    return key, value
+
+
+def _slot_rows(kv_cache: torch.Tensor, plan: _StepPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer's pool as rows of one strided view (one row a slot's K or V), and the rows the
+    step's K and V go to: index_copy_ on it is far faster on the CPU than advanced-index
+    assignment into the (non-contiguous) layer view."""
+    block_stride, kv_stride, slot_stride = kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2)
+    assert block_stride % slot_stride == 0 and kv_stride % slot_stride == 0
+    num_rows = (kv_cache.shape[0] - 1) * (block_stride // slot_stride) + (kv_stride // slot_stride) + kv_cache.shape[2]
+    rows = torch.as_strided(kv_cache, (num_rows, *kv_cache.shape[3:]), (slot_stride, *kv_cache.stride()[3:]))
+    return (rows, *plan.write_index(block_stride // slot_stride, kv_stride // slot_stride))
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
@@ -229,17 +247,10 @@ class TorchAttentionBackend(AttentionBackend):
             out[seq.start : seq.end] = self._prefill(query, key, value, kv_cache, plan, i)
         return out
 
-    @staticmethod
-    def _write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan) -> None:
-        if plan.write_rows is not None:
-            key, value = key[plan.write_rows], value[plan.write_rows]
-        # Index the layer's slots as rows of one strided view: index_copy_ on it is far faster on
-        # the CPU than advanced-index assignment into the (non-contiguous) layer view.
-        block_stride, kv_stride, slot_stride = kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2)
-        assert block_stride % slot_stride == 0 and kv_stride % slot_stride == 0
-        num_rows = (kv_cache.shape[0] - 1) * (block_stride // slot_stride) + (kv_stride // slot_stride) + kv_cache.shape[2]
-        rows = torch.as_strided(kv_cache, (num_rows, *kv_cache.shape[3:]), (slot_stride, *kv_cache.stride()[3:]))
-        k_rows, v_rows = plan.write_index(block_stride // slot_stride, kv_stride // slot_stride)
+    @classmethod
+    def _write(cls, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan) -> None:
+        rows, k_rows, v_rows = _slot_rows(kv_cache, plan)
+        key, value = _written(key, value, plan)
         rows.index_copy_(0, k_rows, key.to(kv_cache.dtype))
         rows.index_copy_(0, v_rows, value.to(kv_cache.dtype))
 

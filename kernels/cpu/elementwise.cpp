@@ -14,6 +14,8 @@
 //   gemma_rms_norm(out, x, weight, eps)       out = to_dtype(rms_norm(float(x)) * (1 + float(weight)))
 //   gemma_add_rms_norm(residual, h, w, eps)   residual = residual + gemma_rms_norm(h), in place
 //   gelu_tanh_and_mul(out, gate_up)           out = gelu_tanh(gate) * up (Gemma's MLP)
+//   copy_rows(dst, index, src)                dst[index[i]] = src[i] (a prompt's K and V into
+//                                             the pool: index_copy_ row by row, in parallel)
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -290,7 +292,38 @@ void gelu_tanh_and_mul(at::Tensor& out, const at::Tensor& gate_up) {
                                                       out.stride(0), gate_up.stride(0)))
 }
 
+// copy_rows: each row (all dimensions past the first) one contiguous run in dst and in src, of
+// one dtype and the same shape; index int64 [src rows], every entry a row of dst (checked first,
+// so that a bad one copies nothing). Rows named twice: which lands is unspecified.
+void copy_rows(at::Tensor& dst, const at::Tensor& index, const at::Tensor& src) {
+  TORCH_CHECK(dst.device().is_cpu() && src.device().is_cpu() && index.device().is_cpu(),
+              "copy_rows: CPU tensors only");
+  TORCH_CHECK(dst.dim() >= 1 && dst.dim() == src.dim() && dst.scalar_type() == src.scalar_type() &&
+                  dst.sizes().slice(1) == src.sizes().slice(1),
+              "copy_rows: dst [R, ...] and src [N, ...] of one dtype with the same row shape");
+  TORCH_CHECK(index.scalar_type() == at::kLong && index.dim() == 1 && index.is_contiguous() &&
+                  index.numel() == src.size(0),
+              "copy_rows: index must be int64 [N], one entry a src row");
+  int64_t width = 1;
+  for (int64_t d = dst.dim() - 1; d >= 1; --d) {
+    TORCH_CHECK((dst.size(d) == 1 || dst.stride(d) == width) && (src.size(d) == 1 || src.stride(d) == width),
+                "copy_rows: each row of dst and of src must be one contiguous run");
+    width *= dst.size(d);
+  }
+  const int64_t n = src.size(0), rows = dst.size(0);
+  const int64_t* idx = index.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(idx[i] >= 0 && idx[i] < rows, "copy_rows: index ", idx[i], " out of range for ", rows, " rows");
+  if (n == 0 || width == 0) return;
+  const int64_t el = dst.element_size(), bytes = width * el, lds = src.stride(0) * el, ldd = dst.stride(0) * el;
+  const char* from = static_cast<const char*>(src.data_ptr());
+  char* to = static_cast<char*>(dst.data_ptr());
+  over_items(n, width, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) std::memcpy(to + idx[i] * ldd, from + i * lds, bytes);
+  });
+}
+
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
+  m.def("copy_rows(Tensor(a!) dst, Tensor index, Tensor src) -> ()");
   m.def("head_rms_norm(Tensor(a!) x, Tensor weight, float eps, bool gemma) -> ()");
   m.def("gemma_rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("gemma_add_rms_norm(Tensor(a!) residual, Tensor h, Tensor weight, float eps) -> ()");
@@ -310,4 +343,5 @@ TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("gemma_rms_norm", &gemma_rms_norm);
   m.impl("gemma_add_rms_norm", &gemma_add_rms_norm);
   m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
+  m.impl("copy_rows", &copy_rows);
 }

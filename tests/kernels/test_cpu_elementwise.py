@@ -160,3 +160,32 @@ def test_bfloat16_rounding_keeps_nans_and_infinities_as_torch_does():
     for g, w in ((got, want), (act, act_want)):
         assert torch.equal(g.isnan(), w.isnan()) and g.isnan().any()
         assert torch.equal(g[~w.isnan()], w[~w.isnan()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [0, 1, 7, 2048])
+def test_copy_rows_is_index_copy(dtype, n):
+    """A step's K rows (a slice of the qkv product, strided) into scattered rows of a pool view
+    whose rows are strided too: torch's index_copy_ is the oracle; small calls run serially, a
+    prompt's 2,048 rows on the work pool."""
+    gen = torch.Generator().manual_seed(n)
+    qkv = torch.randn(n, 960, generator=gen).to(dtype)
+    src = qkv[:, 576:768].view(n, 3, 64)  # rows 960 values apart
+    pool = torch.randn(3000, 2, 3, 64, generator=gen).to(dtype)
+    dst = pool[:, 1]  # rows 384 values apart, each one contiguous run
+    index = torch.randperm(3000, generator=gen)[:n]
+    want, keys = dst.clone().index_copy_(0, index, src), pool[:, 0].clone()
+    cpu_ops.copy_rows(dst, index, src)
+    assert torch.equal(dst, want)
+    assert torch.equal(pool[:, 0], keys)  # the rows between dst's rows untouched
+
+
+def test_copy_rows_refuses_a_bad_index_before_copying_and_rows_that_are_not_one_run():
+    dst, src = torch.zeros(4, 8), torch.ones(2, 8)
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_ops.copy_rows(dst, torch.tensor([1, 4]), src)
+    assert not dst.any()  # row 1 was not written either
+    with pytest.raises(RuntimeError, match="contiguous run"):
+        cpu_ops.copy_rows(dst, torch.tensor([0, 1]), torch.ones(8, 2).t())
+    with pytest.raises(RuntimeError, match="one dtype"):
+        cpu_ops.copy_rows(dst, torch.tensor([0, 1]), src.double())
