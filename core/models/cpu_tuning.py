@@ -32,10 +32,11 @@ Candidates run interleaved, round after round, each timed on a call that follows
 tandem's work pool (``pool_job``), as every linear layer's call follows one in a decode step (the
 norms, attention and the other products of tandem's kernels run there): a kernel on OpenMP's
 threads then pays for waking them, which under ``OMP_WAIT_POLICY=PASSIVE`` have slept since its
-last call, and shares the cores with the pool's helpers still spinning. Timed on its second call
-in a row instead, oneDNN looked faster than ``amx`` for SmolLM2's qkv projection on an AMX Xeon
-and made the decode step at 16 sequences a third slower. Each keeps its fastest run (the least disturbed by other processes) until every
-candidate has ``MIN_ROUNDS`` runs and the bucket's time budget is spent. Timings taken while
+last call, and shares the cores with the pool's helpers still spinning (timed on its second
+call in a row instead, oneDNN looked faster than ``amx`` for SmolLM2's qkv projection on an AMX
+Xeon and slowed its decode steps: docs/benchmarks.md). Each keeps its fastest run (the least
+disturbed by other processes) until every candidate has ``MIN_ROUNDS`` runs and the bucket's
+time budget is spent. Timings taken while
 other processes keep the CPU busy are wrong in a way no minimum repairs (a parallel kernel
 waits at every barrier for its descheduled thread, a single-threaded one does not), and a
 cached mistake would last: so measuring starts only when other processes use under
