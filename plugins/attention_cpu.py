@@ -87,9 +87,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if kv_cache.device.type != "cpu" or key.dtype != kv_cache.dtype or not cpu_ops.load():
             return super()._write(key, value, kv_cache, plan)
         rows, k_rows, v_rows = _slot_rows(kv_cache, plan)
-        key, value = _written(key, value, plan)
-        cpu_ops.copy_rows(rows, k_rows, key)
-        cpu_ops.copy_rows(rows, v_rows, value)
+        for src, index in zip(_written(key, value, plan), (k_rows, v_rows)):
+            # copy_rows takes a row as one contiguous run (a slice of the qkv product is)
+            cpu_ops.copy_rows(rows, index, src if src.shape[0] == 0 or src[0].is_contiguous() else src.contiguous())
 
     def _decode_into(self, out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan) -> None:
         if query.device.type != "cpu" or not cpu_ops.load():

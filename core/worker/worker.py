@@ -88,7 +88,7 @@ class Worker:
         from tandem.models.cpu_decode_loop import enable_cpu_decode_loop
         from tandem.models.cpu_fusion import enable_cpu_fusion
         from tandem.models.cuda_fusion import enable_cuda_fusion
-        from tandem.models.cpu_linear import pack_cpu_linears
+        from tandem.models.cpu_linear import PAIR_KINDS, pack_cpu_linears
         from tandem.models.loader import estimate_weight_bytes, load_model
         from tandem.worker.model_runner import ModelRunner
 
@@ -124,7 +124,7 @@ class Worker:
                     str(self.dtype).removeprefix("torch."), time.perf_counter() - t0)
         lm_head_rows = eng.max_num_seqs * (1 + eng.num_speculative_tokens)
         cpu_kernels = pack_cpu_linears(self.model, eng.cpu_kernels, self.device, lm_head_rows) \
-            in ("tandem", "dpbf16", "amx", "tuned") and cpu_ops.load()
+            in ("tandem", *PAIR_KINDS, "tuned") and cpu_ops.load()
         if self.device.type == "cpu" and tandem.OMP_POLICY_MISSED and torch.get_num_threads() > 1:
             logger.warning("torch was imported before tandem with OMP_WAIT_POLICY unset: OpenMP's idle "
                            "threads spin and take the cores from tandem's kernels (decode steps run "

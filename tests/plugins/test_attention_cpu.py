@@ -177,3 +177,24 @@ def test_the_measurement_times_both_ways_at_every_row_count(monkeypatch):
     monkeypatch.setattr(attention_cpu, "PREFILL_ROWS", (16, 32))
     seconds = attention_cpu.measure(torch.float32, 4, 2, 32, cpu_tuning.measure)
     assert set(seconds) == {"paged", "sdpa"} and all(len(v) == 2 and min(v) > 0 for v in seconds.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_writes_land_where_the_torch_backends_do_from_any_layout(dtype):
+    """The step's K and V go into the pool row by row (``cpu_ops.copy_rows``) exactly where the
+    torch backend's ``index_copy_`` puts them: from slices of a qkv product (rows one run each)
+    and from K and V whose rows are not one run (heads and head dims transposed)."""
+    contexts = [0, 15, 16, 40, 200]
+    pool, seqs, q, k, v = decode_batch(dtype, 9, contexts)
+    gen = torch.Generator().manual_seed(9)
+    qkv = torch.randn(len(seqs), (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen).to(dtype)
+    sliced = [qkv[:, (HEADS + i * KV_HEADS) * HEAD_DIM:(HEADS + (i + 1) * KV_HEADS) * HEAD_DIM]
+              .view(len(seqs), KV_HEADS, HEAD_DIM) for i in range(2)]
+    transposed = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v)]
+    for key, value in (sliced, transposed):
+        md = build_metadata(seqs, BLOCK_SIZE)
+        CpuAttentionBackend.prepare_metadata(md)
+        ours, ref = pool.clone(), pool.clone()
+        CpuAttentionBackend._write(key, value, ours[:, 0], md.extra["torch_attention_plan"])
+        TorchAttentionBackend._write(key, value, ref[:, 0], md.extra["torch_attention_plan"])
+        assert torch.equal(ours, ref) and not torch.equal(ours, pool)
