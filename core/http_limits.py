@@ -15,7 +15,9 @@ What each knob (``[server]``) does, and which layer does it:
   nothing after a response is closed.
 - ``max_connections``: ``LimitedH11Protocol``. Past it, a new connection evicts the oldest one
   still waiting for its request head (slow or half-open sockets), so /health keeps answering;
-  when every connection has a request in flight the new one is closed at once. uvicorn's
+  when every connection has a request in flight the new one is closed at once. A connection
+  whose complete head already sits unread in its socket is not half-open (the event loop
+  accepts connections in batches, before it reads any of them) and is passed over. uvicorn's
   ``limit_concurrency`` is left unset: it counts open connections too and answers 503 to every
   request past it, /health included, so half-open sockets would make the instance look down.
 
@@ -28,7 +30,9 @@ then reports a broken connection instead of the 408 or 413.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import json
+import socket
 from typing import Any
 
 import h11
@@ -42,6 +46,8 @@ _TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain;
                      b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
                      % (len(_TIMEOUT_BODY), _TIMEOUT_BODY))
 LINGER_S = 2.0
+_EVICTION_CANDIDATES = 8  # the oldest waiting connections looked into for an unread head
+_HEAD_PEEK_BYTES = 16 * 1024  # h11's default limit on a request head
 
 
 class _BodyTooLarge(Exception):
@@ -220,12 +226,30 @@ class LimitedH11Protocol(H11Protocol):
         self.transport.close()
 
     def _make_room(self) -> None:
-        """Close the oldest connection waiting for its head, or this one if none is."""
+        """Close the oldest connection waiting for its head, passing over those whose complete
+        head is already in their socket (of the ``_EVICTION_CANDIDATES`` oldest), or this one
+        if none is waiting."""
         idle = [c for c in self.connections
                 if c is not self and isinstance(c, LimitedH11Protocol) and c.waiting_for_head]
-        victim = min(idle, key=lambda c: c._waiting_since) if idle else self
+        oldest = heapq.nsmallest(_EVICTION_CANDIDATES, idle, key=lambda c: c._waiting_since)
+        victim = next((c for c in oldest if not c._head_unread()), oldest[0] if oldest else self)
         victim._head_arrived()
         victim.transport.close_now()
+
+    def _head_unread(self) -> bool:
+        """Whether a complete request head has arrived on this connection but is not read yet
+        (a peek at the socket: nothing is consumed)."""
+        if self._linger is not None:
+            return False
+        sock = self.transport.get_extra_info("socket")
+        if sock is None:
+            return False
+        try:
+            with socket.fromfd(sock.fileno(), sock.family, sock.type) as peer:
+                unread = peer.recv(_HEAD_PEEK_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except OSError:
+            return False
+        return b"\r\n\r\n" in bytes(self.conn.trailing_data[0]) + unread
 
 
 def limited_h11_protocol(server: ServerConfig) -> type[LimitedH11Protocol]:

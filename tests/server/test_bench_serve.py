@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 import pytest
 from transformers import AutoTokenizer
 
-from tandem.bench.serve import add_arguments, run
+from tandem.bench.serve import RequestResult, add_arguments, run, summarize
 from tests.server.server_helpers import scrape
 
 
@@ -39,15 +40,46 @@ def test_bench_against_a_running_server(server, model_dir, tmp_path, capsys):
     throughput = summary["total_output_tokens"] / summary["duration_s"]
     assert summary["output_throughput"] == pytest.approx(throughput)
     assert summary["goodput"] == pytest.approx(summary["request_throughput"])
-    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+    for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
         stats = summary[key]
         assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"]
+    # gaps between chunks: none when the server sent each answer's tokens in one chunk (it
+    # sends what is ready when it writes, so a fast machine may send a short answer at once)
+    itl = summary["itl_ms"]
+    assert all(math.isnan(v) for v in itl.values()) or 0 <= itl["p50"] <= itl["p90"] <= itl["p99"]
     assert summary["e2e_ms"]["p99"] >= summary["ttft_ms"]["p99"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = capsys.readouterr().out
     for line in ("Request throughput", "Output token throughput", "Time to First Token",
                  "Inter-token Latency", "P99 (ms)", "Goodput"):
         assert line in report
+
+
+def test_summary_of_hand_made_results():
+    """Percentiles as numpy's linear interpolation gives them by hand: ITL over every gap of
+    every answer, TPOT from e2e and TTFT, a failed request counted but left out of the rest."""
+    results = [
+        RequestResult(ok=True, prompt_tokens=3, output_tokens=3, ttft_s=0.1, e2e_s=0.3, itl_s=[0.1, 0.1]),
+        RequestResult(ok=True, prompt_tokens=5, output_tokens=5, ttft_s=0.2, e2e_s=0.6,
+                      itl_s=[0.1, 0.3]),  # two chunks of two tokens after the first
+        RequestResult(ok=True, prompt_tokens=2, output_tokens=4, ttft_s=0.3, e2e_s=0.3),  # one chunk
+        RequestResult(ok=False, error="HTTP 400: b'bad'"),
+    ]
+    summary = summarize(results, duration_s=2.0, slo_ttft_ms=250, slo_tpot_ms=150)
+    assert (summary["completed"], summary["failed"]) == (3, 1)
+    assert (summary["total_input_tokens"], summary["total_output_tokens"]) == (10, 12)
+    assert summary["output_throughput"] == pytest.approx(6.0)
+    # gaps 100, 100, 100, 300 ms: p50 = 100, p90 = 100 + 0.7 * 200, p99 = 100 + 0.97 * 200
+    assert summary["itl_ms"]["p50"] == pytest.approx(100)
+    assert summary["itl_ms"]["p90"] == pytest.approx(240)
+    assert summary["itl_ms"]["p99"] == pytest.approx(294)
+    assert summary["itl_ms"]["mean"] == pytest.approx(150)
+    # TPOT: 100, 100 and 0 ms; the third answer came in one chunk
+    assert summary["tpot_ms"]["mean"] == pytest.approx(200 / 3)
+    assert summary["goodput"] == pytest.approx(2 / 2.0), "the first two meet TTFT <= 250 ms, TPOT <= 150"
+    assert summary["errors"] == ["HTTP 400: b'bad'"]
+    alone = summarize(results[2:3], duration_s=1.0)
+    assert all(math.isnan(v) for v in alone["itl_ms"].values())
 
 
 @pytest.mark.timeout(240)

@@ -19,7 +19,10 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
+import uvicorn
 
+from tandem.config import ServerConfig
+from tandem.http_limits import limited_h11_protocol
 from tests.helpers.raw_http import HEAD_64_MIB, connect, json_body, read_until_closed, send_chunked
 from tests.server.server_helpers import running_server, server_config
 
@@ -267,3 +270,57 @@ def test_hundreds_of_half_open_sockets_leave_health_answering(model_dir):
         finally:
             for sock in socks:
                 sock.close()
+
+
+async def _ok_app(scope, receive, send) -> None:
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"text/plain"), (b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+def test_a_connection_whose_whole_head_is_unread_is_not_evicted_as_half_open():
+    """The event loop accepts a burst of connections before it reads any of them, so a client
+    whose complete request head is waiting in its socket can be the oldest "waiting" one when
+    half-open sockets pass the cap. Here the first connection's reading is held (as a busy loop
+    holds it) while eight half-open sockets arrive with a cap of four: the three other oldest
+    waiting ones are evicted instead, and once reading resumes the held client is answered."""
+    base = limited_h11_protocol(ServerConfig(max_connections=4))
+    held: list = []
+    arm = threading.Event()
+
+    class HeldFirst(base):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            if arm.is_set() and not held:
+                self.transport.pause_reading()
+                held.append(self)
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(_ok_app, http=HeldFirst, lifespan="off", log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    socks: list[socket.socket] = []
+    try:
+        assert _wait_until(lambda: server.started, 10)
+        arm.set()
+        with connect(port) as probe:
+            probe.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert _wait_until(lambda: bool(held), 5)
+            for _ in range(8):
+                sock = connect(port)
+                sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")
+                socks.append(sock)
+            evicted = lambda: sum(_is_closed(s) for s in socks)  # noqa: E731
+            assert _wait_until(lambda: evicted() >= 8 - 3, 5), evicted()
+            loop = held[0].loop
+            loop.call_soon_threadsafe(held[0].transport.resume_reading)
+            answer = probe.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+        assert evicted() == 8 - 3 and len(server.server_state.connections) <= 4
+    finally:
+        for sock in socks:
+            sock.close()
+        server.should_exit = True
+        thread.join(30)
