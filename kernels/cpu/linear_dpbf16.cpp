@@ -35,8 +35,10 @@
 #include "work_queue.h"
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -279,9 +281,9 @@ struct AmxRows {
 
 // rows [r, r + 16 or 32) by panel `panel` (and the next with two): sums into acc0 (and acc1),
 // 16 floats a row; `ahead`, when given, is asked for as the K loop reads the panels
-template <bool two, bool both>
+template <bool two, bool both, typename Step = std::nullptr_t>
 TANDEM_AMX_TARGET void amx_block(const AmxRows& xs, int64_t r, const uint16_t* panel, int64_t panel_size,
-                                 const uint16_t* ahead, float* acc0, float* acc1) {
+                                 const uint16_t* ahead, float* acc0, float* acc1, Step* step_done = nullptr) {
   int64_t s0 = 0, s1 = 0;
   const uint16_t* a0 = xs.at(r, s0);
   const uint16_t* a1 = both ? xs.at(r + kAmxRows, s1) : nullptr;
@@ -305,6 +307,7 @@ TANDEM_AMX_TARGET void amx_block(const AmxRows& xs, int64_t r, const uint16_t* p
     if (two) _tile_dpbf16ps(1, 4, 7);
     if (both) _tile_dpbf16ps(2, 5, 6);
     if (two && both) _tile_dpbf16ps(3, 5, 7);
+    if constexpr (!std::is_same_v<Step, std::nullptr_t>) step_done->step();
   }
   _tile_stored(0, acc0, 64);
   if (two) _tile_stored(1, acc1, 64);
@@ -312,15 +315,48 @@ TANDEM_AMX_TARGET void amx_block(const AmxRows& xs, int64_t r, const uint16_t* p
   if (two && both) _tile_stored(3, acc1 + kAmxRows * kPanel, 64);
 }
 
+// The stores of the last block of rows whose sums are in (acc0, acc1), a few rows at a time
+// (`step`) while the tiles multiply the next block (a prefill's rows: the vector units round and
+// store while the AMX unit multiplies)
+struct PendingStore {
+  const Problem* p = nullptr;
+  const float *acc0 = nullptr, *acc1 = nullptr;
+  int64_t r = 0, rows = 0, done = 0, per_step = 1, first = 0;
+  bool two = false;
+
+  TANDEM_AMX_TARGET inline void upto(int64_t end) {
+    end = std::min(end, rows);
+    if (done >= end) return;
+    const int64_t off = done * kPanel;
+    if (two && p->out16 != nullptr && (first + 2) * kPanel <= p->n) {
+      store_pair_wide(*p, acc0 + off, acc1 + off, r + done, r + end, first * kPanel);
+    } else {
+      for (int64_t q = 0; q < (two ? 2 : 1); ++q) {
+        const int64_t col0 = (first + q) * kPanel;
+        store_rows_wide(*p, (q == 0 ? acc0 : acc1) + off, r + done, r + end, col0, std::min(kPanel, p->n - col0));
+      }
+    }
+    done = end;
+  }
+  TANDEM_AMX_TARGET inline void step() { upto(done + per_step); }
+};
+
 // work items [begin, end): item = row chunk * groups + group of two panels (the last group may
-// have one); `chunk_rows` rows a chunk
+// have one); `chunk_rows` rows a chunk. With a prefill's rows (kWideRows or more) the sums of
+// consecutive blocks alternate between two pairs of buffers and a block's stores run while the
+// next one multiplies (PendingStore); fewer rows store each block at once (store_rows).
 TANDEM_AMX_TARGET void amx_items(const AmxRows& xs, int64_t chunk_rows, int64_t begin, int64_t end) {
   const Problem& p = xs.p;
   const TileConfig cfg = full_tiles();
   _tile_loadconfig(&cfg);
-  alignas(64) float acc0[2 * kAmxRows * kPanel], acc1[2 * kAmxRows * kPanel];
+  constexpr int64_t kBuf = 2 * kAmxRows * kPanel;
+  alignas(64) float bufs[2][2][kBuf];
   const int64_t groups = (p.n_panels + 1) / 2, panel_size = p.pairs * 2 * kPanel;
   const bool wide = p.m >= kWideRows;
+  const int64_t steps = p.pairs / kAmxPairs;  // K steps of one block
+  PendingStore pending;
+  pending.p = &p;
+  int parity = 0;
   for (int64_t work = begin; work < end; ++work) {
     const int64_t chunk = work / groups, first = (work % groups) * 2;
     const bool two = first + 1 < p.n_panels;
@@ -332,23 +368,32 @@ TANDEM_AMX_TARGET void amx_items(const AmxRows& xs, int64_t chunk_rows, int64_t 
     for (int64_t r = chunk * chunk_rows; r < row_end; r += 2 * kAmxRows) {
       const bool both = row_end - r > kAmxRows;
       const uint16_t* pf = r == chunk * chunk_rows ? ahead : nullptr;
+      float* acc0 = bufs[parity][0];
+      float* acc1 = bufs[parity][1];
+      const int64_t rows_end = std::min(row_end, r + 2 * kAmxRows);
+      if (wide) {
+        pending.per_step = std::max<int64_t>(1, (pending.rows - pending.done + steps - 1) / steps);
+        if (two && both) amx_block<true, true>(xs, r, panel, panel_size, pf, acc0, acc1, &pending);
+        else if (two) amx_block<true, false>(xs, r, panel, panel_size, pf, acc0, acc1, &pending);
+        else if (both) amx_block<false, true>(xs, r, panel, panel_size, pf, acc0, acc1, &pending);
+        else amx_block<false, false>(xs, r, panel, panel_size, pf, acc0, acc1, &pending);
+        pending.upto(pending.rows);  // whatever the steps left
+        pending.acc0 = acc0, pending.acc1 = acc1, pending.r = r, pending.rows = rows_end - r;
+        pending.done = 0, pending.first = first, pending.two = two;
+        parity ^= 1;
+        continue;
+      }
       if (two && both) amx_block<true, true>(xs, r, panel, panel_size, pf, acc0, acc1);
       else if (two) amx_block<true, false>(xs, r, panel, panel_size, pf, acc0, acc1);
       else if (both) amx_block<false, true>(xs, r, panel, panel_size, pf, acc0, acc1);
       else amx_block<false, false>(xs, r, panel, panel_size, pf, acc0, acc1);
-      const int64_t rows_end = std::min(row_end, r + 2 * kAmxRows);
-      if (wide && two && p.out16 != nullptr && (first + 2) * kPanel <= p.n) {
-        store_pair_wide(p, acc0, acc1, r, rows_end, first * kPanel);
-        continue;
-      }
       for (int64_t q = 0; q < (two ? 2 : 1); ++q) {
         const int64_t col0 = (first + q) * kPanel, cols = std::min(kPanel, p.n - col0);
-        const float* acc = q == 0 ? acc0 : acc1;
-        if (wide) store_rows_wide(p, acc, r, rows_end, col0, cols);
-        else store_rows(p, acc, r, rows_end, col0, cols);
+        store_rows(p, q == 0 ? acc0 : acc1, r, rows_end, col0, cols);
       }
     }
   }
+  pending.upto(pending.rows);
   _tile_release();
 }
 
@@ -364,24 +409,56 @@ TANDEM_AMX_TARGET inline __m256i silu_mul16(__m512 gate, __m512 up) {
   return round_to_bf16(_mm512_mul_ps(rounded_bf16(_mm512_mul_ps(g, inv)), u));
 }
 
-// amx_block for gate's panels (into g0, g1) and then up's (into u0, u1), the same rows
+// The SiLU-and-mul of the last block of rows whose gate and up sums are in (g0, g1, u0, u1),
+// written a few rows at a time (`step`) while the tiles multiply the next block: the AMX unit
+// and the vector units are separate, so the SiLU's arithmetic runs in the time the tiles take
+// instead of after them.
+struct PendingSilu {
+  const float *g0 = nullptr, *g1 = nullptr, *u0 = nullptr, *u1 = nullptr;
+  c10::BFloat16* dst = nullptr;  // the block's first row at the group's first column
+  int64_t ldo = 0, rows = 0, done = 0, per_step = 1;
+  bool two = false;
+
+  TANDEM_AMX_TARGET inline void upto(int64_t end) {
+    for (end = std::min(end, rows); done < end; ++done) {
+      const int64_t i = done * kPanel;
+      c10::BFloat16* out = dst + done * ldo;
+      const __m256i lo = silu_mul16(_mm512_loadu_ps(g0 + i), _mm512_loadu_ps(u0 + i));
+      if (two)
+        _mm512_storeu_si512(out, _mm512_inserti64x4(_mm512_castsi256_si512(lo),
+                                                    silu_mul16(_mm512_loadu_ps(g1 + i), _mm512_loadu_ps(u1 + i)), 1));
+      else
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), lo);
+    }
+  }
+  TANDEM_AMX_TARGET inline void step() { upto(done + per_step); }
+};
+
+// amx_block for gate's panels (into g0, g1) and then up's (into u0, u1), the same rows, with
+// `pending`'s rows written as the K loops go
 template <bool two, bool both>
 TANDEM_AMX_TARGET void gate_up_blocks(const AmxRows& xs, int64_t r, const uint16_t* gate, const uint16_t* up,
-                                      int64_t panel_size, bool lead, float* g0, float* g1, float* u0, float* u1) {
-  amx_block<two, both>(xs, r, gate, panel_size, lead ? gate + 2 * panel_size : nullptr, g0, g1);
-  amx_block<two, both>(xs, r, up, panel_size, lead ? up + 2 * panel_size : nullptr, u0, u1);
+                                      int64_t panel_size, bool lead, float* g0, float* g1, float* u0, float* u1,
+                                      PendingSilu* pending) {
+  amx_block<two, both>(xs, r, gate, panel_size, lead ? gate + 2 * panel_size : nullptr, g0, g1, pending);
+  amx_block<two, both>(xs, r, up, panel_size, lead ? up + 2 * panel_size : nullptr, u0, u1, pending);
 }
 
 // panel_linear_amx_silu's work items [begin, end): item = row chunk * groups + group, group j
 // the gate panels 2j and 2j + 1 (the last may have one) and the same two up panels, multiplied
-// as two panel pairs; a row's 32 outputs leave as one 64-byte store (store_pair_wide's reason)
+// as two panel pairs; a row's 32 outputs leave as one 64-byte store (store_pair_wide's reason).
+// The sums of consecutive blocks alternate between two sets of buffers: a block's SiLU is
+// written while the next block multiplies (PendingSilu), the last one's at the end.
 TANDEM_AMX_TARGET void amx_silu_items(const AmxRows& xs, int64_t chunk_rows, int64_t begin, int64_t end) {
   const Problem& p = xs.p;
   const TileConfig cfg = full_tiles();
   _tile_loadconfig(&cfg);
-  alignas(64) float g0[2 * kAmxRows * kPanel], g1[2 * kAmxRows * kPanel];
-  alignas(64) float u0[2 * kAmxRows * kPanel], u1[2 * kAmxRows * kPanel];
+  constexpr int64_t kBuf = 2 * kAmxRows * kPanel;
+  alignas(64) float bufs[2][4][kBuf];
   const int64_t half = p.up_panels, groups = (half + 1) / 2, panel_size = p.pairs * 2 * kPanel;
+  const int64_t steps = 2 * (p.pairs / kAmxPairs);  // K steps of one block (gate's and up's)
+  PendingSilu pending;
+  int parity = 0;
   for (int64_t work = begin; work < end; ++work) {
     const int64_t chunk = work / groups, first = (work % groups) * 2;
     const bool two = first + 1 < half;
@@ -392,23 +469,22 @@ TANDEM_AMX_TARGET void amx_silu_items(const AmxRows& xs, int64_t chunk_rows, int
     for (int64_t r = chunk * chunk_rows; r < row_end; r += 2 * kAmxRows) {
       // the next group's weights asked for while this group's first rows read these
       const bool both = row_end - r > kAmxRows, lead = r == chunk * chunk_rows && next;
-      if (two && both) gate_up_blocks<true, true>(xs, r, gate, up, panel_size, lead, g0, g1, u0, u1);
-      else if (two) gate_up_blocks<true, false>(xs, r, gate, up, panel_size, lead, g0, g1, u0, u1);
-      else if (both) gate_up_blocks<false, true>(xs, r, gate, up, panel_size, lead, g0, g1, u0, u1);
-      else gate_up_blocks<false, false>(xs, r, gate, up, panel_size, lead, g0, g1, u0, u1);
-      const int64_t rows_end = std::min(row_end, r + 2 * kAmxRows);
-      for (int64_t row = r; row < rows_end; ++row) {
-        const int64_t i = (row - r) * kPanel;
-        c10::BFloat16* dst = p.out16 + row * p.ldo + first * kPanel;
-        const __m256i lo = silu_mul16(_mm512_loadu_ps(g0 + i), _mm512_loadu_ps(u0 + i));
-        if (two)
-          _mm512_storeu_si512(dst, _mm512_inserti64x4(_mm512_castsi256_si512(lo),
-                                                      silu_mul16(_mm512_loadu_ps(g1 + i), _mm512_loadu_ps(u1 + i)), 1));
-        else
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), lo);
-      }
+      float* g0 = bufs[parity][0];
+      float* g1 = bufs[parity][1];
+      float* u0 = bufs[parity][2];
+      float* u1 = bufs[parity][3];
+      pending.per_step = std::max<int64_t>(1, (pending.rows - pending.done + steps - 1) / steps);
+      if (two && both) gate_up_blocks<true, true>(xs, r, gate, up, panel_size, lead, g0, g1, u0, u1, &pending);
+      else if (two) gate_up_blocks<true, false>(xs, r, gate, up, panel_size, lead, g0, g1, u0, u1, &pending);
+      else if (both) gate_up_blocks<false, true>(xs, r, gate, up, panel_size, lead, g0, g1, u0, u1, &pending);
+      else gate_up_blocks<false, false>(xs, r, gate, up, panel_size, lead, g0, g1, u0, u1, &pending);
+      pending.upto(pending.rows);  // whatever the steps left
+      pending = PendingSilu{g0, g1, u0, u1, p.out16 + r * p.ldo + first * kPanel, p.ldo,
+                            std::min(row_end, r + 2 * kAmxRows) - r, 0, 1, two};
+      parity ^= 1;
     }
   }
+  pending.upto(pending.rows);
   _tile_release();
 }
 #endif

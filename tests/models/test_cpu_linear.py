@@ -384,7 +384,7 @@ def _silu_of_amx(x: torch.Tensor, panels: torch.Tensor, width: int) -> torch.Ten
 
 @needs_amx
 @pytest.mark.parametrize(("width", "k"), [(48, 64), (64, 96), (1536, 576)])
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 64, 65, 200])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 64, 65, 200, 300])
 def test_amx_silu_pass_equals_the_product_then_silu_and_mul(width, k, rows):
     """``panel_linear_amx_silu`` on the panels of ``[gate; up]`` against the two passes it
     replaces (``panel_linear_amx`` to a bfloat16 ``[M, 2 I]``, then ``silu_and_mul``): the same
