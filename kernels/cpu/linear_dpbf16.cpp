@@ -316,8 +316,9 @@ TANDEM_AMX_TARGET void amx_block(const AmxRows& xs, int64_t r, const uint16_t* p
 }
 
 // The stores of the last block of rows whose sums are in (acc0, acc1), a few rows at a time
-// (`step`) while the tiles multiply the next block (a prefill's rows: the vector units round and
-// store while the AMX unit multiplies)
+// (`step`) while the tiles multiply the next block: the vector units round and store while the
+// AMX unit multiplies (16 lanes a row at any row count: store_rows' scalar loop is for dpbf16's
+// few rows)
 struct PendingStore {
   const Problem* p = nullptr;
   const float *acc0 = nullptr, *acc1 = nullptr;
@@ -342,9 +343,8 @@ struct PendingStore {
 };
 
 // work items [begin, end): item = row chunk * groups + group of two panels (the last group may
-// have one); `chunk_rows` rows a chunk. With a prefill's rows (kWideRows or more) the sums of
-// consecutive blocks alternate between two pairs of buffers and a block's stores run while the
-// next one multiplies (PendingStore); fewer rows store each block at once (store_rows).
+// have one); `chunk_rows` rows a chunk. The sums of consecutive blocks alternate between two
+// pairs of buffers, and a block's stores run while the next one multiplies (PendingStore).
 TANDEM_AMX_TARGET void amx_items(const AmxRows& xs, int64_t chunk_rows, int64_t begin, int64_t end) {
   const Problem& p = xs.p;
   const TileConfig cfg = full_tiles();
@@ -352,7 +352,6 @@ TANDEM_AMX_TARGET void amx_items(const AmxRows& xs, int64_t chunk_rows, int64_t 
   constexpr int64_t kBuf = 2 * kAmxRows * kPanel;
   alignas(64) float bufs[2][2][kBuf];
   const int64_t groups = (p.n_panels + 1) / 2, panel_size = p.pairs * 2 * kPanel;
-  const bool wide = p.m >= kWideRows;
   const int64_t steps = p.pairs / kAmxPairs;  // K steps of one block
   PendingStore pending;
   pending.p = &p;
@@ -371,26 +370,15 @@ TANDEM_AMX_TARGET void amx_items(const AmxRows& xs, int64_t chunk_rows, int64_t 
       float* acc0 = bufs[parity][0];
       float* acc1 = bufs[parity][1];
       const int64_t rows_end = std::min(row_end, r + 2 * kAmxRows);
-      if (wide) {
-        pending.per_step = std::max<int64_t>(1, (pending.rows - pending.done + steps - 1) / steps);
-        if (two && both) amx_block<true, true>(xs, r, panel, panel_size, pf, acc0, acc1, &pending);
-        else if (two) amx_block<true, false>(xs, r, panel, panel_size, pf, acc0, acc1, &pending);
-        else if (both) amx_block<false, true>(xs, r, panel, panel_size, pf, acc0, acc1, &pending);
-        else amx_block<false, false>(xs, r, panel, panel_size, pf, acc0, acc1, &pending);
-        pending.upto(pending.rows);  // whatever the steps left
-        pending.acc0 = acc0, pending.acc1 = acc1, pending.r = r, pending.rows = rows_end - r;
-        pending.done = 0, pending.first = first, pending.two = two;
-        parity ^= 1;
-        continue;
-      }
-      if (two && both) amx_block<true, true>(xs, r, panel, panel_size, pf, acc0, acc1);
-      else if (two) amx_block<true, false>(xs, r, panel, panel_size, pf, acc0, acc1);
-      else if (both) amx_block<false, true>(xs, r, panel, panel_size, pf, acc0, acc1);
-      else amx_block<false, false>(xs, r, panel, panel_size, pf, acc0, acc1);
-      for (int64_t q = 0; q < (two ? 2 : 1); ++q) {
-        const int64_t col0 = (first + q) * kPanel, cols = std::min(kPanel, p.n - col0);
-        store_rows(p, q == 0 ? acc0 : acc1, r, rows_end, col0, cols);
-      }
+      pending.per_step = std::max<int64_t>(1, (pending.rows - pending.done + steps - 1) / steps);
+      if (two && both) amx_block<true, true>(xs, r, panel, panel_size, pf, acc0, acc1, &pending);
+      else if (two) amx_block<true, false>(xs, r, panel, panel_size, pf, acc0, acc1, &pending);
+      else if (both) amx_block<false, true>(xs, r, panel, panel_size, pf, acc0, acc1, &pending);
+      else amx_block<false, false>(xs, r, panel, panel_size, pf, acc0, acc1, &pending);
+      pending.upto(pending.rows);  // whatever the steps left
+      pending.acc0 = acc0, pending.acc1 = acc1, pending.r = r, pending.rows = rows_end - r;
+      pending.done = 0, pending.first = first, pending.two = two;
+      parity ^= 1;
     }
   }
   pending.upto(pending.rows);
