@@ -113,9 +113,13 @@ def test_completion_stop_string_equals_offline(client, offline):
 
 
 def test_completion_stream_equals_offline(client, http, offline):
-    want = offline.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
-    chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=20,
-                                            temperature=0, stream=True,
+    # long enough that the answer cannot be complete before the server writes its first chunk
+    # (it sends whatever tokens are ready when it writes: a short answer from the tiny model on
+    # a fast machine may come in one)
+    want = offline.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=300,
+                                                       ignore_eos=True))[0].outputs[0]
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=300,
+                                            temperature=0, stream=True, extra_body={"ignore_eos": True},
                                             stream_options={"include_usage": True}))
     texts = [c.choices[0].text for c in chunks if c.choices]
     assert "".join(texts) == want.text
