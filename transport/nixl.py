@@ -35,8 +35,8 @@ A known fault of UCX's TCP path, not of this module: UCX emulates a READ over TC
 owner's worker answers each GET request with active messages), and a reply that UCX sends on an
 endpoint it has just marked failed (the reader died) aborts the owner process ("ucp_request.inl:
 Fatal: unexpected error: Endpoint timeout", from ``ucp_request_try_send``, which takes any error but
-"no resource" as fatal). Rare (docs/benchmarks.md has how rare), and only over UCX's TCP path: over
-shared memory the owner's worker takes no part in a read.
+"no resource" as fatal). Not rare on a 2-core machine (docs/benchmarks.md has the counts), and only
+over UCX's TCP path: over shared memory the owner's worker takes no part in a read.
 """
 from __future__ import annotations
 

@@ -243,10 +243,12 @@ def test_a_late_read_of_a_killed_owner_is_closed_and_writes_nothing(monkeypatch)
 @pytest.mark.timeout(120)
 def test_owner_survives_a_reader_killed_mid_read(reader_env, transport, tmp_path):
     """The owner keeps serving after its reader was killed mid-read. Over ``UCX_TLS=tcp`` UCX itself
-    can abort the owner here, rarely (transport/nixl.py's docstring: a software GET reply on an
-    endpoint UCX has just failed, "unexpected error: Endpoint timeout"): that one
-    abort, recognised by UCX's own message, is tried again once; any other death fails at once."""
-    for attempt in (1, 2):
+    can abort the owner here (transport/nixl.py's docstring: a software GET reply on an endpoint
+    UCX has just failed, "unexpected error: Endpoint timeout"; docs/benchmarks.md has how often):
+    that one abort, recognised by UCX's own message, is tried again, up to five runs in all; any
+    other death fails at once."""
+    attempts = 5
+    for attempt in range(1, attempts + 1):
         stderr_path = tmp_path / f"owner-{attempt}.log"
         owner_process, handshake = start_owner(LARGE, seed=6, env=TRANSPORTS[transport], stderr_path=str(stderr_path))
         reader_process = PeerProcess(read_forever, handshake, LARGE, TRANSPORTS[transport])
@@ -258,7 +260,7 @@ def test_owner_survives_a_reader_killed_mid_read(reader_env, transport, tmp_path
             time.sleep(0.5)
             if not owner_process.process.is_alive():
                 why = stderr_path.read_text(errors="replace")
-                if attempt == 1 and transport == "tcp" and "unexpected error: Endpoint timeout" in why:
+                if attempt < attempts and transport == "tcp" and "unexpected error: Endpoint timeout" in why:
                     warnings.warn(f"UCX aborted the owner (its known TCP fault), trying again: {why.strip()}")
                     continue
                 pytest.fail(f"the owner died (exit code {owner_process.process.exitcode}): {why}")
