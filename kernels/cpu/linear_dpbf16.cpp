@@ -315,36 +315,49 @@ TANDEM_AMX_TARGET void amx_block(const AmxRows& xs, int64_t r, const uint16_t* p
   if (two && both) _tile_stored(3, acc1 + kAmxRows * kPanel, 64);
 }
 
-// The stores of the last block of rows whose sums are in (acc0, acc1), a few rows at a time
-// (`step`) while the tiles multiply the next block: the vector units round and store while the
-// AMX unit multiplies (16 lanes a row at any row count: store_rows' scalar loop is for dpbf16's
-// few rows)
-struct PendingStore {
-  const Problem* p = nullptr;
-  const float *acc0 = nullptr, *acc1 = nullptr;
-  int64_t r = 0, rows = 0, done = 0, per_step = 1, first = 0;
-  bool two = false;
+// A block of rows whose outputs are still to be written from its sums (`Write::write(begin,
+// end)` writes rows [begin, end) of it), written a few rows per K step while the tiles multiply
+// the next block: the AMX unit and the vector units are separate, so the rounding, stores and
+// SiLU run in the time the tiles take instead of after them. `pace` spreads what is left over
+// the next block's K steps; `upto(rows)` finishes it.
+template <typename Write>
+struct PendingRows {
+  int64_t rows = 0, done = 0, per_step = 1;
 
+  void pace(int64_t steps) { per_step = std::max<int64_t>(1, (rows - done + steps - 1) / steps); }
   TANDEM_AMX_TARGET inline void upto(int64_t end) {
     end = std::min(end, rows);
-    if (done >= end) return;
-    const int64_t off = done * kPanel;
-    if (two && p->out16 != nullptr && (first + 2) * kPanel <= p->n) {
-      store_pair_wide(*p, acc0 + off, acc1 + off, r + done, r + end, first * kPanel);
-    } else {
-      for (int64_t q = 0; q < (two ? 2 : 1); ++q) {
-        const int64_t col0 = (first + q) * kPanel;
-        store_rows_wide(*p, (q == 0 ? acc0 : acc1) + off, r + done, r + end, col0, std::min(kPanel, p->n - col0));
-      }
-    }
-    done = end;
+    if (done < end) static_cast<Write*>(this)->write(done, end);
+    done = std::max(done, end);
   }
   TANDEM_AMX_TARGET inline void step() { upto(done + per_step); }
 };
 
+// rows [r, r + rows) of panels first, first + 1 (with two) from their sums in (acc0, acc1): bias,
+// rounding and stores as store_pair_wide / store_rows_wide (16 lanes a row at any row count:
+// store_rows' scalar loop is for dpbf16's few rows)
+struct PendingStore : PendingRows<PendingStore> {
+  const Problem* p = nullptr;
+  const float *acc0 = nullptr, *acc1 = nullptr;
+  int64_t r = 0, first = 0;
+  bool two = false;
+
+  TANDEM_AMX_TARGET inline void write(int64_t begin, int64_t end) {
+    const int64_t off = begin * kPanel;
+    if (two && p->out16 != nullptr && (first + 2) * kPanel <= p->n) {
+      store_pair_wide(*p, acc0 + off, acc1 + off, r + begin, r + end, first * kPanel);
+      return;
+    }
+    for (int64_t q = 0; q < (two ? 2 : 1); ++q) {
+      const int64_t col0 = (first + q) * kPanel;
+      store_rows_wide(*p, (q == 0 ? acc0 : acc1) + off, r + begin, r + end, col0, std::min(kPanel, p->n - col0));
+    }
+  }
+};
+
 // work items [begin, end): item = row chunk * groups + group of two panels (the last group may
 // have one); `chunk_rows` rows a chunk. The sums of consecutive blocks alternate between two
-// pairs of buffers, and a block's stores run while the next one multiplies (PendingStore).
+// pairs of buffers, and a block's stores run while the next one multiplies (PendingRows).
 TANDEM_AMX_TARGET void amx_items(const AmxRows& xs, int64_t chunk_rows, int64_t begin, int64_t end) {
   const Problem& p = xs.p;
   const TileConfig cfg = full_tiles();
@@ -370,14 +383,14 @@ TANDEM_AMX_TARGET void amx_items(const AmxRows& xs, int64_t chunk_rows, int64_t 
       float* acc0 = bufs[parity][0];
       float* acc1 = bufs[parity][1];
       const int64_t rows_end = std::min(row_end, r + 2 * kAmxRows);
-      pending.per_step = std::max<int64_t>(1, (pending.rows - pending.done + steps - 1) / steps);
+      pending.pace(steps);
       if (two && both) amx_block<true, true>(xs, r, panel, panel_size, pf, acc0, acc1, &pending);
       else if (two) amx_block<true, false>(xs, r, panel, panel_size, pf, acc0, acc1, &pending);
       else if (both) amx_block<false, true>(xs, r, panel, panel_size, pf, acc0, acc1, &pending);
       else amx_block<false, false>(xs, r, panel, panel_size, pf, acc0, acc1, &pending);
       pending.upto(pending.rows);  // whatever the steps left
-      pending.acc0 = acc0, pending.acc1 = acc1, pending.r = r, pending.rows = rows_end - r;
-      pending.done = 0, pending.first = first, pending.two = two;
+      pending.acc0 = acc0, pending.acc1 = acc1, pending.r = r, pending.first = first, pending.two = two;
+      pending.rows = rows_end - r, pending.done = 0;
       parity ^= 1;
     }
   }
@@ -397,20 +410,18 @@ TANDEM_AMX_TARGET inline __m256i silu_mul16(__m512 gate, __m512 up) {
   return round_to_bf16(_mm512_mul_ps(rounded_bf16(_mm512_mul_ps(g, inv)), u));
 }
 
-// The SiLU-and-mul of the last block of rows whose gate and up sums are in (g0, g1, u0, u1),
-// written a few rows at a time (`step`) while the tiles multiply the next block: the AMX unit
-// and the vector units are separate, so the SiLU's arithmetic runs in the time the tiles take
-// instead of after them.
-struct PendingSilu {
+// rows [0, rows) of a block's SiLU(gate) * up from its gate sums (g0, g1) and up sums (u0, u1),
+// into dst (the block's first row at the group's first column), a row's 32 outputs as one store
+struct PendingSilu : PendingRows<PendingSilu> {
   const float *g0 = nullptr, *g1 = nullptr, *u0 = nullptr, *u1 = nullptr;
-  c10::BFloat16* dst = nullptr;  // the block's first row at the group's first column
-  int64_t ldo = 0, rows = 0, done = 0, per_step = 1;
+  c10::BFloat16* dst = nullptr;
+  int64_t ldo = 0;
   bool two = false;
 
-  TANDEM_AMX_TARGET inline void upto(int64_t end) {
-    for (end = std::min(end, rows); done < end; ++done) {
-      const int64_t i = done * kPanel;
-      c10::BFloat16* out = dst + done * ldo;
+  TANDEM_AMX_TARGET inline void write(int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t i = row * kPanel;
+      c10::BFloat16* out = dst + row * ldo;
       const __m256i lo = silu_mul16(_mm512_loadu_ps(g0 + i), _mm512_loadu_ps(u0 + i));
       if (two)
         _mm512_storeu_si512(out, _mm512_inserti64x4(_mm512_castsi256_si512(lo),
@@ -419,7 +430,6 @@ struct PendingSilu {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), lo);
     }
   }
-  TANDEM_AMX_TARGET inline void step() { upto(done + per_step); }
 };
 
 // amx_block for gate's panels (into g0, g1) and then up's (into u0, u1), the same rows, with
@@ -436,7 +446,7 @@ TANDEM_AMX_TARGET void gate_up_blocks(const AmxRows& xs, int64_t r, const uint16
 // the gate panels 2j and 2j + 1 (the last may have one) and the same two up panels, multiplied
 // as two panel pairs; a row's 32 outputs leave as one 64-byte store (store_pair_wide's reason).
 // The sums of consecutive blocks alternate between two sets of buffers: a block's SiLU is
-// written while the next block multiplies (PendingSilu), the last one's at the end.
+// written while the next block multiplies (PendingRows), the last one's at the end.
 TANDEM_AMX_TARGET void amx_silu_items(const AmxRows& xs, int64_t chunk_rows, int64_t begin, int64_t end) {
   const Problem& p = xs.p;
   const TileConfig cfg = full_tiles();
@@ -461,14 +471,15 @@ TANDEM_AMX_TARGET void amx_silu_items(const AmxRows& xs, int64_t chunk_rows, int
       float* g1 = bufs[parity][1];
       float* u0 = bufs[parity][2];
       float* u1 = bufs[parity][3];
-      pending.per_step = std::max<int64_t>(1, (pending.rows - pending.done + steps - 1) / steps);
+      pending.pace(steps);
       if (two && both) gate_up_blocks<true, true>(xs, r, gate, up, panel_size, lead, g0, g1, u0, u1, &pending);
       else if (two) gate_up_blocks<true, false>(xs, r, gate, up, panel_size, lead, g0, g1, u0, u1, &pending);
       else if (both) gate_up_blocks<false, true>(xs, r, gate, up, panel_size, lead, g0, g1, u0, u1, &pending);
       else gate_up_blocks<false, false>(xs, r, gate, up, panel_size, lead, g0, g1, u0, u1, &pending);
       pending.upto(pending.rows);  // whatever the steps left
-      pending = PendingSilu{g0, g1, u0, u1, p.out16 + r * p.ldo + first * kPanel, p.ldo,
-                            std::min(row_end, r + 2 * kAmxRows) - r, 0, 1, two};
+      pending.g0 = g0, pending.g1 = g1, pending.u0 = u0, pending.u1 = u1, pending.two = two;
+      pending.dst = p.out16 + r * p.ldo + first * kPanel, pending.ldo = p.ldo;
+      pending.rows = std::min(row_end, r + 2 * kAmxRows) - r, pending.done = 0;
       parity ^= 1;
     }
   }
