@@ -28,7 +28,7 @@ def test_bench_against_a_running_server(server, model_dir, tmp_path, capsys):
     png = tmp_path / "latency.png"
     status = run(_args(
         "--url", server.url, "--model", str(model_dir), "--num-prompts", "6", "--prompt-len", "4", "12",
-        "--output-len", "5", "8", "--max-concurrency", "3", "--slo-ttft-ms", "1e9", "--slo-tpot-ms", "1e9",
+        "--output-len", "150", "200", "--max-concurrency", "3", "--slo-ttft-ms", "1e9", "--slo-tpot-ms", "1e9",
         "--result-json", str(result), "--plot", str(png)))
     assert status == 0
     summary = json.loads(result.read_text())
@@ -36,17 +36,15 @@ def test_bench_against_a_running_server(server, model_dir, tmp_path, capsys):
     warmup_tokens = 2
     generated = scrape(server.url)["tandem:generation_tokens_total"] - generated_before
     assert summary["total_output_tokens"] == generated - warmup_tokens
-    assert 6 * 5 <= summary["total_output_tokens"] <= 6 * 8
+    assert 6 * 150 <= summary["total_output_tokens"] <= 6 * 200
     throughput = summary["total_output_tokens"] / summary["duration_s"]
     assert summary["output_throughput"] == pytest.approx(throughput)
     assert summary["goodput"] == pytest.approx(summary["request_throughput"])
-    for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
+    # answers long enough to stream in several chunks (the server sends whatever tokens are ready
+    # when it writes: a short answer from the tiny model can come in one, and has no ITL)
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         stats = summary[key]
         assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"]
-    # gaps between chunks: none when the server sent each answer's tokens in one chunk (it
-    # sends what is ready when it writes, so a fast machine may send a short answer at once)
-    itl = summary["itl_ms"]
-    assert all(math.isnan(v) for v in itl.values()) or 0 <= itl["p50"] <= itl["p90"] <= itl["p99"]
     assert summary["e2e_ms"]["p99"] >= summary["ttft_ms"]["p99"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = capsys.readouterr().out
