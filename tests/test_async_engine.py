@@ -37,17 +37,23 @@ def offline(model_dir):
     return LLM(model=model_dir, **ENGINE)
 
 
-def _factory(model_dir: str, step_delay_s: float = 0.0, fail_after_steps: int | None = None):
+def _factory(model_dir: str, step_delay_s: float = 0.0, fail_after_steps: int | None = None,
+             fail_after_admitting: int = 0):
     """An LLMEngine builder; optionally slowed down (to observe streaming and deadlines) or made
-    to raise on a given step (a fatal engine error)."""
+    to raise on every step after ``fail_after_steps`` (a fatal engine error), counting only the
+    steps taken once it has admitted ``fail_after_admitting`` requests (so that the requests a
+    test sends together are all in flight when it fails, however fast the machine)."""
 
     def build() -> LLMEngine:
         engine = LLMEngine(load_config(overrides={"model.path": model_dir, **ENGINE}))
         real_step = engine.step
         steps = [0]
+        admitted: set[str] = set()
 
         def step():
-            steps[0] += 1
+            admitted.update(engine.request_ids())
+            if len(admitted) >= fail_after_admitting:
+                steps[0] += 1
             if fail_after_steps is not None and steps[0] > fail_after_steps:
                 raise RuntimeError("injected fault")
             if step_delay_s:
@@ -231,7 +237,7 @@ def test_a_batch_is_checked_whole_then_admitted_all_or_none(model_dir, offline):
 
 def test_fatal_engine_error_fails_every_request(model_dir):
     async def run():
-        engine = await _started(_factory(model_dir, fail_after_steps=3))
+        engine = await _started(_factory(model_dir, fail_after_steps=3, fail_after_admitting=len(PROMPTS)))
         params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
         try:
             results = await asyncio.wait_for(
