@@ -38,7 +38,8 @@ SOURCES = [Path(__file__).parent / "cpu" / name
                         "sampling.cpp", "gguf_matmul.cpp", "gguf_dpbf16.cpp", "decode_layers.cpp",
                         "work_pool.cpp")]
 HEADERS = [Path(__file__).parent / "cpu" / name
-           for name in ("work_queue.h", "gguf_blocks.h", "amx_tiles.h", "prefill_amx.h", "transpose16.h", "vec_exp.h")]
+           for name in ("work_queue.h", "gguf_blocks.h", "amx_tiles.h", "prefill_amx.h", "transpose16.h", "vec_exp.h",
+                        "bf16_round.h")]
 OPS = ("paged_decode", "panel_linear", "panel_linear_dpbf16", "dpbf16_supported", "panel_linear_amx",
        "panel_linear_amx_silu", "amx_supported", "panel_linear_amx_f32", "rms_norm", "add_rms_norm",
        "silu_and_mul", "rotary_neox", "draw_rows", "argmax_rows", "gguf_linear", "gguf_dequantize_rows",
@@ -70,7 +71,7 @@ def build_name() -> str:
 
 
 LINEAR_SOURCES = ("linear.cpp", "linear_dpbf16.cpp", "linear_amx_f32.cpp", "work_pool.cpp", "work_queue.h",
-                  "amx_tiles.h", "vec_exp.h")
+                  "amx_tiles.h", "vec_exp.h", "bf16_round.h")
 """The files the linear kernels' speed depends on (their code and the thread pool's)."""
 
 
@@ -86,7 +87,7 @@ def linear_build() -> str:
 
 
 ATTENTION_SOURCES = ("paged_attention.cpp", "prefill_amx.cpp", "prefill_amx.h", "amx_tiles.h", "transpose16.h",
-                     "vec_exp.h", "work_queue.h")
+                     "vec_exp.h", "bf16_round.h", "work_queue.h")
 """The files the attention kernel's speed depends on."""
 
 

@@ -43,6 +43,7 @@
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 
+#include "bf16_round.h"
 #include "vec_exp.h"
 #define TANDEM_DPBF16 1
 #define TANDEM_DPBF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
@@ -155,15 +156,7 @@ inline void store_rows(const Problem& p, const float* acc, int64_t row0, int64_t
   }
 }
 
-// 16 float32 values rounded to bfloat16 bits as c10::BFloat16(float) rounds them: to nearest
-// even by adding 0x7fff plus the lowest kept bit, NaN to 0x7fc0
-TANDEM_DPBF16_TARGET inline __m256i round_to_bf16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-  return _mm512_cvtepi32_epi16(rounded);
-}
+using tandem_cpu::round_to_bf16;  // bf16_round.h
 
 // bfloat16 bits back to float32, exactly
 TANDEM_DPBF16_TARGET inline __m512 widened_bf16(__m256i bits) {

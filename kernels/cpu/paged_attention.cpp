@@ -34,6 +34,10 @@
 
 #include "prefill_amx.h"
 #include "work_queue.h"
+#ifdef __AVX512F__
+#include "bf16_round.h"
+#include "vec_exp.h"
+#endif
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -392,12 +396,15 @@ TANDEM_DPBF16_TARGET void row_dpbf16(const c10::BFloat16* q, int64_t qs1, c10::B
       const float m_new = std::max(m[j], _mm512_reduce_max_ps(mx));
       const float keep = std::exp(m[j] - m_new);  // 0 before the first chunk
       m[j] = m_new;
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t t = 0; t < n; ++t) {
-        sj[t] = std::exp(sj[t] - m_new);
-        sum += sj[t];
+      // the weights, inline (vec_exp.h; a call into libm's vector exp per 16 cost more than its work)
+      const __m512 mv = _mm512_set1_ps(m_new);
+      __m512 sums = _mm512_setzero_ps();
+      for (int64_t t = 0; t < n; t += 16) {
+        const __m512 e = tandem_cpu::exp16(_mm512_sub_ps(_mm512_loadu_ps(sj + t), mv));
+        _mm512_storeu_ps(sj + t, e);
+        sums = _mm512_add_ps(sums, e);
       }
+      const float sum = _mm512_reduce_add_ps(sums);
       l[j] = l[j] * keep + sum;
       if (keep != 1.f) {
         float* a = acc + j * d;
@@ -424,8 +431,10 @@ TANDEM_DPBF16_TARGET void row_dpbf16(const c10::BFloat16* q, int64_t qs1, c10::B
     }
   }
   for (int64_t j = 0; j < nq; ++j) {
-    const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
-    for (int64_t x = 0; x < d; ++x) o[j * os1 + x] = static_cast<c10::BFloat16>(acc[j * d + x] * inv);
+    const __m512 inv = _mm512_set1_ps(l[j] > 0.f ? 1.f / l[j] : 0.f);
+    for (int64_t x = 0; x < d; x += 16)  // d % 32 == 0
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j * os1 + x),
+                          tandem_cpu::round_to_bf16(_mm512_mul_ps(_mm512_loadu_ps(acc + j * d + x), inv)));
   }
 }
 #endif
@@ -517,10 +526,20 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at
           const float keep = std::exp(m[j] - m_new);  // 0 before the first block
           m[j] = m_new;
           float sum = 0.f;
+#ifdef TANDEM_AVX512
+          if (bs == 16) {  // the block's slots t0..t1-1 in one vector, exp inline (vec_exp.h)
+            const __mmask16 live = static_cast<__mmask16>(((1u << t1) - 1u) & ~((1u << t0) - 1u));
+            const __m512 e = tandem_cpu::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sj), _mm512_set1_ps(m_new)));
+            _mm512_mask_storeu_ps(sj, live, e);
+            sum = _mm512_mask_reduce_add_ps(live, e);
+          } else
+#endif
+          {
 #pragma omp simd reduction(+ : sum)
-          for (int64_t t = t0; t < t1; ++t) {
-            sj[t] = std::exp(sj[t] - m_new);
-            sum += sj[t];
+            for (int64_t t = t0; t < t1; ++t) {
+              sj[t] = std::exp(sj[t] - m_new);
+              sum += sj[t];
+            }
           }
           l[j] = l[j] * keep + sum;
           if (keep != 1.f) {  // the running max moved: rescale what was summed so far

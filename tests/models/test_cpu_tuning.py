@@ -267,7 +267,8 @@ def test_bfloat16_shapes_are_timed_on_dpbf16_too_and_float32_ones_are_not(cache_
     pack_cpu_linears(model, "auto", CPU)
     cached = cpu_tuning.read_cache(cpu_tuning.cache_path(cpu_tuning.machine_key()))
     assert cached and all(key.startswith("bfloat16") and "dpbf16" in c.seconds for key, c in cached.items())
-    assert kinds_for(Shape(torch.bfloat16, 64, 32))[:2] == (["amx", "dpbf16"] if amx_available() else ["dpbf16"])
+    own = ["amx", "dpbf16"] if amx_available() else ["dpbf16"]  # the CPU's own bfloat16 kernels lead
+    assert kinds_for(Shape(torch.bfloat16, 64, 32))[:len(own)] == own
     assert kinds_for(Shape(torch.bfloat16, 64, 48))[0] == "dpbf16"  # K not whole tiles of 32: not amx
     assert "dpbf16" not in kinds_for(Shape(torch.float32, 64, 32)) + kinds_for(Shape(torch.bfloat16, 64, 33))
     assert "amx" not in kinds_for(Shape(torch.float32, 64, 48)) + kinds_for(Shape(torch.bfloat16, 64, 48))

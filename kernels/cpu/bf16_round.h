@@ -1,0 +1,18 @@
+// float32 to bfloat16 bits, 16 lanes at a time, exactly as c10::BFloat16(float) rounds (tandem's
+// AVX512 kernels' bfloat16 outputs). Included only where AVX512 code is built.
+#pragma once
+
+#include <immintrin.h>
+
+namespace tandem_cpu {
+
+// to nearest even by adding 0x7fff plus the lowest kept bit; NaN to 0x7fc0
+__attribute__((target("avx512f"))) inline __m256i round_to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(rounded);
+}
+
+}  // namespace tandem_cpu
