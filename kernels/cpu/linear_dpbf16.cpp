@@ -14,7 +14,9 @@
 // Products of two bfloat16 values are exact in float32, so the result equals float32 arithmetic
 // on the same values up to the order of the sums. The loop nest is linear.cpp's (row blocks,
 // K-slices that stay in L1, tiles of up to kTile rows accumulating in registers, panels shared
-// out from a counter). The AVX512-BF16 code is compiled for that ISA alone (a target attribute),
+// out from a counter; with one row block, a decode step's, each thread takes a contiguous share
+// of the panels, so that it streams one range of the weight and asks for the next panel's pairs
+// while it computes this one's). The AVX512-BF16 code is compiled for that ISA alone (a target attribute),
 // whatever the rest of the library targets, and runs only where the CPU reports it
 // (dpbf16_supported): on other CPUs it is built but never called.
 //
@@ -561,6 +563,11 @@ void panel_linear_dpbf16(at::Tensor& out, const at::Tensor& x, const at::Tensor&
   }
   const int64_t row_blocks = (p.m + kRowBlock - 1) / kRowBlock;
   const int64_t total = row_blocks * p.n_panels;
+  if (row_blocks == 1) {  // a decode step's rows: each thread streams one range of the panels (as run_few_rows)
+    tandem_cpu::for_each_share(total, tandem_cpu::chunk_for(total, 8),
+                               [&](int64_t begin, int64_t end) { run_items(p, begin, end); });
+    return;
+  }
   tandem_cpu::for_each_chunk(total, tandem_cpu::chunk_for(total, 8),
                              [&](int64_t begin, int64_t end) { run_items(p, begin, end); });
 #endif
