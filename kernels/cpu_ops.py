@@ -43,8 +43,8 @@ HEADERS = [Path(__file__).parent / "cpu" / name
 OPS = ("paged_decode", "panel_linear", "panel_linear_dpbf16", "dpbf16_supported", "panel_linear_amx",
        "panel_linear_amx_silu", "amx_supported", "panel_linear_amx_f32", "rms_norm", "add_rms_norm",
        "silu_and_mul", "rotary_neox", "draw_rows", "argmax_rows", "gguf_linear", "gguf_dequantize_rows",
-       "decode_layers", "use_work_pool", "head_rms_norm", "gemma_rms_norm", "gemma_add_rms_norm",
-       "gelu_tanh_and_mul", "copy_rows")
+       "decode_layers", "use_work_pool", "use_gguf_int8", "head_rms_norm", "gemma_rms_norm",
+       "gemma_add_rms_norm", "gelu_tanh_and_mul", "copy_rows")
 """Every operator of the library, each wrapped below."""
 _ISA_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
@@ -308,8 +308,10 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, ggml_type: int, in_featu
     ``x`` [M, in_features] float32 or bfloat16; ``qweight`` uint8 [N, row_bytes], row ``n`` the
     file's blocks of ``W[n, :]`` (``tandem.kernels.gguf_types``); ``ggml_type`` a
     ``GGMLQuantizationType`` value with a kernel (``gguf_types.BLOCKS``). Returns a new [M, N]
-    tensor in x's dtype, products and sums in float32. ValueError for another type or a
-    qweight whose rows do not fit in_features."""
+    tensor in x's dtype, products and sums in float32 — but for 1 to 3 rows of bfloat16 x and a
+    32-value type on a CPU with AVX512-VNNI, where x is first put in 15-bit fixed point a group of
+    32 (``use_gguf_int8``). ValueError for another type or a qweight whose rows do not fit
+    in_features."""
     check_qweight(qweight, ggml_type, in_features)
     return _ops().gguf_linear(x, qweight, ggml_type, in_features)
 
@@ -360,6 +362,14 @@ def decode_layers(hidden: torch.Tensor, residual: torch.Tensor | None, norms: li
     return _ops().decode_layers(hidden, residual, norms, weights, info, parts, cos, sin, cos_local, sin_local,
                                 local, pool, slots, rows, tables, seq_lens, windows, heads, kv_heads, head_dim,
                                 scale, eps, flags, final_norm, prefetch_kv_bytes, row_tables)
+
+
+def use_gguf_int8(on: bool) -> bool:
+    """Give ``gguf_linear``'s bfloat16 x of 1 to 3 rows and 32-value blocks (Q4_0 .. Q8_0) to the
+    int8 kernel where the CPU has AVX512-VNNI (True, the default: x in 15-bit fixed point a
+    32-value group, gguf_dpbf16.cpp) or to the bfloat16 one (False), from now on, in this process;
+    returns the previous setting."""
+    return _ops().use_gguf_int8(on)
 
 
 def use_work_pool(on: bool) -> bool:

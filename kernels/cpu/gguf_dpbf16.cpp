@@ -23,10 +23,15 @@
 // rows, which beats gguf_matmul.cpp's widening to float32 only while the rows are few. The
 // AVX512-BF16 code is compiled for that ISA alone (a target attribute) and runs only where
 // dpbf16_supported() (linear_dpbf16.cpp).
+//
+// For 1 to 3 rows of x (a decode step at low concurrency) and the 32-value types, linear_int8
+// takes x in 15-bit fixed point and multiplies bytes by AVX512-VNNI's vpdpbusd instead (its own
+// comment says how, and how close to x it stays); it needs AVX512-VNNI, not AVX512-BF16.
 #include "gguf_blocks.h"
 #include "work_queue.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -37,17 +42,23 @@ bool dpbf16_supported();
 #include <immintrin.h>
 #define TANDEM_GGUF_DPBF16 1
 #define TANDEM_GGUF_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c,bmi2")))
+// the int8 kernel (linear_int8) and what it shares with the bfloat16 one: no bfloat16 instructions
+#define TANDEM_GGUF_BASE __attribute__((target("avx512f,avx512bw,avx512vl,f16c,bmi2")))
+#define TANDEM_GGUF_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,bmi2")))
 #endif
 
 namespace {
+
+std::atomic<bool> g_int8{true};  // use_gguf_int8
 
 #ifdef TANDEM_GGUF_DPBF16
 
 constexpr int kRows = 4;    // rows of x a tile
 constexpr int kCols = 4;    // output rows a tile
 constexpr int64_t kGroup = 16;  // output rows a group
-constexpr int64_t kMaxRows = 12;  // rows of x taken here (gguf_linear_dpbf16)
+constexpr int64_t kMaxRows = 12;  // rows of x taken here (gguf_linear_few_rows)
 constexpr int64_t kAhead = 16;  // a tile asks for the weights of the output rows this far ahead
+constexpr int64_t kInt8Rows = 3;  // rows of x taken by linear_int8 (measured: the bfloat16 kernel wins from 4)
 
 TANDEM_GGUF_TARGET inline float half_at(const uint8_t* p) {
   uint16_t bits;
@@ -123,12 +134,30 @@ struct Tables {
 };
 
 
+// linear_int8's view of a 32-value group: its values as 32 unsigned bytes u in natural order
+// (value j in byte j), w[j] = d * (u[j] - offset) + m.
+// 16 bytes of nibbles: value j < 16 the low nibble of byte j, value j >= 16 the high one of j - 16
+TANDEM_GGUF_BASE inline __m256i nibble_bytes(const uint8_t* qs) {
+  const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  return _mm256_and_si256(_mm256_srlv_epi64(both, _mm256_set_epi64x(4, 4, 0, 0)), _mm256_set1_epi8(15));
+}
+// 16 added to byte j where bit j of the 4 bytes at qh is set
+TANDEM_GGUF_BASE inline __m256i fifth_bit(__m256i u, const uint8_t* qh_bytes) {
+  uint32_t qh;
+  std::memcpy(&qh, qh_bytes, 4);
+  return _mm256_mask_add_epi8(u, static_cast<__mmask32>(qh), u, _mm256_set1_epi8(16));
+}
+
+
 // A block type: `groups` 32-value groups a block; values(b, s) the q of group s as 32 bfloat16
 // words (in spread order where `spread`); scales(b, s, d, m) its d (d[0] for values 0-15, d[1]
-// for 16-31) and m. `has_m`: some m is not 0; `two_d`: d[0] and d[1] differ.
+// for 16-31) and m. `has_m`: some m is not 0; `two_d`: d[0] and d[1] differ. The 32-value types
+// also have as_u8(b), the values as unsigned bytes u with q = u - offset (linear_int8).
 struct Q4_0 {
   static constexpr int64_t elems = 32, bytes = 18;
   static constexpr bool has_m = false, spread = true, two_d = false;
+  static constexpr int offset = 8;
+  TANDEM_GGUF_BASE static __m256i as_u8(const uint8_t* b) { return nibble_bytes(b + 2); }
   TANDEM_GGUF_TARGET static __m512i values(const uint8_t* b, int, const Tables& t) {
     return lookup(nibbles_spread(b + 2), t.minus8_16);
   }
@@ -137,6 +166,8 @@ struct Q4_0 {
 struct Q4_1 {
   static constexpr int64_t elems = 32, bytes = 20;
   static constexpr bool has_m = true, spread = true, two_d = false;
+  static constexpr int offset = 0;
+  TANDEM_GGUF_BASE static __m256i as_u8(const uint8_t* b) { return nibble_bytes(b + 4); }
   TANDEM_GGUF_TARGET static __m512i values(const uint8_t* b, int, const Tables& t) {
     return lookup(nibbles_spread(b + 4), t.plain16);
   }
@@ -154,6 +185,8 @@ TANDEM_GGUF_TARGET inline __m512i five_bits(const uint8_t* qs, const uint8_t* qh
 struct Q5_0 {
   static constexpr int64_t elems = 32, bytes = 22;
   static constexpr bool has_m = false, spread = true, two_d = false;
+  static constexpr int offset = 16;
+  TANDEM_GGUF_BASE static __m256i as_u8(const uint8_t* b) { return fifth_bit(nibble_bytes(b + 6), b + 2); }
   TANDEM_GGUF_TARGET static __m512i values(const uint8_t* b, int, const Tables& t) {
     return lookup(five_bits(b + 6, b + 2), t.minus16);
   }
@@ -162,6 +195,8 @@ struct Q5_0 {
 struct Q5_1 {
   static constexpr int64_t elems = 32, bytes = 24;
   static constexpr bool has_m = true, spread = true, two_d = false;
+  static constexpr int offset = 0;
+  TANDEM_GGUF_BASE static __m256i as_u8(const uint8_t* b) { return fifth_bit(nibble_bytes(b + 8), b + 4); }
   TANDEM_GGUF_TARGET static __m512i values(const uint8_t* b, int, const Tables& t) {
     return lookup(five_bits(b + 8, b + 4), t.plain);
   }
@@ -172,6 +207,11 @@ struct Q5_1 {
 struct Q8_0 {
   static constexpr int64_t elems = 32, bytes = 34;
   static constexpr bool has_m = false, spread = false, two_d = false;
+  static constexpr int offset = 128;
+  TANDEM_GGUF_BASE static __m256i as_u8(const uint8_t* b) {  // two's complement plus 128
+    return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)),
+                            _mm256_set1_epi8(static_cast<char>(0x80)));
+  }
   TANDEM_GGUF_TARGET static __m512i values(const uint8_t* b, int, const Tables&) {
     const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
     const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18));
@@ -379,17 +419,199 @@ TANDEM_GGUF_TARGET void linear(float* out, const uint16_t* x, int64_t m_size, co
   });
 }
 
+
+// ---- int8 products (AVX512-VNNI) for up to kInt8Rows rows of bfloat16 x, 32-value types ----
+//
+// Each 32-value group of a row of x becomes 15-bit fixed point: xq = x / step rounded to the
+// nearest integer, step = 2^(e - 13) for the group's largest |x| in [2^e, 2^(e + 1)), so |xq| <=
+// 255 * 2^6 and every value within a factor 2^7 of the group's largest is exact (bfloat16 has 8
+// significant bits); a smaller one is off by at most step / 2. xq = 256 hi + lo with signed bytes
+// hi and lo, and vpdpbusd (unsigned bytes times signed bytes, four products a lane added in
+// int32) takes a block's bytes u (as_u8) against both: 256 (u . hi) + u . lo, exact in int32.
+// With w = d (u - offset) + m, lane by lane:
+//
+//   x . w = sum_g step_g d_g (u . xq - offset * sum xq)_g + sum_g m_g step_g (sum xq)_g
+//
+// The offset's part is an int32 vector a group of x (corr), taken off before the lanes convert to
+// float32 (exact below 2^24, a float32 rounding above) and meet d * step in an FMA; d and m come from the block's head
+// in the loop. A block turns into bytes in about half the instructions it takes to turn it into
+// bfloat16, and its products need 32-byte registers only: for a decode step's one to three rows
+// the fixed point is the better trade (the K-quants' 6-bit scales cost it more than it saves).
+struct FixedRows {
+  std::vector<int8_t> hi, lo;  // [M][K]
+  std::vector<int32_t> corr;   // [M][K / 32][8]: offset times each lane's sum of xq
+  std::vector<float> step;     // [M][K / 32]
+  std::vector<float> sums;     // [M][K / 32]: step times the group's sum of xq
+};
+
+TANDEM_GGUF_VNNI inline float pow2(int e) {  // 2^e for -126 <= e <= 127
+  const uint32_t bits = static_cast<uint32_t>(127 + e) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// x [M, K] bfloat16 as fixed point for a type of `offset`; false (fx partly written) where x
+// holds an infinity or a NaN
+TANDEM_GGUF_VNNI bool to_fixed(const uint16_t* x, int64_t m_size, int64_t k_size, int offset, FixedRows& fx) {
+  const int64_t n = m_size * k_size / 32;
+  fx.hi.resize(32 * n), fx.lo.resize(32 * n), fx.corr.resize(8 * n), fx.step.resize(n), fx.sums.resize(n);
+  const __m512i exponent = _mm512_set1_epi32(0x7F80);
+  for (int64_t i = 0; i < n; ++i) {
+    const __m512i b0 = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * i)));
+    const __m512i b1 = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * i + 16)));
+    const int top = static_cast<int>(_mm512_reduce_max_epu32(
+                        _mm512_max_epu32(_mm512_and_si512(b0, exponent), _mm512_and_si512(b1, exponent)))) >> 7;
+    if (top == 255) return false;
+    const int e = std::max(top - 127, -100);  // a group of zeros (or of subnormals) is all 0
+    const __m512 inv = _mm512_set1_ps(pow2(13 - e));
+    const float step = pow2(e - 13);
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(b0, 16)), inv));
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(b1, 16)), inv));
+    const __m512i h0 = _mm512_srai_epi32(_mm512_add_epi32(q0, _mm512_set1_epi32(128)), 8);
+    const __m512i h1 = _mm512_srai_epi32(_mm512_add_epi32(q1, _mm512_set1_epi32(128)), 8);
+    const __m256i hi = _mm256_set_m128i(_mm512_cvtepi32_epi8(h1), _mm512_cvtepi32_epi8(h0));
+    const __m256i lo = _mm256_set_m128i(_mm512_cvtepi32_epi8(_mm512_sub_epi32(q1, _mm512_slli_epi32(h1, 8))),
+                                        _mm512_cvtepi32_epi8(_mm512_sub_epi32(q0, _mm512_slli_epi32(h0, 8))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(fx.hi.data() + 32 * i), hi);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(fx.lo.data() + 32 * i), lo);
+    const __m256i ones = _mm256_set1_epi8(1);
+    const __m256i lanes =  // each lane's sum of xq, taken as the tile takes u . xq
+        _mm256_dpbusd_epi32(_mm256_slli_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, hi), 8), ones, lo);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(fx.corr.data() + 8 * i),
+                        _mm256_mullo_epi32(lanes, _mm256_set1_epi32(offset)));
+    fx.step[i] = step;
+    fx.sums[i] = step * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+  }
+  return true;
+}
+
+// out[r * ldo + c] = x[r] . w[c] for r < rows (x's FixedRows from row `first`, K apart), c < cols
+// (w's rows row_bytes apart)
+template <typename B, int rows, int cols>
+TANDEM_GGUF_VNNI void tile_int8(const FixedRows& fx, int64_t first, const uint8_t* w, int64_t row_bytes,
+                                int64_t k_size, float* out, int64_t ldo) {
+  const int64_t groups = k_size / 32;
+  const int8_t* hi = fx.hi.data() + first * k_size;
+  const int8_t* lo = fx.lo.data() + first * k_size;
+  const int32_t* corr = fx.corr.data() + first * groups * 8;
+  const float* step = fx.step.data() + first * groups;
+  const float* sums = fx.sums.data() + first * groups;
+  const char* ahead = reinterpret_cast<const char*>(w) + kAhead * row_bytes;
+  __m256 acc[rows][cols], acc_m[rows][cols];
+  for (int r = 0; r < rows; ++r) {
+    for (int c = 0; c < cols; ++c) acc[r][c] = acc_m[r][c] = _mm256_setzero_ps();
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    if (((g * B::bytes) & 63) < B::bytes) {
+      for (int c = 0; c < cols; ++c) _mm_prefetch(ahead + c * row_bytes + g * B::bytes, _MM_HINT_T0);
+    }
+    __m256i u[cols];
+    __m256 d[cols], m[cols];
+    for (int c = 0; c < cols; ++c) {
+      const uint8_t* b = w + c * row_bytes + g * B::bytes;
+      u[c] = B::as_u8(b);
+      uint32_t head;  // d, and m where the type has one
+      std::memcpy(&head, b, 4);
+      const __m256 dm = _mm256_cvtph_ps(_mm_set1_epi32(static_cast<int>(head)));
+      d[c] = _mm256_permute_ps(dm, 0x00);
+      if (B::has_m) m[c] = _mm256_permute_ps(dm, 0x55);
+    }
+    for (int r = 0; r < rows; ++r) {
+      const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + r * k_size + 32 * g));
+      const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + r * k_size + 32 * g));
+      const __m256 sv = _mm256_broadcast_ss(step + r * groups + g);
+      const __m256i off = B::offset ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(corr + (r * groups + g) * 8))
+                                    : _mm256_setzero_si256();
+      for (int c = 0; c < cols; ++c) {
+        __m256i a = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u[c], xh);
+        a = _mm256_dpbusd_epi32(_mm256_slli_epi32(a, 8), u[c], xl);
+        if (B::offset) a = _mm256_sub_epi32(a, off);
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(d[c], sv), acc[r][c]);
+        if (B::has_m) acc_m[r][c] = _mm256_fmadd_ps(m[c], _mm256_broadcast_ss(sums + r * groups + g), acc_m[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    for (int c = 0; c < cols; ++c) {
+      const __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r][c]), _mm256_extractf128_ps(acc[r][c], 1));
+      const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+      // acc_m's lanes are equal: one is the m part
+      out[r * ldo + c] = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t))) + _mm256_cvtss_f32(acc_m[r][c]);
+    }
+  }
+}
+
+template <typename B, int rows>
+TANDEM_GGUF_VNNI void tile_int8_cols(int cols, const FixedRows& fx, int64_t first, const uint8_t* w, int64_t row_bytes,
+                                     int64_t k_size, float* out, int64_t ldo) {
+  switch (cols) {
+    case 1: return tile_int8<B, rows, 1>(fx, first, w, row_bytes, k_size, out, ldo);
+    case 2: return tile_int8<B, rows, 2>(fx, first, w, row_bytes, k_size, out, ldo);
+    case 3: return tile_int8<B, rows, 3>(fx, first, w, row_bytes, k_size, out, ldo);
+    default: return tile_int8<B, rows, kCols>(fx, first, w, row_bytes, k_size, out, ldo);
+  }
+}
+
+// linear()'s loop nest on x's fixed-point rows (m_size <= kInt8Rows); false where x is not finite
+template <typename B>
+TANDEM_GGUF_VNNI bool linear_int8(float* out, const uint16_t* x, int64_t m_size, const uint8_t* w, int64_t n_size,
+                                  int64_t k_size) {
+  static_assert(B::elems == 32, "one block a group");
+  static thread_local FixedRows fx;
+  if (!to_fixed(x, m_size, k_size, B::offset, fx)) return false;
+  const int64_t row_bytes = k_size / B::elems * B::bytes;
+  const int64_t units = (n_size + kGroup - 1) / kGroup;
+  const FixedRows& rows_x = fx;
+  tandem_cpu::for_each_share(units, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t n0 = unit * kGroup, width = std::min(kGroup, n_size - n0);
+      for (int64_t c0 = 0; c0 < width; c0 += kCols) {
+        const int cols = static_cast<int>(std::min<int64_t>(kCols, width - c0));
+        const uint8_t* wc = w + (n0 + c0) * row_bytes;
+        float* o = out + n0 + c0;
+        switch (m_size) {
+          case 1: tile_int8_cols<B, 1>(cols, rows_x, 0, wc, row_bytes, k_size, o, n_size); break;
+          case 2: tile_int8_cols<B, 2>(cols, rows_x, 0, wc, row_bytes, k_size, o, n_size); break;
+          default: tile_int8_cols<B, kInt8Rows>(cols, rows_x, 0, wc, row_bytes, k_size, o, n_size); break;
+        }
+      }
+    }
+  });
+  return true;
+}
+
+TANDEM_GGUF_BASE bool cpu_has_vnni() {
+  static const bool supported = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+                                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c") &&
+                                __builtin_cpu_supports("bmi2");
+  return supported;
+}
 #endif  // TANDEM_GGUF_DPBF16
 
 }  // namespace
 
-// out [M, N] float32 = x [M, K] bfloat16 (contiguous) @ W.T of ggml_type's blocks; false, with
-// nothing written, where this CPU or build lacks AVX512-BF16, the type has no kernel here, or M
-// is above kMaxRows (where gguf_matmul.cpp's kernel, which widens each block once a call for
-// every row, is the faster)
-bool gguf_linear_dpbf16(float* out, const uint16_t* x, int64_t m_size, const uint8_t* w, int64_t n_size,
-                        int64_t k_size, int64_t ggml_type) {
+// out [M, N] float32 = x [M, K] bfloat16 (contiguous) @ W.T of ggml_type's blocks: up to
+// kInt8Rows rows of a 32-value type by linear_int8 where the CPU has AVX512-VNNI (and
+// use_gguf_int8 did not turn it off) and x is finite, else by linear on AVX512-BF16. False, with
+// nothing written, where neither takes it: no AVX512-BF16, a type without a kernel here, or M
+// above kMaxRows (where gguf_matmul.cpp's kernel, which widens each block once a call for every
+// row, is the faster)
+bool gguf_linear_few_rows(float* out, const uint16_t* x, int64_t m_size, const uint8_t* w, int64_t n_size,
+                          int64_t k_size, int64_t ggml_type) {
 #ifdef TANDEM_GGUF_DPBF16
+  if (m_size <= kInt8Rows && g_int8.load(std::memory_order_relaxed) && cpu_has_vnni()) {
+    bool done = false;
+    switch (ggml_type) {
+      case 2: done = linear_int8<Q4_0>(out, x, m_size, w, n_size, k_size); break;
+      case 3: done = linear_int8<Q4_1>(out, x, m_size, w, n_size, k_size); break;
+      case 6: done = linear_int8<Q5_0>(out, x, m_size, w, n_size, k_size); break;
+      case 7: done = linear_int8<Q5_1>(out, x, m_size, w, n_size, k_size); break;
+      case 8: done = linear_int8<Q8_0>(out, x, m_size, w, n_size, k_size); break;
+      default: break;
+    }
+    if (done) return true;
+  }
   if (m_size > kMaxRows || !dpbf16_supported()) return false;
   switch (ggml_type) {
     case 2: linear<Q4_0>(out, x, m_size, w, n_size, k_size); return true;
@@ -407,3 +629,7 @@ bool gguf_linear_dpbf16(float* out, const uint16_t* x, int64_t m_size, const uin
   return false;
 #endif
 }
+
+// whether gguf_linear_few_rows gives up to kInt8Rows rows to linear_int8 (the default) or to the
+// bfloat16 kernel from now on, in this process; returns the previous setting
+bool use_gguf_int8(bool on) { return g_int8.exchange(on); }

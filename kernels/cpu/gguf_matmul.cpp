@@ -27,8 +27,9 @@
 //         | bits 2t, 2t + 1 of qh[32h + l] << 4;  w = d * scales[8h + 2t + l / 16] * (q - 32)
 //
 // bfloat16 x on a CPU with AVX512-BF16 goes to gguf_dpbf16.cpp (blocks turned into bfloat16 in
-// registers) while the rows are few, and with more rows to linear_dpbf16.cpp's kernels on slices
-// of W turned into bfloat16 pair panels (linear_by_panels). Otherwise each block widens to
+// registers; for 1 to 3 rows with AVX512-VNNI, the blocks' bytes against x in fixed point) while
+// the rows are few, and with more rows to linear_dpbf16.cpp's kernels on slices of W turned into
+// bfloat16 pair panels (linear_by_panels). Otherwise each block widens to
 // float32 (AVX2 where built for it) into a per-thread buffer that holds a group of rows of W,
 // which every row of x then dots with (linear_impl): the weight is read once per call, as packed
 // bytes, for any M.
@@ -398,8 +399,9 @@ void check_qweight(const char* op, const at::Tensor& qweight, int64_t k_size, in
 
 }  // namespace
 
-bool gguf_linear_dpbf16(float* out, const uint16_t* x, int64_t m_size, const uint8_t* w, int64_t n_size,
-                        int64_t k_size, int64_t ggml_type);  // gguf_dpbf16.cpp
+bool gguf_linear_few_rows(float* out, const uint16_t* x, int64_t m_size, const uint8_t* w, int64_t n_size,
+                          int64_t k_size, int64_t ggml_type);  // gguf_dpbf16.cpp
+bool use_gguf_int8(bool on);                                // gguf_dpbf16.cpp
 bool dpbf16_supported();                                    // linear_dpbf16.cpp
 bool amx_supported();
 void panel_linear_dpbf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
@@ -454,8 +456,8 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t g
     if (x.size(0) == 0 || qweight.size(0) == 0) return;
     if (x.scalar_type() == at::kBFloat16) {
       const at::Tensor x16 = x.contiguous();
-      done = gguf_linear_dpbf16(out.data_ptr<float>(), reinterpret_cast<const uint16_t*>(x16.data_ptr()), x.size(0),
-                                qweight.data_ptr<uint8_t>(), qweight.size(0), in_features, ggml_type) ||
+      done = gguf_linear_few_rows(out.data_ptr<float>(), reinterpret_cast<const uint16_t*>(x16.data_ptr()), x.size(0),
+                                  qweight.data_ptr<uint8_t>(), qweight.size(0), in_features, ggml_type) ||
              linear_by_panels<T>(out, x16, qweight.data_ptr<uint8_t>(), qweight.size(0), in_features);
     }
     if (done) return;
@@ -490,6 +492,7 @@ at::Tensor gguf_dequantize_rows(const at::Tensor& qweight, int64_t ggml_type, in
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("gguf_linear(Tensor x, Tensor qweight, int ggml_type, int in_features) -> Tensor");
   m.def("gguf_dequantize_rows(Tensor qweight, int ggml_type, int in_features, Tensor rows, ScalarType dtype) -> Tensor");
+  m.def("use_gguf_int8(bool on) -> bool", &use_gguf_int8);
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {

@@ -59,24 +59,98 @@ needs_dpbf16 = pytest.mark.skipif(not (cpu_ops.load() and cpu_ops.dpbf16_support
                                   reason="the few-rows bfloat16 kernel (gguf_dpbf16.cpp) needs AVX512-BF16")
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+needs_vnni = pytest.mark.skipif(not {"avx512_vnni", "avx512bw", "avx512vl"} <= _cpu_flags(),
+                                reason="the int8 kernel (gguf_dpbf16.cpp's linear_int8) needs AVX512-VNNI")
+INT8_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
+
+
+@pytest.fixture
+def int8_off():
+    """gguf_linear's few bfloat16 rows on the bfloat16 kernel, not the int8 one."""
+    previous = cpu_ops.use_gguf_int8(False)
+    yield
+    cpu_ops.use_gguf_int8(previous)
+
+
+def fixed_point(x: torch.Tensor) -> torch.Tensor:
+    """x's rows as linear_int8 takes them, in float64: each 32-value group rounded (half to even)
+    to a multiple of step = 2^(e - 13), 2^e <= the group's largest |x| < 2^(e + 1) (e >= -100)."""
+    groups = x.double().reshape(x.shape[0], -1, 32)
+    top = groups.abs().amax(dim=-1, keepdim=True)
+    e = torch.floor(torch.log2(top.clamp_min(2.0 ** -126))).clamp_min(-100)
+    step = torch.pow(2.0, e - 13)
+    return (torch.round(groups / step) * step).reshape(x.shape)
+
+
+def assert_rounded_once(y: torch.Tensor, ref: torch.Tensor) -> None:
+    """y is ref rounded to bfloat16 once, within float32's sums."""
+    ulp = 2.0 ** (torch.floor(torch.log2(ref.abs().clamp_min(1e-30))) - 7)  # bfloat16's spacing at ref
+    err = (y.double() - ref).abs()
+    assert (err <= 0.5 * ulp + 1e-5 * ref.abs().max()).all(), (err / ulp).max()
+
+
+@needs_vnni
+@pytest.mark.parametrize("m", [1, 2, 3])
+@pytest.mark.parametrize("ggml_type", INT8_TYPES, ids=lambda t: t.name)
+def test_one_to_three_bfloat16_rows_multiply_x_in_fixed_point(ggml_type, m, gen):
+    """linear_int8 (1 to 3 rows of bfloat16 x, 32-value types, AVX512-VNNI): each output is the
+    float64 product of x in 15-bit fixed point a group (fixed_point) and the dequantized weight,
+    rounded to bfloat16 once; K of 19 blocks, N not a multiple of the tiles, a group of zeros and
+    one of large values beside small ones (rounded off)."""
+    k, n = in_features(ggml_type, 19), 39
+    qweight = packed(ggml_type, n, k, seed=m)
+    x = torch.randn(m, k, generator=gen)
+    x[0, :32] = 0.0
+    x[-1, 32:64] *= torch.pow(2.0, torch.arange(32) % 12)  # 1 .. 2^11 in one group
+    x = x.bfloat16()
+    y = cpu_ops.gguf_linear(x, qweight, int(ggml_type), k)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    ref = fixed_point(x) @ dequantized(qweight, ggml_type).T
+    assert_rounded_once(y, ref)
+
+
+@needs_vnni
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_row_that_is_not_finite_goes_to_the_bfloat16_kernel(bad, gen):
+    k = in_features(T.Q8_0, 4)
+    qweight = packed(T.Q8_0, 21, k)
+    x = torch.randn(2, k, generator=gen)
+    x[1, 40] = bad
+    x = x.bfloat16()
+    y = cpu_ops.gguf_linear(x, qweight, int(T.Q8_0), k)
+    previous = cpu_ops.use_gguf_int8(False)
+    try:
+        expected = cpu_ops.gguf_linear(x, qweight, int(T.Q8_0), k)
+    finally:
+        cpu_ops.use_gguf_int8(previous)
+    torch.testing.assert_close(y, expected, rtol=0, atol=0, equal_nan=True)
+    assert not y[1].isfinite().all() and y[0].isfinite().all()
+
+
 @needs_dpbf16
+@pytest.mark.usefixtures("int8_off")
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 12])
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_few_bfloat16_rows_round_the_exact_product_once(ggml_type, m, gen):
-    """gguf_dpbf16.cpp (bfloat16 x, up to 12 rows): every tile shape of rows and output rows, K of
-    more than 16 blocks (the scales' gather and its tail): each output is the float64 product of
-    the bfloat16 inputs and the dequantized weight rounded to bfloat16 once, within float32's
-    sums (bfloat16 products of small integer q are exact)."""
+    """gguf_dpbf16.cpp's bfloat16 kernel (bfloat16 x, up to 12 rows): every tile shape of rows and
+    output rows, K of more than 16 blocks (the scales' gather and its tail): each output is the
+    float64 product of the bfloat16 inputs and the dequantized weight rounded to bfloat16 once,
+    within float32's sums (bfloat16 products of small integer q are exact)."""
     blocks = 19 if GGML_QUANT_SIZES[ggml_type][0] == 32 else 3
     k, n = in_features(ggml_type, blocks), 39
     qweight = packed(ggml_type, n, k, seed=m)
     x = torch.randn(m, k, generator=gen).bfloat16()
     y = cpu_ops.gguf_linear(x, qweight, int(ggml_type), k)
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-    ref = x.double() @ dequantized(qweight, ggml_type).T
-    ulp = 2.0 ** (torch.floor(torch.log2(ref.abs().clamp_min(1e-30))) - 7)  # bfloat16's spacing at ref
-    err = (y.double() - ref).abs()
-    assert (err <= 0.5 * ulp + 1e-5 * ref.abs().max()).all(), (err / ulp).max()
+    assert_rounded_once(y, x.double() @ dequantized(qweight, ggml_type).T)
 
 
 @needs_dpbf16
@@ -93,10 +167,7 @@ def test_many_bfloat16_rows_multiply_the_dequantized_bfloat16_weight(ggml_type, 
     y = cpu_ops.gguf_linear(x, qweight, int(ggml_type), k)
     assert y.dtype == torch.bfloat16 and y.shape == (m, 1001)
     weight = dequantized(qweight, ggml_type).float().bfloat16().double()
-    ref = x.double() @ weight.T
-    ulp = 2.0 ** (torch.floor(torch.log2(ref.abs().clamp_min(1e-30))) - 7)
-    err = (y.double() - ref).abs()
-    assert (err <= 0.5 * ulp + 1e-5 * ref.abs().max()).all(), (err / ulp).max()
+    assert_rounded_once(y, x.double() @ weight.T)
 
 
 @needs_dpbf16
