@@ -308,9 +308,9 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, ggml_type: int, in_featu
     ``x`` [M, in_features] float32 or bfloat16; ``qweight`` uint8 [N, row_bytes], row ``n`` the
     file's blocks of ``W[n, :]`` (``tandem.kernels.gguf_types``); ``ggml_type`` a
     ``GGMLQuantizationType`` value with a kernel (``gguf_types.BLOCKS``). Returns a new [M, N]
-    tensor in x's dtype, products and sums in float32 — but for 1 to 3 rows of bfloat16 x and a
-    32-value type on a CPU with AVX512-VNNI, where x is first put in 15-bit fixed point a group of
-    32 (``use_gguf_int8``). ValueError for another type or a qweight whose rows do not fit
+    tensor in x's dtype, products and sums in float32 — but for 1 to 3 rows of bfloat16 x on a CPU
+    with AVX512-VNNI, where x is first put in 15-bit fixed point a group of 32
+    (``use_gguf_int8``). ValueError for another type or a qweight whose rows do not fit
     in_features."""
     check_qweight(qweight, ggml_type, in_features)
     return _ops().gguf_linear(x, qweight, ggml_type, in_features)
@@ -365,10 +365,9 @@ def decode_layers(hidden: torch.Tensor, residual: torch.Tensor | None, norms: li
 
 
 def use_gguf_int8(on: bool) -> bool:
-    """Give ``gguf_linear``'s bfloat16 x of 1 to 3 rows and 32-value blocks (Q4_0 .. Q8_0) to the
-    int8 kernel where the CPU has AVX512-VNNI (True, the default: x in 15-bit fixed point a
-    32-value group, gguf_dpbf16.cpp) or to the bfloat16 one (False), from now on, in this process;
-    returns the previous setting."""
+    """Give ``gguf_linear``'s bfloat16 x of 1 to 3 rows to the int8 kernel where the CPU has
+    AVX512-VNNI (True, the default: x in 15-bit fixed point a 32-value group, gguf_dpbf16.cpp) or
+    to the bfloat16 one (False), from now on, in this process; returns the previous setting."""
     return _ops().use_gguf_int8(on)
 
 

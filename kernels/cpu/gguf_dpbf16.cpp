@@ -24,7 +24,7 @@
 // AVX512-BF16 code is compiled for that ISA alone (a target attribute) and runs only where
 // dpbf16_supported() (linear_dpbf16.cpp).
 //
-// For 1 to 3 rows of x (a decode step at low concurrency) and the 32-value types, linear_int8
+// For 1 to 3 rows of x (a decode step at low concurrency), linear_int8
 // takes x in 15-bit fixed point and multiplies bytes by AVX512-VNNI's vpdpbusd instead (its own
 // comment says how, and how close to x it stays); it needs AVX512-VNNI, not AVX512-BF16.
 #include "gguf_blocks.h"
@@ -60,7 +60,7 @@ constexpr int64_t kMaxRows = 12;  // rows of x taken here (gguf_linear_few_rows)
 constexpr int64_t kAhead = 16;  // a tile asks for the weights of the output rows this far ahead
 constexpr int64_t kInt8Rows = 3;  // rows of x taken by linear_int8 (measured: the bfloat16 kernel wins from 4)
 
-TANDEM_GGUF_TARGET inline float half_at(const uint8_t* p) {
+TANDEM_GGUF_BASE inline float half_at(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
   return _cvtsh_ss(bits);
@@ -135,11 +135,16 @@ struct Tables {
 
 
 // linear_int8's view of a 32-value group: its values as 32 unsigned bytes u in natural order
-// (value j in byte j), w[j] = d * (u[j] - offset) + m.
+// (value j in byte j), w[j] = d * (u[j] - offset) + m (as_u8 below).
 // 16 bytes of nibbles: value j < 16 the low nibble of byte j, value j >= 16 the high one of j - 16
 TANDEM_GGUF_BASE inline __m256i nibble_bytes(const uint8_t* qs) {
   const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
   return _mm256_and_si256(_mm256_srlv_epi64(both, _mm256_set_epi64x(4, 4, 0, 0)), _mm256_set1_epi8(15));
+}
+// 32 bytes, the nibble at `shift` (0 or 4) of each
+TANDEM_GGUF_BASE inline __m256i nibble_bytes32(const uint8_t* qs, int shift) {
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+  return _mm256_and_si256(_mm256_srl_epi16(bytes, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(15));
 }
 // 16 added to byte j where bit j of the 4 bytes at qh is set
 TANDEM_GGUF_BASE inline __m256i fifth_bit(__m256i u, const uint8_t* qh_bytes) {
@@ -151,13 +156,14 @@ TANDEM_GGUF_BASE inline __m256i fifth_bit(__m256i u, const uint8_t* qh_bytes) {
 
 // A block type: `groups` 32-value groups a block; values(b, s) the q of group s as 32 bfloat16
 // words (in spread order where `spread`); scales(b, s, d, m) its d (d[0] for values 0-15, d[1]
-// for 16-31) and m. `has_m`: some m is not 0; `two_d`: d[0] and d[1] differ. The 32-value types
-// also have as_u8(b), the values as unsigned bytes u with q = u - offset (linear_int8).
+// for 16-31) and m. `has_m`: some m is not 0; `two_d`: d[0] and d[1] differ. For linear_int8:
+// as_u8(b, s) the same values as unsigned bytes u, q = u - offset; the K-quants' group_scales(b,
+// d, m) the d of every group (Q6_K: of every 16 values) and its m, as float32.
 struct Q4_0 {
   static constexpr int64_t elems = 32, bytes = 18;
   static constexpr bool has_m = false, spread = true, two_d = false;
   static constexpr int offset = 8;
-  TANDEM_GGUF_BASE static __m256i as_u8(const uint8_t* b) { return nibble_bytes(b + 2); }
+  TANDEM_GGUF_BASE static __m256i as_u8(const uint8_t* b, int) { return nibble_bytes(b + 2); }
   TANDEM_GGUF_TARGET static __m512i values(const uint8_t* b, int, const Tables& t) {
     return lookup(nibbles_spread(b + 2), t.minus8_16);
   }
@@ -167,7 +173,7 @@ struct Q4_1 {
   static constexpr int64_t elems = 32, bytes = 20;
   static constexpr bool has_m = true, spread = true, two_d = false;
   static constexpr int offset = 0;
-  TANDEM_GGUF_BASE static __m256i as_u8(const uint8_t* b) { return nibble_bytes(b + 4); }
+  TANDEM_GGUF_BASE static __m256i as_u8(const uint8_t* b, int) { return nibble_bytes(b + 4); }
   TANDEM_GGUF_TARGET static __m512i values(const uint8_t* b, int, const Tables& t) {
     return lookup(nibbles_spread(b + 4), t.plain16);
   }
@@ -186,7 +192,7 @@ struct Q5_0 {
   static constexpr int64_t elems = 32, bytes = 22;
   static constexpr bool has_m = false, spread = true, two_d = false;
   static constexpr int offset = 16;
-  TANDEM_GGUF_BASE static __m256i as_u8(const uint8_t* b) { return fifth_bit(nibble_bytes(b + 6), b + 2); }
+  TANDEM_GGUF_BASE static __m256i as_u8(const uint8_t* b, int) { return fifth_bit(nibble_bytes(b + 6), b + 2); }
   TANDEM_GGUF_TARGET static __m512i values(const uint8_t* b, int, const Tables& t) {
     return lookup(five_bits(b + 6, b + 2), t.minus16);
   }
@@ -196,7 +202,7 @@ struct Q5_1 {
   static constexpr int64_t elems = 32, bytes = 24;
   static constexpr bool has_m = true, spread = true, two_d = false;
   static constexpr int offset = 0;
-  TANDEM_GGUF_BASE static __m256i as_u8(const uint8_t* b) { return fifth_bit(nibble_bytes(b + 8), b + 4); }
+  TANDEM_GGUF_BASE static __m256i as_u8(const uint8_t* b, int) { return fifth_bit(nibble_bytes(b + 8), b + 4); }
   TANDEM_GGUF_TARGET static __m512i values(const uint8_t* b, int, const Tables& t) {
     return lookup(five_bits(b + 8, b + 4), t.plain);
   }
@@ -208,7 +214,7 @@ struct Q8_0 {
   static constexpr int64_t elems = 32, bytes = 34;
   static constexpr bool has_m = false, spread = false, two_d = false;
   static constexpr int offset = 128;
-  TANDEM_GGUF_BASE static __m256i as_u8(const uint8_t* b) {  // two's complement plus 128
+  TANDEM_GGUF_BASE static __m256i as_u8(const uint8_t* b, int) {  // two's complement plus 128
     return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)),
                             _mm256_set1_epi8(static_cast<char>(0x80)));
   }
@@ -226,9 +232,28 @@ TANDEM_GGUF_TARGET inline void scales_k4(const uint8_t* b, int s, float* d, floa
   tandem_gguf::scale_min_k4(b + 4, s, sc, mn);
   *d = half_at(b) * static_cast<float>(sc), *m = -half_at(b + 2) * static_cast<float>(mn);
 }
+// the d * sc and -dmin * mn of a Q4_K / Q5_K super-block's 8 groups (scale_min_k4's unpacking,
+// the 8 groups at once: bytes 0-3 of the 12 hold sc 0-3 and the top 2 bits of sc 4-7, bytes 4-7 mn
+// 0-3 and the top bits of mn 4-7, bytes 8-11 the low 4 bits of sc 4-7 and of mn 4-7)
+TANDEM_GGUF_BASE inline void group_scales_k4(const uint8_t* b, float* d, float* m) {
+  uint32_t a, bb, c;
+  std::memcpy(&a, b + 4, 4), std::memcpy(&bb, b + 8, 4), std::memcpy(&c, b + 12, 4);
+  const uint64_t sc = uint64_t{a & 0x3F3F3F3Fu} | uint64_t{(c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u)} << 32;
+  const uint64_t mn = uint64_t{bb & 0x3F3F3F3Fu} | uint64_t{((c >> 4) & 0x0F0F0F0Fu) | ((bb >> 2) & 0x30303030u)} << 32;
+  const auto floats = [](uint64_t bytes) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(bytes))));
+  };
+  _mm256_storeu_ps(d, _mm256_mul_ps(_mm256_set1_ps(half_at(b)), floats(sc)));
+  _mm256_storeu_ps(m, _mm256_mul_ps(_mm256_set1_ps(-half_at(b + 2)), floats(mn)));
+}
 struct Q4_K {
   static constexpr int64_t elems = 256, bytes = 144;
   static constexpr bool has_m = true, spread = false, two_d = false;
+  static constexpr int offset = 0;
+  TANDEM_GGUF_BASE static __m256i as_u8(const uint8_t* b, int s) {
+    return nibble_bytes32(b + 16 + 32 * (s / 2), 4 * (s % 2));
+  }
+  TANDEM_GGUF_BASE static void group_scales(const uint8_t* b, float* d, float* m) { group_scales_k4(b, d, m); }
   TANDEM_GGUF_TARGET static __m512i values(const uint8_t* b, int s, const Tables& t) {
     return lookup(nibbles32(b + 16 + 32 * (s / 2), 4 * (s % 2)), t.plain);
   }
@@ -237,6 +262,14 @@ struct Q4_K {
 struct Q5_K {
   static constexpr int64_t elems = 256, bytes = 176;
   static constexpr bool has_m = true, spread = false, two_d = false;
+  static constexpr int offset = 0;
+  TANDEM_GGUF_BASE static __m256i as_u8(const uint8_t* b, int s) {
+    const __m256i u = nibble_bytes32(b + 48 + 32 * (s / 2), 4 * (s % 2));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+    const __mmask32 fifth = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << s)));
+    return _mm256_mask_add_epi8(u, fifth, u, _mm256_set1_epi8(16));
+  }
+  TANDEM_GGUF_BASE static void group_scales(const uint8_t* b, float* d, float* m) { group_scales_k4(b, d, m); }
   TANDEM_GGUF_TARGET static __m512i values(const uint8_t* b, int s, const Tables& t) {
     const __m512i q = nibbles32(b + 48 + 32 * (s / 2), 4 * (s % 2));
     const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
@@ -249,6 +282,19 @@ struct Q5_K {
 struct Q6_K {
   static constexpr int64_t elems = 256, bytes = 210;
   static constexpr bool has_m = false, spread = false, two_d = true;
+  static constexpr int offset = 32;
+  TANDEM_GGUF_BASE static __m256i as_u8(const uint8_t* b, int s) {
+    const int h = s / 4, tt = s % 4;
+    const __m256i lo = nibble_bytes32(b + 64 * h + 32 * (tt % 2), 4 * (tt / 2));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+    const __m256i two = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * tt)), _mm256_set1_epi8(3));
+    return _mm256_or_si256(lo, _mm256_slli_epi16(two, 4));  // 0 .. 63: no bit crosses into the next byte
+  }
+  // d of values 16i .. 16i + 15 (group s: 2s and 2s + 1)
+  TANDEM_GGUF_BASE static void group_scales(const uint8_t* b, float* d, float*) {
+    const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+    _mm512_storeu_ps(d, _mm512_mul_ps(_mm512_set1_ps(half_at(b + 208)), _mm512_cvtepi32_ps(sc)));
+  }
   TANDEM_GGUF_TARGET static __m512i values(const uint8_t* b, int s, const Tables& t) {
     const int h = s / 4, tt = s % 4;
     const __m512i lo = nibbles32(b + 64 * h + 32 * (tt % 2), 4 * (tt / 2));
@@ -420,7 +466,7 @@ TANDEM_GGUF_TARGET void linear(float* out, const uint16_t* x, int64_t m_size, co
 }
 
 
-// ---- int8 products (AVX512-VNNI) for up to kInt8Rows rows of bfloat16 x, 32-value types ----
+// ---- int8 products (AVX512-VNNI) for up to kInt8Rows rows of bfloat16 x ----
 //
 // Each 32-value group of a row of x becomes 15-bit fixed point: xq = x / step rounded to the
 // nearest integer, step = 2^(e - 13) for the group's largest |x| in [2^e, 2^(e + 1)), so |xq| <=
@@ -428,15 +474,16 @@ TANDEM_GGUF_TARGET void linear(float* out, const uint16_t* x, int64_t m_size, co
 // significant bits); a smaller one is off by at most step / 2. xq = 256 hi + lo with signed bytes
 // hi and lo, and vpdpbusd (unsigned bytes times signed bytes, four products a lane added in
 // int32) takes a block's bytes u (as_u8) against both: 256 (u . hi) + u . lo, exact in int32.
-// With w = d (u - offset) + m, lane by lane:
+// With w = d (u - offset) + m, lane by lane (4 values a lane, so Q6_K's d of 16 values is one a
+// half of the lanes):
 //
 //   x . w = sum_g step_g d_g (u . xq - offset * sum xq)_g + sum_g m_g step_g (sum xq)_g
 //
 // The offset's part is an int32 vector a group of x (corr), taken off before the lanes convert to
-// float32 (exact below 2^24, a float32 rounding above) and meet d * step in an FMA; d and m come from the block's head
-// in the loop. A block turns into bytes in about half the instructions it takes to turn it into
-// bfloat16, and its products need 32-byte registers only: for a decode step's one to three rows
-// the fixed point is the better trade (the K-quants' 6-bit scales cost it more than it saves).
+// float32 (exact below 2^24, a float32 rounding above) and meet d * step in an FMA; d and m come
+// from the block's head in the loop (the K-quants': group_scales, once a block). A block turns into
+// bytes in about half the instructions it takes to turn it into bfloat16, and its products need
+// 32-byte registers only: for a decode step's one to three rows the fixed point is the better trade.
 struct FixedRows {
   std::vector<int8_t> hi, lo;  // [M][K]
   std::vector<int32_t> corr;   // [M][K / 32][8]: offset times each lane's sum of xq
@@ -502,20 +549,36 @@ TANDEM_GGUF_VNNI void tile_int8(const FixedRows& fx, int64_t first, const uint8_
   for (int r = 0; r < rows; ++r) {
     for (int c = 0; c < cols; ++c) acc[r][c] = acc_m[r][c] = _mm256_setzero_ps();
   }
+  constexpr int per_block = static_cast<int>(B::elems / 32);
+  alignas(64) float block_d[cols][16], block_m[cols][8];  // a K-quant block's group_scales
   for (int64_t g = 0; g < groups; ++g) {
-    if (((g * B::bytes) & 63) < B::bytes) {
-      for (int c = 0; c < cols; ++c) _mm_prefetch(ahead + c * row_bytes + g * B::bytes, _MM_HINT_T0);
+    const int64_t kb = g / per_block;
+    const int s = static_cast<int>(g % per_block);
+    // every 64-byte line of the output rows kAhead ahead, once
+    const int64_t line = per_block == 1 ? (((g * B::bytes) & 63) < B::bytes ? 0 : -1) : (64 * s < B::bytes + 64 ? 64 * s : -1);
+    if (line >= 0) {
+      for (int c = 0; c < cols; ++c) _mm_prefetch(ahead + c * row_bytes + kb * B::bytes + line, _MM_HINT_T0);
     }
     __m256i u[cols];
     __m256 d[cols], m[cols];
     for (int c = 0; c < cols; ++c) {
-      const uint8_t* b = w + c * row_bytes + g * B::bytes;
-      u[c] = B::as_u8(b);
-      uint32_t head;  // d, and m where the type has one
-      std::memcpy(&head, b, 4);
-      const __m256 dm = _mm256_cvtph_ps(_mm_set1_epi32(static_cast<int>(head)));
-      d[c] = _mm256_permute_ps(dm, 0x00);
-      if (B::has_m) m[c] = _mm256_permute_ps(dm, 0x55);
+      const uint8_t* b = w + c * row_bytes + kb * B::bytes;
+      u[c] = B::as_u8(b, s);
+      if constexpr (per_block == 1) {
+        uint32_t head;  // d, and m where the type has one
+        std::memcpy(&head, b, 4);
+        const __m256 dm = _mm256_cvtph_ps(_mm_set1_epi32(static_cast<int>(head)));
+        d[c] = _mm256_permute_ps(dm, 0x00);
+        if (B::has_m) m[c] = _mm256_permute_ps(dm, 0x55);
+      } else {
+        if (s == 0) B::group_scales(b, block_d[c], block_m[c]);
+        if (B::two_d)  // lanes 0-3 sum values 0-15, lanes 4-7 values 16-31
+          d[c] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(block_d[c] + 2 * s)),
+                                      _mm_broadcast_ss(block_d[c] + 2 * s + 1), 1);
+        else
+          d[c] = _mm256_broadcast_ss(block_d[c] + s);
+        if (B::has_m) m[c] = _mm256_broadcast_ss(block_m[c] + s);
+      }
     }
     for (int r = 0; r < rows; ++r) {
       const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + r * k_size + 32 * g));
@@ -557,7 +620,6 @@ TANDEM_GGUF_VNNI void tile_int8_cols(int cols, const FixedRows& fx, int64_t firs
 template <typename B>
 TANDEM_GGUF_VNNI bool linear_int8(float* out, const uint16_t* x, int64_t m_size, const uint8_t* w, int64_t n_size,
                                   int64_t k_size) {
-  static_assert(B::elems == 32, "one block a group");
   static thread_local FixedRows fx;
   if (!to_fixed(x, m_size, k_size, B::offset, fx)) return false;
   const int64_t row_bytes = k_size / B::elems * B::bytes;
@@ -592,7 +654,7 @@ TANDEM_GGUF_BASE bool cpu_has_vnni() {
 }  // namespace
 
 // out [M, N] float32 = x [M, K] bfloat16 (contiguous) @ W.T of ggml_type's blocks: up to
-// kInt8Rows rows of a 32-value type by linear_int8 where the CPU has AVX512-VNNI (and
+// kInt8Rows rows by linear_int8 where the CPU has AVX512-VNNI (and
 // use_gguf_int8 did not turn it off) and x is finite, else by linear on AVX512-BF16. False, with
 // nothing written, where neither takes it: no AVX512-BF16, a type without a kernel here, or M
 // above kMaxRows (where gguf_matmul.cpp's kernel, which widens each block once a call for every
@@ -608,6 +670,9 @@ bool gguf_linear_few_rows(float* out, const uint16_t* x, int64_t m_size, const u
       case 6: done = linear_int8<Q5_0>(out, x, m_size, w, n_size, k_size); break;
       case 7: done = linear_int8<Q5_1>(out, x, m_size, w, n_size, k_size); break;
       case 8: done = linear_int8<Q8_0>(out, x, m_size, w, n_size, k_size); break;
+      case 12: done = linear_int8<Q4_K>(out, x, m_size, w, n_size, k_size); break;
+      case 13: done = linear_int8<Q5_K>(out, x, m_size, w, n_size, k_size); break;
+      case 14: done = linear_int8<Q6_K>(out, x, m_size, w, n_size, k_size); break;
       default: break;
     }
     if (done) return true;

@@ -69,7 +69,7 @@ def _cpu_flags() -> set[str]:
 
 needs_vnni = pytest.mark.skipif(not {"avx512_vnni", "avx512bw", "avx512vl"} <= _cpu_flags(),
                                 reason="the int8 kernel (gguf_dpbf16.cpp's linear_int8) needs AVX512-VNNI")
-INT8_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
+INT8_TYPES = TYPES
 
 
 @pytest.fixture
@@ -101,11 +101,11 @@ def assert_rounded_once(y: torch.Tensor, ref: torch.Tensor) -> None:
 @pytest.mark.parametrize("m", [1, 2, 3])
 @pytest.mark.parametrize("ggml_type", INT8_TYPES, ids=lambda t: t.name)
 def test_one_to_three_bfloat16_rows_multiply_x_in_fixed_point(ggml_type, m, gen):
-    """linear_int8 (1 to 3 rows of bfloat16 x, 32-value types, AVX512-VNNI): each output is the
+    """linear_int8 (1 to 3 rows of bfloat16 x, AVX512-VNNI): each output is the
     float64 product of x in 15-bit fixed point a group (fixed_point) and the dequantized weight,
-    rounded to bfloat16 once; K of 19 blocks, N not a multiple of the tiles, a group of zeros and
-    one of large values beside small ones (rounded off)."""
-    k, n = in_features(ggml_type, 19), 39
+    rounded to bfloat16 once; K of 19 blocks (3 of the K-quants), N not a multiple of the tiles, a
+    group of zeros and one of large values beside small ones (rounded off)."""
+    k, n = in_features(ggml_type, 19 if GGML_QUANT_SIZES[ggml_type][0] == 32 else 3), 39
     qweight = packed(ggml_type, n, k, seed=m)
     x = torch.randn(m, k, generator=gen)
     x[0, :32] = 0.0
