@@ -44,7 +44,7 @@ bool dpbf16_supported();
 #define TANDEM_GGUF_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c,bmi2")))
 // the int8 kernel (linear_int8) and what it shares with the bfloat16 one: no bfloat16 instructions
 #define TANDEM_GGUF_BASE __attribute__((target("avx512f,avx512bw,avx512vl,f16c,bmi2")))
-#define TANDEM_GGUF_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,bmi2")))
+#define TANDEM_GGUF_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c,bmi2")))
 #endif
 
 namespace {
@@ -232,6 +232,10 @@ TANDEM_GGUF_TARGET inline void scales_k4(const uint8_t* b, int s, float* d, floa
   tandem_gguf::scale_min_k4(b + 4, s, sc, mn);
   *d = half_at(b) * static_cast<float>(sc), *m = -half_at(b + 2) * static_cast<float>(mn);
 }
+// 8 bytes as 8 float32 (a function, not a lambda: a lambda does not take its caller's target)
+TANDEM_GGUF_BASE inline __m256 byte_floats(uint64_t bytes) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(bytes))));
+}
 // the d * sc and -dmin * mn of a Q4_K / Q5_K super-block's 8 groups (scale_min_k4's unpacking,
 // the 8 groups at once: bytes 0-3 of the 12 hold sc 0-3 and the top 2 bits of sc 4-7, bytes 4-7 mn
 // 0-3 and the top bits of mn 4-7, bytes 8-11 the low 4 bits of sc 4-7 and of mn 4-7)
@@ -240,11 +244,8 @@ TANDEM_GGUF_BASE inline void group_scales_k4(const uint8_t* b, float* d, float* 
   std::memcpy(&a, b + 4, 4), std::memcpy(&bb, b + 8, 4), std::memcpy(&c, b + 12, 4);
   const uint64_t sc = uint64_t{a & 0x3F3F3F3Fu} | uint64_t{(c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u)} << 32;
   const uint64_t mn = uint64_t{bb & 0x3F3F3F3Fu} | uint64_t{((c >> 4) & 0x0F0F0F0Fu) | ((bb >> 2) & 0x30303030u)} << 32;
-  const auto floats = [](uint64_t bytes) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(bytes))));
-  };
-  _mm256_storeu_ps(d, _mm256_mul_ps(_mm256_set1_ps(half_at(b)), floats(sc)));
-  _mm256_storeu_ps(m, _mm256_mul_ps(_mm256_set1_ps(-half_at(b + 2)), floats(mn)));
+  _mm256_storeu_ps(d, _mm256_mul_ps(_mm256_set1_ps(half_at(b)), byte_floats(sc)));
+  _mm256_storeu_ps(m, _mm256_mul_ps(_mm256_set1_ps(-half_at(b + 2)), byte_floats(mn)));
 }
 struct Q4_K {
   static constexpr int64_t elems = 256, bytes = 144;
@@ -645,8 +646,8 @@ TANDEM_GGUF_VNNI bool linear_int8(float* out, const uint16_t* x, int64_t m_size,
 
 TANDEM_GGUF_BASE bool cpu_has_vnni() {
   static const bool supported = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
-                                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c") &&
-                                __builtin_cpu_supports("bmi2");
+                                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma") &&
+                                __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2");
   return supported;
 }
 #endif  // TANDEM_GGUF_DPBF16
