@@ -23,24 +23,33 @@ def _free_port() -> int:
 
 
 def _start(model_args: list[str], shutdown_timeout_s: float, **env) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    """A `tandem serve` process on a free port, once /health answers. The port is free when picked
+    but may be taken before the server binds it (by another process's outgoing connection, say):
+    then the server exits with EADDRINUSE and a new port is tried, up to three times."""
     env = {**os.environ, "TANDEM_SERVER__SHUTDOWN_TIMEOUT_S": str(shutdown_timeout_s),
            "TANDEM_ENGINE__NUM_KV_BLOCKS": "64", **env}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem", "serve", *model_args, "--port", str(port)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()[1]
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise TimeoutError("the server did not start")
+    for attempt in range(3):
+        port = _free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tandem", "serve", *model_args, "--port", str(port)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                stderr = proc.communicate()[1]
+                assert attempt < 2 and "address already in use" in stderr, stderr
+                break
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    return proc, url
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        else:
+            proc.kill()
+            raise TimeoutError("the server did not start")
+    raise AssertionError("unreachable")
 
 
 def _stream_until_sigterm(proc: subprocess.Popen, url: str, max_tokens: int) -> list[dict]:
