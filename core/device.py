@@ -51,19 +51,25 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str | None 
     return torch.bfloat16
 
 
-@functools.cache
-def cpu_has_native_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
-    """Whether the CPU's flags (Linux's /proc/cpuinfo) include AVX512-BF16 or AMX-BF16; False
-    where that file does not exist or cannot be read."""
+def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> frozenset[str]:
+    """The CPU's instruction-set flags: the first ``flags`` (x86) or ``Features`` (Arm) line of
+    Linux's /proc/cpuinfo; empty where that file does not exist or cannot be read."""
     try:
         text = Path(cpuinfo).read_text()
     except OSError:
-        return False
+        return frozenset()
     for line in text.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.partition(":")[2].split())
-            return any(flag in flags for flag in _NATIVE_BF16_FLAGS)
-    return False
+        name, _, value = line.partition(":")
+        if name.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+@functools.cache
+def cpu_has_native_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
+    """Whether the CPU's flags (``cpu_flags``) include AVX512-BF16 or AMX-BF16; False where they
+    cannot be read."""
+    return any(flag in cpu_flags(cpuinfo) for flag in _NATIVE_BF16_FLAGS)
 
 
 def available_memory_bytes(device: torch.device, meminfo: str | Path = "/proc/meminfo") -> tuple[int, int] | None:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tandem import device as tdevice
-from tandem.device import cpu_has_native_bf16, resolve_device, resolve_dtype
+from tandem.device import cpu_flags, cpu_has_native_bf16, resolve_device, resolve_dtype
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -52,6 +52,15 @@ def test_native_bf16_from_cpu_flags(tmp_path):
     assert flags("flags\t\t: fpu avx2 amx_tile amx_bf16 amx_int8")
     assert not flags("flags\t\t: fpu sse2 avx2 avx512f avx512bw")  # AVX-512 without BF16
     assert not cpu_has_native_bf16(tmp_path / "missing")
+
+
+def test_cpu_flags_are_the_first_flags_or_features_line(tmp_path):
+    x86, arm, missing = tmp_path / "x86", tmp_path / "arm", tmp_path / "missing"
+    x86.write_text("processor\t: 0\nmodel name\t: x\nflags\t\t: fpu avx2 avx512_vnni\n\nprocessor\t: 1\nflags\t\t: fpu\n")
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd sve\n")
+    assert cpu_flags(x86) == {"fpu", "avx2", "avx512_vnni"}
+    assert cpu_flags(arm) == {"fp", "asimd", "sve"}
+    assert cpu_flags(missing) == frozenset()
 
 
 def test_auto_device():

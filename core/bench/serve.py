@@ -271,14 +271,19 @@ def start_server(model: str, server_args: list[str],
 def start_process(cmd: list[str], port: int, timeout_s: float,
                   stdout: Any = None, **popen: Any) -> tuple[subprocess.Popen, str]:
     """Starts the server ``cmd`` (``popen``: more arguments of ``subprocess.Popen``) listening
-    on 127.0.0.1:``port``; returns once its /health answers 200. A server that exits or is not
-    ready within ``timeout_s`` raises."""
+    on 127.0.0.1:``port``; returns once its /health answers 200. A server that exits (RuntimeError,
+    with the end of its stderr where ``popen`` pipes it) or is not ready within ``timeout_s``
+    raises."""
     proc = subprocess.Popen(cmd, stdout=stdout, **popen)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with status {proc.returncode}: {shlex.join(cmd)}")
+            stderr = proc.stderr.read() if proc.stderr is not None else ""
+            if isinstance(stderr, bytes):
+                stderr = stderr.decode(errors="replace")
+            raise RuntimeError(f"the server exited with status {proc.returncode}: {shlex.join(cmd)}"
+                               + (f"\n{stderr[-4000:]}" if stderr else ""))
         try:
             if httpx.get(f"{url}/health", timeout=5).status_code == 200:
                 return proc, url

@@ -61,6 +61,8 @@ from pathlib import Path
 
 import torch
 
+from tandem.device import cpu_flags
+
 logger = logging.getLogger("tandem")
 
 M_BUCKETS = (1, 4, 16, 64, 256)
@@ -285,16 +287,14 @@ def machine_key() -> dict[str, object]:
     threads, and the build of tandem's linear kernels (not of the rest of the library)."""
     from tandem.kernels import cpu_ops
 
-    model, flags = platform.processor() or platform.machine(), set()
+    model = platform.processor() or platform.machine()
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             name, _, value = line.partition(":")
             if name.strip() == "model name":
                 model = value.strip()
-            elif name.strip() in ("flags", "Features"):
-                flags = set(value.split())
                 break
-    return {"version": CACHE_VERSION, "cpu": model, "isa": sorted(flags & set(ISA_FLAGS)),
+    return {"version": CACHE_VERSION, "cpu": model, "isa": sorted(cpu_flags() & set(ISA_FLAGS)),
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "kernels": cpu_ops.linear_build() if cpu_ops.load() else None}
 

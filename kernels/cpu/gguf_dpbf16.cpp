@@ -24,9 +24,9 @@
 // AVX512-BF16 code is compiled for that ISA alone (a target attribute) and runs only where
 // dpbf16_supported() (linear_dpbf16.cpp).
 //
-// For 1 to 3 rows of x (a decode step at low concurrency), linear_int8
-// takes x in 15-bit fixed point and multiplies bytes by AVX512-VNNI's vpdpbusd instead (its own
-// comment says how, and how close to x it stays); it needs AVX512-VNNI, not AVX512-BF16.
+// For 1 to 3 rows of x (a decode step at low concurrency), linear_int8 takes x in 15-bit fixed
+// point and multiplies bytes by AVX512-VNNI's vpdpbusd instead (its own comment says how, and how
+// close to x it stays); it needs AVX512-VNNI, not AVX512-BF16.
 #include "gguf_blocks.h"
 #include "work_queue.h"
 
@@ -58,7 +58,7 @@ constexpr int kCols = 4;    // output rows a tile
 constexpr int64_t kGroup = 16;  // output rows a group
 constexpr int64_t kMaxRows = 12;  // rows of x taken here (gguf_linear_few_rows)
 constexpr int64_t kAhead = 16;  // a tile asks for the weights of the output rows this far ahead
-constexpr int64_t kInt8Rows = 3;  // rows of x taken by linear_int8 (measured: the bfloat16 kernel wins from 4)
+constexpr int64_t kInt8Rows = 3;  // rows of x taken by linear_int8 (measured: from 4 the bfloat16 kernel)
 
 TANDEM_GGUF_BASE inline float half_at(const uint8_t* p) {
   uint16_t bits;
@@ -534,17 +534,17 @@ TANDEM_GGUF_VNNI bool to_fixed(const uint16_t* x, int64_t m_size, int64_t k_size
   return true;
 }
 
-// out[r * ldo + c] = x[r] . w[c] for r < rows (x's FixedRows from row `first`, K apart), c < cols
-// (w's rows row_bytes apart)
+// out[r * ldo + c] = x[r] . w[c] for r < rows (all of fx's rows, K apart), c < cols (w's rows
+// row_bytes apart)
 template <typename B, int rows, int cols>
-TANDEM_GGUF_VNNI void tile_int8(const FixedRows& fx, int64_t first, const uint8_t* w, int64_t row_bytes,
-                                int64_t k_size, float* out, int64_t ldo) {
+TANDEM_GGUF_VNNI void tile_int8(const FixedRows& fx, const uint8_t* w, int64_t row_bytes, int64_t k_size, float* out,
+                                int64_t ldo) {
   const int64_t groups = k_size / 32;
-  const int8_t* hi = fx.hi.data() + first * k_size;
-  const int8_t* lo = fx.lo.data() + first * k_size;
-  const int32_t* corr = fx.corr.data() + first * groups * 8;
-  const float* step = fx.step.data() + first * groups;
-  const float* sums = fx.sums.data() + first * groups;
+  const int8_t* hi = fx.hi.data();
+  const int8_t* lo = fx.lo.data();
+  const int32_t* corr = fx.corr.data();
+  const float* step = fx.step.data();
+  const float* sums = fx.sums.data();
   const char* ahead = reinterpret_cast<const char*>(w) + kAhead * row_bytes;
   __m256 acc[rows][cols], acc_m[rows][cols];
   for (int r = 0; r < rows; ++r) {
@@ -556,7 +556,8 @@ TANDEM_GGUF_VNNI void tile_int8(const FixedRows& fx, int64_t first, const uint8_
     const int64_t kb = g / per_block;
     const int s = static_cast<int>(g % per_block);
     // every 64-byte line of the output rows kAhead ahead, once
-    const int64_t line = per_block == 1 ? (((g * B::bytes) & 63) < B::bytes ? 0 : -1) : (64 * s < B::bytes + 64 ? 64 * s : -1);
+    const int64_t line = per_block == 1 ? (((g * B::bytes) & 63) < B::bytes ? 0 : -1)
+                                        : (64 * s < B::bytes + 64 ? 64 * s : -1);
     if (line >= 0) {
       for (int c = 0; c < cols; ++c) _mm_prefetch(ahead + c * row_bytes + kb * B::bytes + line, _MM_HINT_T0);
     }
@@ -607,13 +608,13 @@ TANDEM_GGUF_VNNI void tile_int8(const FixedRows& fx, int64_t first, const uint8_
 }
 
 template <typename B, int rows>
-TANDEM_GGUF_VNNI void tile_int8_cols(int cols, const FixedRows& fx, int64_t first, const uint8_t* w, int64_t row_bytes,
+TANDEM_GGUF_VNNI void tile_int8_cols(int cols, const FixedRows& fx, const uint8_t* w, int64_t row_bytes,
                                      int64_t k_size, float* out, int64_t ldo) {
   switch (cols) {
-    case 1: return tile_int8<B, rows, 1>(fx, first, w, row_bytes, k_size, out, ldo);
-    case 2: return tile_int8<B, rows, 2>(fx, first, w, row_bytes, k_size, out, ldo);
-    case 3: return tile_int8<B, rows, 3>(fx, first, w, row_bytes, k_size, out, ldo);
-    default: return tile_int8<B, rows, kCols>(fx, first, w, row_bytes, k_size, out, ldo);
+    case 1: return tile_int8<B, rows, 1>(fx, w, row_bytes, k_size, out, ldo);
+    case 2: return tile_int8<B, rows, 2>(fx, w, row_bytes, k_size, out, ldo);
+    case 3: return tile_int8<B, rows, 3>(fx, w, row_bytes, k_size, out, ldo);
+    default: return tile_int8<B, rows, kCols>(fx, w, row_bytes, k_size, out, ldo);
   }
 }
 
@@ -634,9 +635,9 @@ TANDEM_GGUF_VNNI bool linear_int8(float* out, const uint16_t* x, int64_t m_size,
         const uint8_t* wc = w + (n0 + c0) * row_bytes;
         float* o = out + n0 + c0;
         switch (m_size) {
-          case 1: tile_int8_cols<B, 1>(cols, rows_x, 0, wc, row_bytes, k_size, o, n_size); break;
-          case 2: tile_int8_cols<B, 2>(cols, rows_x, 0, wc, row_bytes, k_size, o, n_size); break;
-          default: tile_int8_cols<B, kInt8Rows>(cols, rows_x, 0, wc, row_bytes, k_size, o, n_size); break;
+          case 1: tile_int8_cols<B, 1>(cols, rows_x, wc, row_bytes, k_size, o, n_size); break;
+          case 2: tile_int8_cols<B, 2>(cols, rows_x, wc, row_bytes, k_size, o, n_size); break;
+          default: tile_int8_cols<B, kInt8Rows>(cols, rows_x, wc, row_bytes, k_size, o, n_size); break;
         }
       }
     }
@@ -655,8 +656,8 @@ TANDEM_GGUF_BASE bool cpu_has_vnni() {
 }  // namespace
 
 // out [M, N] float32 = x [M, K] bfloat16 (contiguous) @ W.T of ggml_type's blocks: up to
-// kInt8Rows rows by linear_int8 where the CPU has AVX512-VNNI (and
-// use_gguf_int8 did not turn it off) and x is finite, else by linear on AVX512-BF16. False, with
+// kInt8Rows rows by linear_int8 where the CPU has AVX512-VNNI (and use_gguf_int8 did not turn it
+// off) and x is finite, else by linear on AVX512-BF16. False, with
 // nothing written, where neither takes it: no AVX512-BF16, a type without a kernel here, or M
 // above kMaxRows (where gguf_matmul.cpp's kernel, which widens each block once a call for every
 // row, is the faster)

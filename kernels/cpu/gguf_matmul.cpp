@@ -29,10 +29,9 @@
 // bfloat16 x on a CPU with AVX512-BF16 goes to gguf_dpbf16.cpp (blocks turned into bfloat16 in
 // registers; for 1 to 3 rows with AVX512-VNNI, the blocks' bytes against x in fixed point) while
 // the rows are few, and with more rows to linear_dpbf16.cpp's kernels on slices of W turned into
-// bfloat16 pair panels (linear_by_panels). Otherwise each block widens to
-// float32 (AVX2 where built for it) into a per-thread buffer that holds a group of rows of W,
-// which every row of x then dots with (linear_impl): the weight is read once per call, as packed
-// bytes, for any M.
+// bfloat16 pair panels (linear_by_panels). Otherwise each block widens to float32 (AVX2 where
+// built for it) into a per-thread buffer that holds a group of rows of W, which every row of x
+// then dots with (linear_impl): the weight is read once per call, as packed bytes, for any M.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>

@@ -7,19 +7,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tandem.bench.serve import free_port, start_process
 
 
 def _start(model_args: list[str], shutdown_timeout_s: float, **env) -> tuple[subprocess.Popen, str]:
@@ -29,26 +23,13 @@ def _start(model_args: list[str], shutdown_timeout_s: float, **env) -> tuple[sub
     env = {**os.environ, "TANDEM_SERVER__SHUTDOWN_TIMEOUT_S": str(shutdown_timeout_s),
            "TANDEM_ENGINE__NUM_KV_BLOCKS": "64", **env}
     for attempt in range(3):
-        port = _free_port()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem", "serve", *model_args, "--port", str(port)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                stderr = proc.communicate()[1]
-                assert attempt < 2 and "address already in use" in stderr, stderr
-                break
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    return proc, url
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        else:
-            proc.kill()
-            raise TimeoutError("the server did not start")
+        port = free_port()
+        cmd = [sys.executable, "-m", "tandem", "serve", *model_args, "--port", str(port)]
+        try:
+            return start_process(cmd, port, 120, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        except RuntimeError as exc:
+            if attempt == 2 or "address already in use" not in str(exc):
+                raise
     raise AssertionError("unreachable")
 
 
