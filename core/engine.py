@@ -185,7 +185,7 @@ class LLMEngine:
 
     def _build_structured_outputs(self) -> StructuredOutputManager:
         """The grammars of constrained requests (the backend reads the whole vocabulary once,
-        on the compile thread, while the engine starts)."""
+        when the first constrained request needs it)."""
         from tandem.models.loader import load_tokenizer
 
         eng = self.config.engine

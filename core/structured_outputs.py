@@ -20,8 +20,10 @@ The engine process holds every grammar (the workers only apply the bitmask it se
 
 Compiled grammars are cached by ``StructuredOutputsParams.key`` (the grammar's canonical text
 and options) in a ``GrammarCache``, which one-off grammars cannot flush; a grammar that timed
-out is remembered and refused at once. The backend is built on a thread of its own when the
-manager is (it reads the whole vocabulary once). Constrained sequences get no speculative
+out is remembered and refused at once. The backend is built when the first constrained request
+needs it (it loads a tokenizer of its own and reads the whole vocabulary once: seconds on a
+large vocabulary), not while the engine starts, where it would take a core from the first
+requests' steps on a small machine. Constrained sequences get no speculative
 drafts (the scheduler skips them), so every row is the grammar's next token.
 
 Grammar time per token. A row's mask is filled with the others in one batch; when the batch
@@ -95,9 +97,9 @@ class StructuredOutputManager:
         self.compile_timeout_s = compile_timeout_s
         self.max_ms_per_token = max_ms_per_token
         # the backend gets a tokenizer of its own: a fast tokenizer is not safe across threads
+        self._backend_args = (backend_cls, load_tokenizer, stop_token_ids)
         self._backend: Future[StructuredOutputBackend] = Future()
-        threading.Thread(target=self._build_backend, args=(backend_cls, load_tokenizer, stop_token_ids),
-                         name="tandem-grammar-backend", daemon=True).start()
+        self._backend_lock = threading.Lock()
         self._small = CompilePool(1, "small")
         self._large = CompilePool(compile_threads, "large", nice=LARGE_GRAMMAR_NICE)
         self._lock = threading.Lock()
@@ -110,15 +112,25 @@ class StructuredOutputManager:
         self._fill_ms: dict[str, float] = {}
         self._over_budget: dict[str, int] = {}
 
+    @property
+    def backend(self) -> StructuredOutputBackend:
+        """The backend, built on the calling thread by the first caller (the others wait for
+        it); a build that failed raises its error to every caller."""
+        if not self._backend.done():
+            with self._backend_lock:
+                if not self._backend.done():
+                    self._build_backend(*self._backend_args)
+        return self._backend.result()
+
     def _build_backend(self, backend_cls, load_tokenizer, stop_token_ids) -> None:
+        t0 = time.perf_counter()
         try:
             self._backend.set_result(backend_cls(load_tokenizer(), self.vocab_size, stop_token_ids))
         except BaseException as exc:  # noqa: BLE001 - raised where the backend is used
             self._backend.set_exception(exc)
-
-    @property
-    def backend(self) -> StructuredOutputBackend:
-        return self._backend.result()
+            return
+        logger.info("structured outputs: the %s backend read the vocabulary (%d tokens) in %.1f s",
+                    self.backend_name, self.vocab_size, time.perf_counter() - t0)
 
     def validate(self, params: StructuredOutputsParams) -> None:
         """Raise ``InvalidRequest`` (field ``structured_outputs``) naming what the backend

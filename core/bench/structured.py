@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     plain = SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True)
     constrained = SamplingParams(temperature=1.0, max_tokens=n, structured_outputs={"json": schema(n)})
 
-    engine.structured.backend  # the backend reads the vocabulary once, at start-up: not a compile
+    engine.structured.backend  # the backend reads the vocabulary once, on first use: not a compile
     t0 = time.perf_counter()
     engine.structured.submit(constrained.structured_outputs).future.result()
     first_compile_s = time.perf_counter() - t0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 
 import jsonschema
 import pytest
@@ -177,6 +178,46 @@ class _GatedPlugin:
                 return super().compile(params)
 
         register("gated", Gated)
+
+
+BUILT: list[str] = []
+
+
+class _CountingPlugin:
+    """xgrammar, remembering the thread that built each backend."""
+
+    @tandem.hookimpl
+    def tandem_register_structured_output_backends(self, register):
+        from tandem.plugins.xgrammar_backend import XGrammarBackend
+
+        class Counting(XGrammarBackend):
+            name = "counting"
+
+            def __init__(self, *args, **kwargs):
+                BUILT.append(threading.current_thread().name)
+                super().__init__(*args, **kwargs)
+
+        register("counting", Counting)
+
+
+def test_the_backend_reads_the_vocabulary_when_the_first_constrained_request_needs_it():
+    """Not while the engine starts (it would take a core from the first requests' steps): an
+    engine that serves only plain requests never builds it; the first constrained request
+    builds it once, on its own thread, and the next ones reuse it."""
+    BUILT.clear()
+    with installed(_CountingPlugin()):
+        llm = LLM(model=str(tiny_model_dir("llama")), num_kv_blocks=64, structured_output_backend="counting")
+    try:
+        time.sleep(0.2)
+        plain = llm.generate(["Once upon"], SamplingParams(temperature=0.0, max_tokens=4))
+        assert len(plain[0].outputs[0].token_ids) == 4 and BUILT == []
+        params = SamplingParams(temperature=0.0, max_tokens=20, structured_outputs={"regex": "(yes|no)"})
+        for _ in range(2):
+            out = llm.generate(["Answer:"], params)[0].outputs[0]
+            assert out.text in ("yes", "no")
+        assert BUILT == [threading.current_thread().name]
+    finally:
+        llm.engine.close()
 
 
 def test_a_request_waits_for_its_grammar_outside_the_step():
