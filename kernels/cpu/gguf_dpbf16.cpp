@@ -57,7 +57,16 @@ constexpr int kRows = 4;    // rows of x a tile
 constexpr int kCols = 4;    // output rows a tile
 constexpr int64_t kGroup = 16;  // output rows a group
 constexpr int64_t kMaxRows = 12;  // rows of x taken here (gguf_linear_few_rows)
-constexpr int64_t kAhead = 16;  // a tile asks for the weights of the output rows this far ahead
+// A tile asks, as it starts, for every 64-byte line of its output rows' weights this many bytes
+// further on, into L2 (prefetcht1). The decode kernels compute slower than memory delivers; from
+// memory a thread waits on its own loads, and the hardware prefetchers do not run far enough
+// ahead. Requests into L1 (prefetcht0), or spread over the K loop, measured no faster on Zen 4;
+// these, at 8-64 KiB, about 1.5x on an LM head at one row (docs/benchmarks.md).
+constexpr int64_t kAheadBytes = 16384;
+TANDEM_GGUF_BASE inline void prefetch_ahead(const uint8_t* w, int64_t bytes) {
+  const char* ahead = reinterpret_cast<const char*>(w) + kAheadBytes;
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T1);
+}
 constexpr int64_t kInt8Rows = 3;  // rows of x taken by linear_int8 (measured: from 4 the bfloat16 kernel)
 
 TANDEM_GGUF_BASE inline float half_at(const uint8_t* p) {
@@ -347,15 +356,12 @@ TANDEM_GGUF_TARGET void tile(const uint16_t* x, int64_t ldx, const float* sums, 
   constexpr int per_block = static_cast<int>(B::elems / 32);
   constexpr int nd = B::two_d ? 2 : 1;
   const int64_t blocks = k_size / B::elems, groups = k_size / 32;
-  const char* ahead = reinterpret_cast<const char*>(w) + kAhead * row_bytes;
   __m512 acc[rows][cols];
   for (int r = 0; r < rows; ++r) {
     for (int c = 0; c < cols; ++c) acc[r][c] = _mm512_setzero_ps();
   }
+  prefetch_ahead(w, cols * row_bytes);
   for (int64_t kb = 0; kb < blocks; ++kb) {
-    if (((kb * B::bytes) & 63) < B::bytes) {
-      for (int c = 0; c < cols; ++c) _mm_prefetch(ahead + c * row_bytes + kb * B::bytes, _MM_HINT_T0);
-    }
     for (int s = 0; s < per_block; ++s) {
       const int64_t g = kb * per_block + s;
       __m512bh xv[rows];
@@ -545,22 +551,16 @@ TANDEM_GGUF_VNNI void tile_int8(const FixedRows& fx, const uint8_t* w, int64_t r
   const int32_t* corr = fx.corr.data();
   const float* step = fx.step.data();
   const float* sums = fx.sums.data();
-  const char* ahead = reinterpret_cast<const char*>(w) + kAhead * row_bytes;
   __m256 acc[rows][cols], acc_m[rows][cols];
   for (int r = 0; r < rows; ++r) {
     for (int c = 0; c < cols; ++c) acc[r][c] = acc_m[r][c] = _mm256_setzero_ps();
   }
   constexpr int per_block = static_cast<int>(B::elems / 32);
+  prefetch_ahead(w, cols * row_bytes);
   alignas(64) float block_d[cols][16], block_m[cols][8];  // a K-quant block's group_scales
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t kb = g / per_block;
     const int s = static_cast<int>(g % per_block);
-    // every 64-byte line of the output rows kAhead ahead, once
-    const int64_t line = per_block == 1 ? (((g * B::bytes) & 63) < B::bytes ? 0 : -1)
-                                        : (64 * s < B::bytes + 64 ? 64 * s : -1);
-    if (line >= 0) {
-      for (int c = 0; c < cols; ++c) _mm_prefetch(ahead + c * row_bytes + kb * B::bytes + line, _MM_HINT_T0);
-    }
     __m256i u[cols];
     __m256 d[cols], m[cols];
     for (int c = 0; c < cols; ++c) {
