@@ -61,7 +61,8 @@ constexpr int64_t kMaxRows = 12;  // rows of x taken here (gguf_linear_few_rows)
 // further on, into L2 (prefetcht1). The decode kernels compute slower than memory delivers; from
 // memory a thread waits on its own loads, and the hardware prefetchers do not run far enough
 // ahead. Requests into L1 (prefetcht0), or spread over the K loop, measured no faster on Zen 4;
-// these, at 8-64 KiB, about 1.5x on an LM head at one row (docs/benchmarks.md).
+// these measured faster on an LM head at one row, the distance within a wide flat optimum
+// (docs/benchmarks.md).
 constexpr int64_t kAheadBytes = 16384;
 TANDEM_GGUF_BASE inline void prefetch_ahead(const uint8_t* w, int64_t bytes) {
   const char* ahead = reinterpret_cast<const char*>(w) + kAheadBytes;
