@@ -57,17 +57,6 @@ constexpr int kRows = 4;    // rows of x a tile
 constexpr int kCols = 4;    // output rows a tile
 constexpr int64_t kGroup = 16;  // output rows a group
 constexpr int64_t kMaxRows = 12;  // rows of x taken here (gguf_linear_few_rows)
-// A tile asks, as it starts, for every 64-byte line of its output rows' weights this many bytes
-// further on, into L2 (prefetcht1). The decode kernels compute slower than memory delivers; from
-// memory a thread waits on its own loads, and the hardware prefetchers do not run far enough
-// ahead. Requests into L1 (prefetcht0), or spread over the K loop, measured no faster on Zen 4;
-// these measured faster on an LM head at one row, the distance within a wide flat optimum
-// (docs/benchmarks.md).
-constexpr int64_t kAheadBytes = 16384;
-TANDEM_GGUF_BASE inline void prefetch_ahead(const uint8_t* w, int64_t bytes) {
-  const char* ahead = reinterpret_cast<const char*>(w) + kAheadBytes;
-  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T1);
-}
 constexpr int64_t kInt8Rows = 3;  // rows of x taken by linear_int8 (measured: from 4 the bfloat16 kernel)
 
 TANDEM_GGUF_BASE inline float half_at(const uint8_t* p) {
@@ -361,7 +350,7 @@ TANDEM_GGUF_TARGET void tile(const uint16_t* x, int64_t ldx, const float* sums, 
   for (int r = 0; r < rows; ++r) {
     for (int c = 0; c < cols; ++c) acc[r][c] = _mm512_setzero_ps();
   }
-  prefetch_ahead(w, cols * row_bytes);
+  tandem_gguf::prefetch_ahead(w, cols * row_bytes);
   for (int64_t kb = 0; kb < blocks; ++kb) {
     for (int s = 0; s < per_block; ++s) {
       const int64_t g = kb * per_block + s;
@@ -557,7 +546,7 @@ TANDEM_GGUF_VNNI void tile_int8(const FixedRows& fx, const uint8_t* w, int64_t r
     for (int c = 0; c < cols; ++c) acc[r][c] = acc_m[r][c] = _mm256_setzero_ps();
   }
   constexpr int per_block = static_cast<int>(B::elems / 32);
-  prefetch_ahead(w, cols * row_bytes);
+  tandem_gguf::prefetch_ahead(w, cols * row_bytes);
   alignas(64) float block_d[cols][16], block_m[cols][8];  // a K-quant block's group_scales
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t kb = g / per_block;

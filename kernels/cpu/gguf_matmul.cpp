@@ -355,9 +355,7 @@ void panels_of(uint16_t* panels, const uint8_t* w, int64_t row_bytes, int64_t n0
     static thread_local std::vector<float> buffer;
     float* block = scratch(buffer, 16 * T::elems);  // [16 rows][elems]
     for (int64_t p = begin; p < end; ++p) {
-      // the weight 16 KiB ahead into L2, as gguf_dpbf16.cpp's tiles ask for theirs
-      const char* ahead = reinterpret_cast<const char*>(w + (n0 + p * 16) * row_bytes) + 16384;
-      for (int64_t i = 0; i < 16 * row_bytes; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T1);
+      tandem_gguf::prefetch_ahead(w + (n0 + p * 16) * row_bytes, 16 * row_bytes);
       one_panel<T>(reinterpret_cast<uint32_t*>(panels) + p * (k_size / 2) * 16, w + (n0 + p * 16) * row_bytes,
                    row_bytes, std::min<int64_t>(16, rows - p * 16), k_size, block);
     }

@@ -208,7 +208,7 @@ def test_the_backend_reads_the_vocabulary_when_the_first_constrained_request_nee
     with installed(_CountingPlugin()):
         llm = LLM(model=str(tiny_model_dir("llama")), num_kv_blocks=64, structured_output_backend="counting")
     try:
-        time.sleep(0.2)
+        time.sleep(0.2)  # room for a build started with the engine (the old way) to show
         plain = llm.generate(["Once upon"], SamplingParams(temperature=0.0, max_tokens=4))
         assert len(plain[0].outputs[0].token_ids) == 4 and BUILT == []
         params = SamplingParams(temperature=0.0, max_tokens=20, structured_outputs={"regex": "(yes|no)"})
