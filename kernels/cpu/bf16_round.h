@@ -15,4 +15,15 @@ __attribute__((target("avx512f"))) inline __m256i round_to_bf16(__m512 v) {
   return _mm512_cvtepi32_epi16(rounded);
 }
 
+// widened_bf16(round_to_bf16(v)) without leaving the float32 lanes (no narrowing and widening
+// across lanes): the same rounding, the low 16 bits cleared
+__attribute__((target("avx512f"))) inline __m512 rounded_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
+                                           _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  return _mm512_mask_mov_ps(_mm512_castsi512_ps(rounded), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                            _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)));
+}
+
 }  // namespace tandem_cpu

@@ -159,21 +159,11 @@ inline void store_rows(const Problem& p, const float* acc, int64_t row0, int64_t
 }
 
 using tandem_cpu::round_to_bf16;  // bf16_round.h
+using tandem_cpu::rounded_bf16;
 
 // bfloat16 bits back to float32, exactly
 TANDEM_DPBF16_TARGET inline __m512 widened_bf16(__m256i bits) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
-// widened_bf16(round_to_bf16(v)) without leaving the float32 lanes (no narrowing and widening
-// across lanes): the same rounding, the low 16 bits cleared
-TANDEM_DPBF16_TARGET inline __m512 rounded_bf16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
-                                           _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
-  return _mm512_mask_mov_ps(_mm512_castsi512_ps(rounded), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                            _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)));
 }
 
 // store_rows for a row block of at least kWideRows rows (a prefill's): 16 lanes at a time, the
@@ -394,15 +384,9 @@ TANDEM_AMX_TARGET void amx_items(const AmxRows& xs, int64_t chunk_rows, int64_t 
 }
 
 // SiLU(gate) * up of 16 columns from their float32 sums, as silu_and_mul computes it after a
-// bfloat16 gate_up product (elementwise.cpp): gate and up rounded to bfloat16, SiLU's value
-// rounded, the product rounded. The exp is vec_exp.h's and 1 / (1 + e) a refined rcp14, where
-// the unfused pass has libm's exp and a division: the two may differ in a last bit.
-TANDEM_AMX_TARGET inline __m256i silu_mul16(__m512 gate, __m512 up) {
-  const __m512 g = rounded_bf16(gate), u = rounded_bf16(up);
-  const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), tandem_cpu::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
-  __m512 inv = _mm512_rcp14_ps(den);
-  inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.f)));  // one Newton step
-  return round_to_bf16(_mm512_mul_ps(rounded_bf16(_mm512_mul_ps(g, inv)), u));
+// bfloat16 gate_up product (elementwise.cpp): gate and up rounded to bfloat16 first
+TANDEM_AMX_TARGET inline __m256i silu_mul16(const float* gate, const float* up) {
+  return tandem_cpu::silu_mul_bf16(rounded_bf16(_mm512_loadu_ps(gate)), rounded_bf16(_mm512_loadu_ps(up)));
 }
 
 // rows [0, rows) of a block's SiLU(gate) * up from its gate sums (g0, g1) and up sums (u0, u1),
@@ -417,10 +401,10 @@ struct PendingSilu : PendingRows<PendingSilu> {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t i = row * kPanel;
       c10::BFloat16* out = dst + row * ldo;
-      const __m256i lo = silu_mul16(_mm512_loadu_ps(g0 + i), _mm512_loadu_ps(u0 + i));
+      const __m256i lo = silu_mul16(g0 + i, u0 + i);
       if (two)
         _mm512_storeu_si512(out, _mm512_inserti64x4(_mm512_castsi256_si512(lo),
-                                                    silu_mul16(_mm512_loadu_ps(g1 + i), _mm512_loadu_ps(u1 + i)), 1));
+                                                    silu_mul16(g1 + i, u1 + i), 1));
       else
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), lo);
     }

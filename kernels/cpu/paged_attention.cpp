@@ -356,11 +356,36 @@ TANDEM_DPBF16_TARGET inline void block_scores_dpbf16(float* scores, const c10::B
 constexpr int64_t kChunkBlocks = 8;
 constexpr int64_t kKeysAhead = 2;  // blocks; one ahead left the core waiting on each row's keys
 
+// The blocks of the work item its thread takes next, asked for a share at each step of the
+// current item (a query head's scores of a block, a KV head's values of a block), into L2. A row's
+// own requests look only a block or two ahead: without these, each row began by waiting on its
+// first blocks, and memory sat idle during the values, which ask for nothing.
+struct ItemAhead {
+  std::vector<NextBlock> blocks;  // the next item's keys, block by block (its values v_offset on)
+  int64_t v_offset = 0;
+  int64_t steps = 1, step = 0;
+
+  // the next share: the tokens of units [step * U / steps, (step + 1) * U / steps), a unit being
+  // one token's keys or values of one block (U = blocks * 2 * 16)
+  [[gnu::always_inline]] inline void fetch_next() {
+    const int64_t units = static_cast<int64_t>(blocks.size()) * 32;
+    const int64_t u1 = std::min(units, (step + 1) * units / steps);
+    for (int64_t u = step * units / steps; u < u1; ++u) {
+      const NextBlock& b = blocks[u / 32];
+      const int64_t t = u % 16;
+      if (t >= b.tokens) continue;
+      const char* row = b.base + ((u / 16) % 2) * v_offset + t * b.token_stride;
+      for (int64_t off = 0; off < b.token_bytes; off += 64) NextBlock::prefetch_line(row + off);
+    }
+    ++step;
+  }
+};
+
 TANDEM_DPBF16_TARGET void row_dpbf16(const c10::BFloat16* q, int64_t qs1, c10::BFloat16* o, int64_t os1,
                                      const c10::BFloat16* kvp, const int64_t* table, int64_t len, int64_t first,
                                      int64_t bs, int64_t ks0, int64_t ks1, int64_t ks2, int64_t ks3, int64_t part_heads,
                                      int64_t groups, int64_t d, float scale, float* acc, float* scores, float* m,
-                                     float* l) {
+                                     float* l, ItemAhead& ahead) {
   const int64_t nq = part_heads * groups, cw = kChunkBlocks * 16;  // cw: a head's row of chunk scores
   std::fill(acc, acc + nq * d, 0.f);
   std::fill(m, m + nq, kNoScore);
@@ -373,6 +398,8 @@ TANDEM_DPBF16_TARGET void row_dpbf16(const c10::BFloat16* q, int64_t qs1, c10::B
                            : NextBlock{};
   };
   for (int64_t b = first / bs + 1; b < first / bs + kKeysAhead; ++b) keys_of(b).fetch(0, 1);
+  ahead.step = 0;
+  ahead.steps = std::max<int64_t>(1, (last_block - first / bs + 1) * (nq + part_heads));
   for (int64_t c0 = first / bs; c0 <= last_block; c0 += kChunkBlocks) {
     const int64_t c1 = std::min(last_block + 1, c0 + kChunkBlocks);
     for (int64_t b = c0; b < c1; ++b) {
@@ -384,6 +411,7 @@ TANDEM_DPBF16_TARGET void row_dpbf16(const c10::BFloat16* q, int64_t qs1, c10::B
       for (int64_t j = 0; j < nq; ++j) {
         next_v.fetch(j, nq);
         next_k.fetch(j, nq);
+        ahead.fetch_next();
         block_scores_dpbf16(scores + j * cw + (b - c0) * 16, q + j * qs1, kb + (j / groups) * ks3, ks2, t0, t1, d,
                             scale);
       }
@@ -417,6 +445,7 @@ TANDEM_DPBF16_TARGET void row_dpbf16(const c10::BFloat16* q, int64_t qs1, c10::B
       const c10::BFloat16* vb = kvp + table[b] * ks0 + ks1;
       const float* pb = scores + (b - c0) * 16;
       for (int64_t hh = 0; hh < part_heads; ++hh) {
+        ahead.fetch_next();
         for (int64_t g0 = 0; g0 < groups; g0 += 4) {
           const int64_t j0 = hh * groups + g0, g = std::min<int64_t>(4, groups - g0);
           const c10::BFloat16* v = vb + hh * ks3;
@@ -469,20 +498,41 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at
       const std::vector<int64_t> left = prefill_rows_amx(op, os0, os1, qp, qs0, qs1, kvp, ks0, ks1, ks2, ks3, rp, lp,
                                                          trp, tables_p, max_blocks, n_rows, kv_heads, groups, d, fscale,
                                                          window);
-      const int64_t n_left = static_cast<int64_t>(left.size());
-      tandem_cpu::for_each_chunk(n_left * head_parts, 1, [&](int64_t begin, int64_t end) {
+      const int64_t total = static_cast<int64_t>(left.size()) * head_parts;
+      // Many rows, each its own sequence's (a decode step; a row a work item): each thread takes a
+      // contiguous share of them, so that the item after the current one is most likely its own
+      // next, and asks for that one's blocks (ItemAhead). Few rows (a row's KV heads split over
+      // the threads) measured no faster with it; rows that share a table (a prompt's) read the
+      // same blocks from cache, and keep the one counter that evens out their lengths.
+      const bool rows_ahead = head_parts == 1 && trp == nullptr;
+      const auto run = [&](int64_t begin, int64_t end) {
         const int64_t nq = part_heads * groups;
         std::vector<float> acc(nq * d), scores(nq * kChunkBlocks * 16), m(nq), l(nq);
+        ItemAhead ahead;
+        ahead.v_offset = ks1 * 2;
         for (int64_t work = begin; work < end; ++work) {
           const int64_t i = left[work / head_parts];
           const int64_t h0 = (work % head_parts) * part_heads;
           const int64_t row = rp[i], len = lp[i];
           const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+          ahead.blocks.clear();
+          if (rows_ahead && work + 1 < total) {
+            const int64_t next = left[work + 1], next_len = lp[next];
+            const int64_t* next_table = table_of(next);
+            for (int64_t b = (window > 0 ? std::max<int64_t>(0, next_len - window) : 0) / bs; b * bs < next_len; ++b)
+              ahead.blocks.push_back({reinterpret_cast<const char*>(kvp + next_table[b] * ks0), ks2 * 2,
+                                      kv_heads * ks3 * 2, std::min(bs, next_len - b * bs)});
+          }
           row_dpbf16(qp + row * qs0 + h0 * groups * qs1, qs1, op + row * os0 + h0 * groups * os1, os1,
                      kvp + h0 * ks3, table_of(i), len, first, bs, ks0, ks1, ks2, ks3, part_heads, groups, d,
-                     fscale, acc.data(), scores.data(), m.data(), l.data());
+                     fscale, acc.data(), scores.data(), m.data(), l.data(), ahead);
         }
-      });
+      };
+      if (rows_ahead) {
+        tandem_cpu::for_each_share(total, tandem_cpu::chunk_for(total, 4), run);
+      } else {
+        tandem_cpu::for_each_chunk(total, 1, run);
+      }
       return;
     }
   }

@@ -90,6 +90,29 @@ def test_gelu_tanh_and_mul_matches_torch_even_far_out(dtype):
     close(out, F.gelu(gate, approximate="tanh") * up, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [1536, 37])
+def test_silu_and_mul_matches_torch_even_far_out(dtype, width):
+    """SiLU-and-mul against torch's ``F.silu(gate) * up``, 16 values at a time where the build
+    has AVX512 (a width that is not a multiple of 16 ends in a masked part), out to where torch's
+    exp(-x) overflows: there its x / inf is -0 (and -inf / inf a NaN), not a tiny negative."""
+    g = torch.Generator().manual_seed(3)
+    gate = torch.randn(5, width, generator=g) * 4
+    far = [-float("inf"), -3.0e38, -1e4, -100.0, -88.0, -20.0, -0.0, 0.0, 20.0, 100.0, 3.0e38, float("inf")]
+    gate[0, :len(far)] = torch.tensor(far)[:width]
+    gate[1, -len(far):] = torch.tensor(far)[-width:]
+    up = torch.randn(5, width, generator=g)
+    gate_up = torch.cat([gate, up], dim=1).to(dtype)
+    out = torch.empty(5, width, dtype=dtype)
+    cpu_ops.silu_and_mul(out, gate_up)
+    gate, up = gate_up.split(width, dim=1)
+    want = F.silu(gate) * up
+    assert torch.equal(out.isnan(), want.isnan())
+    finite = ~want.isnan()
+    assert torch.equal(out.signbit()[finite & (want == 0)], want.signbit()[finite & (want == 0)])
+    close(out.masked_fill(~finite, 0), want.masked_fill(~finite, 0), atol=1e-30)
+
+
 def test_wrong_shapes_are_refused_naming_the_kernel():
     x = torch.randn(3, 8)
     with pytest.raises(RuntimeError, match="gemma_rms_norm"):
