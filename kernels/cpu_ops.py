@@ -40,7 +40,7 @@ SOURCES = [Path(__file__).parent / "cpu" / name
 HEADERS = [Path(__file__).parent / "cpu" / name
            for name in ("work_queue.h", "gguf_blocks.h", "amx_tiles.h", "prefill_amx.h", "transpose16.h", "vec_exp.h",
                         "bf16_round.h")]
-OPS = ("paged_decode", "panel_linear", "panel_linear_dpbf16", "dpbf16_supported", "panel_linear_amx",
+OPS = ("paged_decode", "panel_linear", "panel_linear_dpbf16", "panel_linear_dpbf16_silu", "dpbf16_supported", "panel_linear_amx",
        "panel_linear_amx_silu", "amx_supported", "panel_linear_amx_f32", "rms_norm", "add_rms_norm",
        "silu_and_mul", "rotary_neox", "draw_rows", "argmax_rows", "gguf_linear", "gguf_dequantize_rows",
        "decode_layers", "use_work_pool", "use_gguf_int8", "head_rms_norm", "gemma_rms_norm",
@@ -194,6 +194,14 @@ def panel_linear_amx(out: torch.Tensor, x: torch.Tensor, panels: torch.Tensor, b
     exact in float32, float32 sums in another order), K a multiple of 32; call only where
     ``amx_supported()``."""
     _ops().panel_linear_amx(out, x, panels, bias, bf16_values)
+
+
+def panel_linear_dpbf16_silu(out: torch.Tensor, x: torch.Tensor, panels: torch.Tensor) -> None:
+    """``panel_linear_amx_silu`` by AVX512-BF16 pair dot products on the same panels
+    (``PackedLinear.pack("dpbf16", w)``): ``out`` [M, I] bfloat16 is ``silu_and_mul`` of the
+    bfloat16 ``panel_linear_dpbf16`` product, bit for bit, without that ``[M, 2 I]`` product; each
+    thread takes a gate panel and its up panel together. Call only where ``dpbf16_supported()``."""
+    _ops().panel_linear_dpbf16_silu(out, x, panels)
 
 
 def panel_linear_amx_silu(out: torch.Tensor, x: torch.Tensor, panels: torch.Tensor) -> None:

@@ -34,6 +34,7 @@ import functools
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -139,18 +140,25 @@ class PackedLinear:
 
 
 
-def amx_silu_panels(layer: nn.Module, rows: int) -> torch.Tensor | None:
-    """The amx panels a batch of ``rows`` rows of a gated MLP's fused ``[gate; up]`` projection
-    ``layer`` multiplies by, where ``cpu_ops.panel_linear_amx_silu`` can take the product and
-    SiLU-and-mul in one pass (bfloat16, no bias, gate's outputs a multiple of 16); else None.
-    The C++ decode loop takes that pass on the same condition (``decode_layers.cpp``)."""
+SILU_PASSES = {"amx": "panel_linear_amx_silu", "dpbf16": "panel_linear_dpbf16_silu"}
+"""The kinds whose panels a gated MLP's product and SiLU-and-mul can take in one pass, and the
+``cpu_ops`` function that does."""
+
+
+def silu_pass(layer: nn.Module, rows: int) -> tuple[Callable[..., None], torch.Tensor] | None:
+    """The one-pass kernel and the panels a batch of ``rows`` rows of a gated MLP's fused
+    ``[gate; up]`` projection ``layer`` multiplies by, where that kernel
+    (``cpu_ops.panel_linear_amx_silu`` or ``panel_linear_dpbf16_silu``) can take the product and
+    SiLU-and-mul together (bfloat16, no bias, gate's outputs a multiple of 16); else None. The C++
+    decode loop takes that pass on the same condition (``decode_layers.cpp``)."""
     packed = getattr(layer, "packed", None)
     if isinstance(packed, BucketedLinear):
         packed = packed.by_bucket[bucket_index(rows)]
-    if (not isinstance(packed, PackedLinear) or packed.kind != "amx" or packed.weight.dtype != torch.bfloat16
-            or getattr(layer, "bias", None) is not None or packed.out_features % 32):
+    if (not isinstance(packed, PackedLinear) or packed.kind not in SILU_PASSES
+            or packed.weight.dtype != torch.bfloat16 or getattr(layer, "bias", None) is not None
+            or packed.out_features % 32):
         return None
-    return packed.weight
+    return getattr(cpu_ops, SILU_PASSES[packed.kind]), packed.weight
 
 
 class BucketedLinear:

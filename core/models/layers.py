@@ -32,7 +32,7 @@ from torch import nn
 from tandem.distributed import ParallelContext, check_tensor_parallel, current
 from tandem.interfaces import AttentionBackend, AttentionMetadata, QuantMethod, TensorSplit
 from tandem.kernels import cpu_ops
-from tandem.models.cpu_linear import amx_silu_panels
+from tandem.models.cpu_linear import silu_pass
 from tandem.models.rotary import rotate
 
 if TYPE_CHECKING:
@@ -360,10 +360,11 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fused_act == "silu" and x.dtype == torch.bfloat16:
             rows = x.reshape(-1, x.shape[-1])
-            panels = amx_silu_panels(self.gate_up_proj, rows.shape[0])
-            if panels is not None:  # the product and SiLU-and-mul in one pass on AMX
+            one_pass = silu_pass(self.gate_up_proj, rows.shape[0])
+            if one_pass is not None:  # the product and SiLU-and-mul in one pass (AMX or AVX512-BF16)
+                kernel, panels = one_pass
                 act = torch.empty(rows.shape[0], self.intermediate_size, dtype=x.dtype)
-                cpu_ops.panel_linear_amx_silu(act, rows.contiguous(), panels)
+                kernel(act, rows.contiguous(), panels)
                 return self.down_proj(act.view(*x.shape[:-1], self.intermediate_size))
         if self._fused:
             gate_up = self.gate_up_proj(x)

@@ -14,8 +14,9 @@
 //     h        = linear(attn, 4l + 1)
 //     x        = add_rms_norm(h, residual, norms[l][1])
 //     h        = linear(act_and_mul(linear(x, 4l + 2)), 4l + 3)  act: SiLU, or GELU-tanh with GELU
-//                                                               (SiLU on an amx gate_up: one pass,
-//                                                               panel_linear_amx_silu)
+//                                                               (SiLU on a bfloat16 dpbf16 or amx
+//                                                               gate_up: one pass, panel_linear_
+//                                                               {dpbf16,amx}_silu)
 //
 // returning the last (h, residual). With GEMMA the layer is Gemma 3's, the residual stream h
 // itself (norms scaled by 1 + weight in float32, four of them around the two blocks):
@@ -65,6 +66,7 @@ void panel_linear_dpbf16(at::Tensor& out, const at::Tensor& x, const at::Tensor&
 void panel_linear_amx_f32(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
                           const c10::optional<at::Tensor>& bias);
 void panel_linear_amx_silu(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels);
+void panel_linear_dpbf16_silu(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels);
 void panel_linear_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
                       const c10::optional<at::Tensor>& bias, bool bf16_values);
 void paged_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& rows,
@@ -156,21 +158,26 @@ struct Linears {
     return y;
   }
 
-  // SiLU(gate) * up of linear i, a gated MLP's [gate; up], in one pass on AMX where the Python
-  // module takes that pass (tandem.models.cpu_linear.amx_silu_panels): one bfloat16 amx part, gate's
+  // SiLU(gate) * up of linear i, a gated MLP's [gate; up], in one pass where the Python module
+  // takes that pass (tandem.models.cpu_linear.silu_pass): one bfloat16 dpbf16 or amx part, gate's
   // rows a multiple of 16. Returns an undefined tensor where it does not apply.
   at::Tensor silu_and_mul_of(const at::Tensor& x, int64_t i) const {
     if (first[i + 1] - first[i] != 1) return at::Tensor();
     const int64_t* part = info + kInfo * first[i];
     const at::Tensor& w = weights[first[i]];
-    if (part[0] != 5 || w.scalar_type() != at::kBFloat16 || x.scalar_type() != at::kBFloat16 || part[1] % 32 != 0)
+    if ((part[0] != 4 && part[0] != 5) || w.scalar_type() != at::kBFloat16 || x.scalar_type() != at::kBFloat16 ||
+        part[1] % 32 != 0)
       return at::Tensor();
     at::Tensor act = at::empty({x.size(0), part[1] / 2}, x.options());
     {
       RECORD_FUNCTION("decode_layers.linear", std::vector<c10::IValue>());
       {
         RECORD_FUNCTION("decode_layers.matmul", std::vector<c10::IValue>());
-        panel_linear_amx_silu(act, x.contiguous(), w);
+        if (part[0] == 5) {
+          panel_linear_amx_silu(act, x.contiguous(), w);
+        } else {
+          panel_linear_dpbf16_silu(act, x.contiguous(), w);
+        }
       }
     }
     warm(i + 1);

@@ -161,6 +161,21 @@ inline void store_rows(const Problem& p, const float* acc, int64_t row0, int64_t
 using tandem_cpu::round_to_bf16;  // bf16_round.h
 using tandem_cpu::rounded_bf16;
 
+#ifdef TANDEM_DPBF16
+// rows [row0, row_end) of one gate panel's SiLU(gate) * up into the bfloat16 out (columns col0..,
+// a full panel) from the gate and up panels' sums (row r at g / u + (r - row0) * 16): gate and up
+// rounded to bfloat16, then silu_and_mul's roundings (vec_exp.h)
+TANDEM_DPBF16_TARGET void store_silu_rows(const Problem& p, const float* g, const float* u, int64_t row0,
+                                          int64_t row_end, int64_t col0) {
+  for (int64_t r = row0; r < row_end; ++r) {
+    const int64_t i = (r - row0) * kPanel;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.out16 + r * p.ldo + col0),
+                        tandem_cpu::silu_mul_bf16(rounded_bf16(_mm512_loadu_ps(g + i)),
+                                                  rounded_bf16(_mm512_loadu_ps(u + i))));
+  }
+}
+#endif
+
 // bfloat16 bits back to float32, exactly
 TANDEM_DPBF16_TARGET inline __m512 widened_bf16(__m256i bits) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
@@ -203,20 +218,33 @@ TANDEM_DPBF16_TARGET void store_pair_wide(const Problem& p, const float* acc0, c
 
 // work items [begin, end): item = row block * n_panels + panel (a thread walks consecutive panels
 // of one row block, streaming a contiguous range of the weight)
+// With up_panels (panel_linear_dpbf16_silu): item = row block * up_panels + gate panel, whose up
+// panel's sums follow into acc_up, then SiLU(gate) * up is stored.
 TANDEM_DPBF16_TARGET void run_items(const Problem& p, int64_t begin, int64_t end) {
   alignas(64) float acc[kRowBlock * kPanel];
-  for (int64_t work = begin; work < end; ++work) {
-    const int64_t rb = work / p.n_panels, panel_index = work % p.n_panels;
+  alignas(64) float acc_up[kRowBlock * kPanel];
+  const int64_t per_block = p.up_panels > 0 ? p.up_panels : p.n_panels;
+  // rows [row0, row_end) of panel panel_index over the whole of K into sums
+  const auto panel_sums = [&](int64_t panel_index, int64_t row0, int64_t row_end, float* sums) {
     const uint16_t* panel = p.w + panel_index * p.pairs * 2 * kPanel;
-    const int64_t col0 = panel_index * kPanel, cols = std::min(kPanel, p.n - col0);
-    const int64_t row0 = rb * kRowBlock, row_end = std::min(p.m, row0 + kRowBlock);
     for (int64_t j0 = 0; j0 < p.pairs; j0 += kPairBlock) {
       const int64_t jc = std::min(kPairBlock, p.pairs - j0);
       const uint16_t* ahead = panel + (j0 + kPrefetchSlices * jc) * 2 * kPanel;
       for (int64_t r0 = row0; r0 < row_end; r0 += kTile) {
         run_tile(std::min(kTile, row_end - r0), p.x + r0 * p.ldx + 2 * j0, p.ldx, panel + j0 * 2 * kPanel, jc,
-                 acc + (r0 - row0) * kPanel, j0 > 0, r0 == row0 ? ahead : nullptr);
+                 sums + (r0 - row0) * kPanel, j0 > 0, r0 == row0 ? ahead : nullptr);
       }
+    }
+  };
+  for (int64_t work = begin; work < end; ++work) {
+    const int64_t rb = work / per_block, panel_index = work % per_block;
+    const int64_t col0 = panel_index * kPanel, cols = std::min(kPanel, p.n - col0);
+    const int64_t row0 = rb * kRowBlock, row_end = std::min(p.m, row0 + kRowBlock);
+    panel_sums(panel_index, row0, row_end, acc);
+    if (p.up_panels > 0) {
+      panel_sums(panel_index + p.up_panels, row0, row_end, acc_up);
+      store_silu_rows(p, acc, acc_up, row0, row_end, col0);
+      continue;
     }
     if (row_end - row0 >= kWideRows)
       store_rows_wide(p, acc, row0, row_end, col0, cols);
@@ -231,13 +259,23 @@ TANDEM_DPBF16_TARGET void run_items(const Problem& p, int64_t begin, int64_t end
 // from kPrefetchRows rows on each panel row asks for the next panel's, which measured faster
 // there and slower at two rows (docs/benchmarks.md).
 constexpr int64_t kPrefetchRows = 4;
+// With up_panels: [begin, end) are gate panels, each followed by its up panel (which its rows
+// ask for), then SiLU(gate) * up is stored.
 TANDEM_DPBF16_TARGET void run_few_rows(const Problem& p, int64_t begin, int64_t end) {
-  alignas(64) float acc[kTile * kPanel];
+  alignas(64) float acc[kTile * kPanel], acc_up[kTile * kPanel];
   const int64_t panel_size = p.pairs * 2 * kPanel;
+  const bool ahead = p.m >= kPrefetchRows;
   for (int64_t panel_index = begin; panel_index < end; ++panel_index) {
     const uint16_t* panel = p.w + panel_index * panel_size;
     const int64_t col0 = panel_index * kPanel, cols = std::min(kPanel, p.n - col0);
-    run_tile(p.m, p.x, p.ldx, panel, p.pairs, acc, false, p.m >= kPrefetchRows ? panel + panel_size : nullptr);
+    if (p.up_panels > 0) {
+      const uint16_t* up = panel + p.up_panels * panel_size;
+      run_tile(p.m, p.x, p.ldx, panel, p.pairs, acc, false, ahead ? up : nullptr);
+      run_tile(p.m, p.x, p.ldx, up, p.pairs, acc_up, false, ahead ? panel + panel_size : nullptr);
+      store_silu_rows(p, acc, acc_up, 0, p.m, col0);
+      continue;
+    }
+    run_tile(p.m, p.x, p.ldx, panel, p.pairs, acc, false, ahead ? panel + panel_size : nullptr);
     store_rows(p, acc, 0, p.m, col0, cols);
   }
 }
@@ -532,21 +570,18 @@ Problem checked_problem(const char* name, at::Tensor& out, const at::Tensor& x, 
                  x.stride(0), out.stride(0)};
 }
 
-}  // namespace
-
-void panel_linear_dpbf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
-                         const c10::optional<at::Tensor>& bias, bool bf16_values) {
-  TORCH_CHECK(cpu_has_dpbf16(), "panel_linear_dpbf16: this CPU has no AVX512-BF16 instructions");
-  const Problem p = checked_problem("panel_linear_dpbf16", out, x, panels, bias, bf16_values);
+// panel_linear_dpbf16 and panel_linear_dpbf16_silu on a checked problem
+void run_dpbf16(const Problem& p) {
   if (p.m == 0) return;
 #ifdef TANDEM_DPBF16
+  const int64_t per_block = p.up_panels > 0 ? p.up_panels : p.n_panels;  // work items a row block
   if (p.m <= kTile) {
-    tandem_cpu::for_each_share(p.n_panels, tandem_cpu::chunk_for(p.n_panels, 8),
+    tandem_cpu::for_each_share(per_block, tandem_cpu::chunk_for(per_block, 8),
                                [&](int64_t begin, int64_t end) { run_few_rows(p, begin, end); });
     return;
   }
   const int64_t row_blocks = (p.m + kRowBlock - 1) / kRowBlock;
-  const int64_t total = row_blocks * p.n_panels;
+  const int64_t total = row_blocks * per_block;
   if (row_blocks == 1) {  // a decode step's rows: each thread streams one range of the panels (as run_few_rows)
     tandem_cpu::for_each_share(total, tandem_cpu::chunk_for(total, 8),
                                [&](int64_t begin, int64_t end) { run_items(p, begin, end); });
@@ -555,6 +590,29 @@ void panel_linear_dpbf16(at::Tensor& out, const at::Tensor& x, const at::Tensor&
   tandem_cpu::for_each_chunk(total, tandem_cpu::chunk_for(total, 8),
                              [&](int64_t begin, int64_t end) { run_items(p, begin, end); });
 #endif
+}
+
+// The checks of a gated MLP's one pass (panel_linear_dpbf16_silu, panel_linear_amx_silu), and its problem
+Problem checked_silu_problem(const char* name, at::Tensor& out, const at::Tensor& x, const at::Tensor& panels) {
+  TORCH_CHECK(panels.dim() == 4 && panels.size(0) % 2 == 0 && out.dim() == 2 &&
+                  out.size(1) * 2 == panels.size(0) * kPanel && out.scalar_type() == at::kBFloat16,
+              name, ": panels of [gate; up] with gate's rows a multiple of 16, and a bfloat16 out [M, rows of gate]");
+  Problem p = checked_problem(name, out, x, panels, c10::nullopt, false, true);
+  p.up_panels = panels.size(0) / 2;
+  return p;
+}
+
+}  // namespace
+
+void panel_linear_dpbf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
+                         const c10::optional<at::Tensor>& bias, bool bf16_values) {
+  TORCH_CHECK(cpu_has_dpbf16(), "panel_linear_dpbf16: this CPU has no AVX512-BF16 instructions");
+  run_dpbf16(checked_problem("panel_linear_dpbf16", out, x, panels, bias, bf16_values));
+}
+
+void panel_linear_dpbf16_silu(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels) {
+  TORCH_CHECK(cpu_has_dpbf16(), "panel_linear_dpbf16_silu: this CPU has no AVX512-BF16 instructions");
+  run_dpbf16(checked_silu_problem("panel_linear_dpbf16_silu", out, x, panels));
 }
 
 namespace {
@@ -598,17 +656,12 @@ void panel_linear_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
 
 void panel_linear_amx_silu(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels) {
   TORCH_CHECK(cpu_has_amx(), "panel_linear_amx_silu: this CPU (or its kernel) gives no AMX-BF16 instructions");
-  TORCH_CHECK(panels.dim() == 4 && panels.size(0) % 2 == 0 && out.dim() == 2 &&
-                  out.size(1) * 2 == panels.size(0) * kPanel && out.scalar_type() == at::kBFloat16,
-              "panel_linear_amx_silu: panels of [gate; up] with gate's rows a multiple of 16, and a bfloat16 out "
-              "[M, rows of gate]");
-  Problem p = checked_problem("panel_linear_amx_silu", out, x, panels, c10::nullopt, false, true);
-  p.up_panels = panels.size(0) / 2;
-  run_amx(p);
+  run_amx(checked_silu_problem("panel_linear_amx_silu", out, x, panels));
 }
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("panel_linear_dpbf16(Tensor(a!) out, Tensor x, Tensor panels, Tensor? bias, bool bf16_values=False) -> ()");
+  m.def("panel_linear_dpbf16_silu(Tensor(a!) out, Tensor x, Tensor panels) -> ()");
   m.def("dpbf16_supported() -> bool", &dpbf16_supported);
   m.def("panel_linear_amx(Tensor(a!) out, Tensor x, Tensor panels, Tensor? bias, bool bf16_values=False) -> ()");
   m.def("panel_linear_amx_silu(Tensor(a!) out, Tensor x, Tensor panels) -> ()");
@@ -617,6 +670,7 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("panel_linear_dpbf16", &panel_linear_dpbf16);
+  m.impl("panel_linear_dpbf16_silu", &panel_linear_dpbf16_silu);
   m.impl("panel_linear_amx", &panel_linear_amx);
   m.impl("panel_linear_amx_silu", &panel_linear_amx_silu);
 }

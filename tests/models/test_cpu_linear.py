@@ -13,10 +13,10 @@ from tandem.kernels import cpu_ops
 from tandem.models.cpu_linear import (
     PackedLinear,
     amx_available,
-    amx_silu_panels,
     dpbf16_available,
     pack_cpu_linears,
     resolve_kind,
+    silu_pass,
 )
 from tandem.models.layers import LinearLayer, LMHead
 from tests.helpers.tiny_models import load_tiny_model, tiny_model_dir
@@ -376,30 +376,34 @@ def test_amx_kernel_refuses_a_cpu_without_amx():
         cpu_ops.panel_linear_amx(torch.empty(1, 16), torch.zeros(1, 32, dtype=torch.bfloat16), w, None)
 
 
-def _silu_of_amx(x: torch.Tensor, panels: torch.Tensor, width: int) -> torch.Tensor:
+def _silu_pass(kind: str, x: torch.Tensor, panels: torch.Tensor, width: int) -> torch.Tensor:
     out = torch.empty(x.shape[0], width, dtype=torch.bfloat16)
-    cpu_ops.panel_linear_amx_silu(out, x, panels)
+    getattr(cpu_ops, f"panel_linear_{kind}_silu")(out, x, panels)
     return out
 
 
-@needs_amx
+@pytest.mark.parametrize("kind", PAIR_KERNELS)
 @pytest.mark.parametrize(("width", "k"), [(48, 64), (64, 96), (1536, 576)])
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 64, 65, 200, 300])
-def test_amx_silu_pass_equals_the_product_then_silu_and_mul(width, k, rows):
-    """``panel_linear_amx_silu`` on the panels of ``[gate; up]`` against the two passes it
-    replaces (``panel_linear_amx`` to a bfloat16 ``[M, 2 I]``, then ``silu_and_mul``): the same
-    bits but for a last one where its exp and libm's round apart, and within bfloat16's rounding
-    of float64 arithmetic on the same values. ``width`` 48: an odd number of gate panels (the
-    last pair alone); rows on the shared (<= 64) and chunked paths, with partial tiles."""
+def test_silu_pass_equals_the_product_then_silu_and_mul(kind, width, k, rows):
+    """``panel_linear_{dpbf16,amx}_silu`` on the panels of ``[gate; up]`` against the two passes
+    it replaces (the kernel's product to a bfloat16 ``[M, 2 I]``, then ``silu_and_mul``): the
+    same bits (both take vec_exp.h's SiLU; on AMX a last one is allowed, its tile sums and the
+    plain product's being added in orders that may differ), and within bfloat16's rounding of
+    float64 arithmetic on the same values. ``width`` 48: an odd number of gate panels (the last
+    pair alone on AMX); rows on the few-row, shared (<= 64 or 96) and chunked paths, with partial
+    tiles."""
     gen = torch.Generator().manual_seed(rows * 7 + width)
     w = (torch.randn(2 * width, k, generator=gen) / k**0.5).bfloat16()
     x = torch.randn(rows, k, generator=gen).bfloat16()
-    panels = PackedLinear.pack("amx", w).weight
-    fused = _silu_of_amx(x, panels, width)
+    panels = PackedLinear.pack(kind, w).weight
+    fused = _silu_pass(kind, x, panels, width)
     gate_up = torch.empty(rows, 2 * width, dtype=torch.bfloat16)
-    cpu_ops.panel_linear_amx(gate_up, x, panels, None)
+    getattr(cpu_ops, f"panel_linear_{kind}")(gate_up, x, panels, None)
     unfused = torch.empty(rows, width, dtype=torch.bfloat16)
     cpu_ops.silu_and_mul(unfused, gate_up)
+    if kind == "dpbf16":
+        assert torch.equal(fused, unfused)
     apart = (fused.view(torch.int16).int() - unfused.view(torch.int16).int()).abs()
     assert int(apart.max()) <= 1 and int((apart > 0).sum()) <= max(1, apart.numel() // 1000)
     product = x.double() @ w.double().T
@@ -407,33 +411,34 @@ def test_amx_silu_pass_equals_the_product_then_silu_and_mul(width, k, rows):
     torch.testing.assert_close(fused.double(), F.silu(gate) * up, atol=2e-2, rtol=2e-2)
 
 
-@needs_amx
-def test_amx_silu_pass_takes_strided_rows_and_any_thread_count_and_refuses_a_wrong_out():
+@pytest.mark.parametrize("kind", PAIR_KERNELS)
+def test_silu_pass_takes_strided_rows_and_any_thread_count_and_refuses_a_wrong_out(kind):
     gen = torch.Generator().manual_seed(5)
     w = (torch.randn(2 * 96, 64, generator=gen) / 8).bfloat16()
-    x = torch.randn(90, 192, generator=gen).bfloat16()[:, 64:128]  # rows 192 apart
-    panels = PackedLinear.pack("amx", w).weight
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = _silu_of_amx(x, panels, 96)
-        torch.set_num_threads(max(2, threads))
-        many = _silu_of_amx(x, panels, 96)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, many)
-    assert torch.equal(many, _silu_of_amx(x.contiguous(), panels, 96))
-    with pytest.raises(RuntimeError, match="panel_linear_amx_silu"):
-        _silu_of_amx(x, panels, 95)
-    with pytest.raises(RuntimeError, match="panel_linear_amx_silu"):
-        cpu_ops.panel_linear_amx_silu(torch.empty(90, 96), x, panels)  # float32 out
+    panels = PackedLinear.pack(kind, w).weight
+    for rows in (5, 90, 200):  # few rows, one row block, several
+        x = torch.randn(rows, 192, generator=gen).bfloat16()[:, 64:128]  # rows 192 apart
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one = _silu_pass(kind, x, panels, 96)
+            torch.set_num_threads(max(2, threads))
+            many = _silu_pass(kind, x, panels, 96)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(one, many)
+        assert torch.equal(many, _silu_pass(kind, x.contiguous(), panels, 96))
+    with pytest.raises(RuntimeError, match=f"panel_linear_{kind}_silu"):
+        _silu_pass(kind, x, panels, 95)
+    with pytest.raises(RuntimeError, match=f"panel_linear_{kind}_silu"):
+        getattr(cpu_ops, f"panel_linear_{kind}_silu")(torch.empty(rows, 96), x, panels)  # float32 out
 
 
-@needs_amx
-def test_a_gated_mlp_on_amx_takes_the_one_pass_where_it_applies():
-    """``GatedMLP`` with SiLU on an amx-packed bfloat16 ``[gate; up]`` multiplies and applies
-    SiLU-and-mul in one pass (``amx_silu_panels`` names the panels) and gives what its two passes
-    give; a bias, another kernel or a float32 layer keep the two passes."""
+@pytest.mark.parametrize("kind", PAIR_KERNELS)
+def test_a_gated_mlp_takes_the_one_pass_where_it_applies(kind):
+    """``GatedMLP`` with SiLU on a dpbf16- or amx-packed bfloat16 ``[gate; up]`` multiplies and
+    applies SiLU-and-mul in one pass (``silu_pass`` names the kernel and the panels) and gives
+    what its two passes give; a bias, another kernel or a float32 layer keep the two passes."""
     from tandem.models.layers import GatedMLP
     from tandem.quant.unquantized import UnquantizedLinearMethod
 
@@ -456,15 +461,16 @@ def test_a_gated_mlp_on_amx_takes_the_one_pass_where_it_applies():
         return mlp
 
     x = torch.randn(7, 64, generator=gen).bfloat16()
-    mlp = mlp_for("amx")
-    assert amx_silu_panels(mlp.gate_up_proj, 7) is not None
-    one_pass = mlp(x)
+    mlp = mlp_for(kind)
+    one_pass = silu_pass(mlp.gate_up_proj, 7)
+    assert one_pass is not None and one_pass[0] is getattr(cpu_ops, f"panel_linear_{kind}_silu")
+    fused = mlp(x)
     act = torch.empty(7, 96, dtype=torch.bfloat16)
     cpu_ops.silu_and_mul(act, mlp.gate_up_proj(x))
     two_passes = mlp.down_proj(act)
-    torch.testing.assert_close(one_pass.float(), two_passes.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(fused.float(), two_passes.float(), atol=1e-2, rtol=1e-2)
     g, u = x.double() @ gate.bfloat16().double().T, x.double() @ up.bfloat16().double().T
-    torch.testing.assert_close(one_pass.double(), (F.silu(g) * u) @ down.bfloat16().double().T, atol=3e-2, rtol=3e-2)
-    assert amx_silu_panels(mlp_for("amx", bias=True).gate_up_proj, 7) is None
-    assert amx_silu_panels(mlp_for("dpbf16").gate_up_proj, 7) is None
-    assert amx_silu_panels(mlp_for("amx", torch.float32).gate_up_proj, 7) is None
+    torch.testing.assert_close(fused.double(), (F.silu(g) * u) @ down.bfloat16().double().T, atol=3e-2, rtol=3e-2)
+    assert silu_pass(mlp_for(kind, bias=True).gate_up_proj, 7) is None
+    assert silu_pass(mlp_for("tandem").gate_up_proj, 7) is None
+    assert silu_pass(mlp_for(kind, torch.float32).gate_up_proj, 7) is None
