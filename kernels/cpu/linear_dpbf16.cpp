@@ -13,7 +13,7 @@
 //
 // Products of two bfloat16 values are exact in float32, so the result equals float32 arithmetic
 // on the same values up to the order of the sums. The loop nest is linear.cpp's (row blocks,
-// K-slices that stay in L1, tiles of up to kTile rows accumulating in registers, panels shared
+// K-slices of up to 2048 values, tiles of up to kTile rows accumulating in registers, panels shared
 // out from a counter; with one row block, a decode step's, each thread takes a contiguous share
 // of the panels, so that it streams one range of the weight and asks for the next panel's pairs
 // while it computes this one's). The AVX512-BF16 code is compiled for that ISA alone (a target attribute),
@@ -64,7 +64,10 @@ namespace {
 constexpr int64_t kPanel = 16;
 constexpr int64_t kTile = 8;
 constexpr int64_t kRowBlock = 96;
-constexpr int64_t kPairBlock = 128;  // pair rows of a panel per K-slice: 8 KiB, stays in L1
+// Pair rows of a panel per K-slice (64 KiB of it): the whole of K up to 2048. Slices of 128 pairs
+// (8 KiB, to stay in L1) measured 2-10% slower on Zen 4 at every shape and row count tried
+// (docs/benchmarks.md): each slice adds a round of the tile's sums through memory.
+constexpr int64_t kPairBlock = 1024;
 constexpr int64_t kPrefetchSlices = 2;
 constexpr int64_t kWideRows = 64;
 
