@@ -2,8 +2,10 @@
 //
 // One query row attends to the first seq_len keys of its own sequence (the last `window` of
 // them when window > 0), which live in the blocks its block-table row names. Work items are
-// rows (or, with few rows, (row, KV head) pairs), taken one at a time by torch's OpenMP threads
-// from a shared counter (work_queue.h); each walks its blocks once, front to back: the scores of
+// rows (or, with few rows, (row, KV head) pairs), taken one at a time by tandem's work pool's
+// threads from a shared counter (work_queue.h; a decode step's many rows on AVX512-BF16 in
+// contiguous shares instead, each thread asking for its next row's blocks while it computes one:
+// ItemAhead); each walks its blocks once, front to back: the scores of
 // all its query heads against every key of the block (kept head-major, so that max, exp and sum
 // run over whole vectors of keys), then the block folded into a running (max, sum, weighted V)
 // softmax, in float32. While it computes a block it asks for the next one, a share of it per
