@@ -209,7 +209,7 @@ def panel_linear_amx_silu(out: torch.Tensor, x: torch.Tensor, panels: torch.Tens
     fused ``[gate; up]`` projection (``PackedLinear.pack("amx", w)``, ``w`` [2 I, K] bfloat16,
     I a multiple of 16): ``out`` [M, I] bfloat16, as ``silu_and_mul`` computes it on the bfloat16
     ``panel_linear_amx`` product (gate and up rounded to bfloat16 first, then SiLU's value, then the
-    product) up to the last bit of its exp; the product's ``[M, 2 I]`` never exists. Call only
+    product) up to the order of the float32 sums; the product's ``[M, 2 I]`` never exists. Call only
     where ``amx_supported()``."""
     _ops().panel_linear_amx_silu(out, x, panels)
 

@@ -140,7 +140,7 @@ class PackedLinear:
 
 
 
-SILU_PASSES = {"amx": "panel_linear_amx_silu", "dpbf16": "panel_linear_dpbf16_silu"}
+SILU_PASSES = {"amx": cpu_ops.panel_linear_amx_silu, "dpbf16": cpu_ops.panel_linear_dpbf16_silu}
 """The kinds whose panels a gated MLP's product and SiLU-and-mul can take in one pass, and the
 ``cpu_ops`` function that does."""
 
@@ -158,7 +158,7 @@ def silu_pass(layer: nn.Module, rows: int) -> tuple[Callable[..., None], torch.T
             or packed.weight.dtype != torch.bfloat16 or getattr(layer, "bias", None) is not None
             or packed.out_features % 32):
         return None
-    return getattr(cpu_ops, SILU_PASSES[packed.kind]), packed.weight
+    return SILU_PASSES[packed.kind], packed.weight
 
 
 class BucketedLinear:

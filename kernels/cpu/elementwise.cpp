@@ -135,11 +135,11 @@ void act_mul_rows(T* out, const T* gate_up, int64_t rows, int64_t width, int64_t
 // last ones of a row masked): the same roundings, exp16's exp in place of libm's
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  return tandem_cpu::widened_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 inline __m512 load16(const float* p, __mmask16 live) { return _mm512_maskz_loadu_ps(live, p); }
 inline __m512 load16(const c10::BFloat16* p, __mmask16 live) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, p)), 16));
+  return tandem_cpu::widened_bf16(_mm256_maskz_loadu_epi16(live, p));
 }
 inline void store16(float* p, __m512 gate, __m512 up) { _mm512_storeu_ps(p, _mm512_mul_ps(tandem_cpu::silu16(gate), up)); }
 inline void store16(c10::BFloat16* p, __m512 gate, __m512 up) {

@@ -65,7 +65,7 @@ constexpr int64_t kPanel = 16;
 constexpr int64_t kTile = 8;
 constexpr int64_t kRowBlock = 96;
 // Pair rows of a panel per K-slice (64 KiB of it): the whole of K up to 2048. Slices of 128 pairs
-// (8 KiB, to stay in L1) measured 2-10% slower on Zen 4 at every shape and row count tried
+// (8 KiB, to stay in L1) measured slower on Zen 4 at every shape and row count tried
 // (docs/benchmarks.md): each slice adds a round of the tile's sums through memory.
 constexpr int64_t kPairBlock = 1024;
 constexpr int64_t kPrefetchSlices = 2;
@@ -178,11 +178,6 @@ TANDEM_DPBF16_TARGET void store_silu_rows(const Problem& p, const float* g, cons
   }
 }
 #endif
-
-// bfloat16 bits back to float32, exactly
-TANDEM_DPBF16_TARGET inline __m512 widened_bf16(__m256i bits) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
 
 // store_rows for a row block of at least kWideRows rows (a prefill's): 16 lanes at a time, the
 // columns past N masked off. Fewer rows (a decode step's) keep the scalar loop, which measured
