@@ -34,16 +34,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tandem")
 
 SOURCES = [Path(__file__).parent / "cpu" / name
-           for name in ("paged_attention.cpp", "prefill_amx.cpp", "linear.cpp", "linear_dpbf16.cpp", "linear_amx_f32.cpp", "elementwise.cpp",
+           for name in ("paged_attention.cpp", "prefill_tiles.cpp", "linear.cpp", "linear_dpbf16.cpp", "linear_amx_f32.cpp", "elementwise.cpp",
                         "sampling.cpp", "gguf_matmul.cpp", "gguf_dpbf16.cpp", "decode_layers.cpp",
                         "work_pool.cpp")]
 HEADERS = [Path(__file__).parent / "cpu" / name
-           for name in ("work_queue.h", "gguf_blocks.h", "amx_tiles.h", "prefill_amx.h", "transpose16.h", "vec_exp.h",
+           for name in ("work_queue.h", "gguf_blocks.h", "amx_tiles.h", "prefill_tiles.h", "transpose16.h", "vec_exp.h",
                         "bf16_round.h")]
 OPS = ("paged_decode", "panel_linear", "panel_linear_dpbf16", "panel_linear_dpbf16_silu", "dpbf16_supported", "panel_linear_amx",
        "panel_linear_amx_silu", "amx_supported", "panel_linear_amx_f32", "rms_norm", "add_rms_norm",
        "silu_and_mul", "rotary_neox", "draw_rows", "argmax_rows", "gguf_linear", "gguf_dequantize_rows",
-       "decode_layers", "use_work_pool", "use_gguf_int8", "head_rms_norm", "gemma_rms_norm",
+       "decode_layers", "use_work_pool", "use_gguf_int8", "use_prefill_amx", "head_rms_norm", "gemma_rms_norm",
        "gemma_add_rms_norm", "gelu_tanh_and_mul", "copy_rows")
 """Every operator of the library, each wrapped below."""
 _ISA_FLAGS = {
@@ -86,7 +86,7 @@ def linear_build() -> str:
     return f"{isa.lower()}_{digest.hexdigest()[:12]}"
 
 
-ATTENTION_SOURCES = ("paged_attention.cpp", "prefill_amx.cpp", "prefill_amx.h", "amx_tiles.h", "transpose16.h",
+ATTENTION_SOURCES = ("paged_attention.cpp", "prefill_tiles.cpp", "prefill_tiles.h", "amx_tiles.h", "transpose16.h",
                      "vec_exp.h", "bf16_round.h", "work_queue.h")
 """The files the attention kernel's speed depends on."""
 
@@ -377,6 +377,13 @@ def use_gguf_int8(on: bool) -> bool:
     AVX512-VNNI (True, the default: x in 15-bit fixed point a 32-value group, gguf_dpbf16.cpp) or
     to the bfloat16 one (False), from now on, in this process; returns the previous setting."""
     return _ops().use_gguf_int8(on)
+
+
+def use_prefill_amx(on: bool) -> bool:
+    """Give ``paged_decode``'s runs of prompt rows (bfloat16, prefill_tiles.cpp) to AMX tiles
+    where the CPU has them (True, the default) or to vdpbf16ps (False: what a CPU with
+    AVX512-BF16 and no AMX runs), from now on, in this process; returns the previous setting."""
+    return _ops().use_prefill_amx(on)
 
 
 def use_work_pool(on: bool) -> bool:

@@ -20,7 +20,8 @@
 // one softmax pass over the chunk, then its values in float32 FMAs.
 // A prefill is rows too (the cpu backend sends every token of a step as a row that sees the keys
 // up to its own position): the rows of one sequence read the same blocks, from cache. On the
-// bfloat16 path with AMX, runs of such rows go to prefill_amx.cpp (16 rows at a time on tiles);
+// bfloat16 path with AVX512-BF16, runs of such rows go to prefill_tiles.cpp (16 rows at a time as
+// tile products, on AMX or in vdpbf16ps);
 // the rows it leaves (decodes, short runs, a window) come here.
 //
 //   q, out   [T, H, D]                    rows[i] is the token row of query row i
@@ -34,7 +35,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
-#include "prefill_amx.h"
+#include "prefill_tiles.h"
 #include "work_queue.h"
 #ifdef __AVX512F__
 #include "bf16_round.h"
@@ -495,10 +496,10 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at
 #ifdef TANDEM_ATTN_DPBF16
   if constexpr (std::is_same_v<scalar_t, at::BFloat16> && std::is_same_v<cache_t, at::BFloat16>) {
     if (d % 32 == 0 && bs == 16 && dpbf16_supported()) {
-      // a prompt's rows on AMX tiles where it can (prefill_amx.cpp), the rest here
-      const std::vector<int64_t> left = prefill_rows_amx(op, os0, os1, qp, qs0, qs1, kvp, ks0, ks1, ks2, ks3, rp, lp,
-                                                         trp, tables_p, max_blocks, n_rows, kv_heads, groups, d, fscale,
-                                                         window);
+      // a prompt's runs of rows as tile products where it can (prefill_tiles.cpp), the rest here
+      const std::vector<int64_t> left = prefill_rows_tiled(op, os0, os1, qp, qs0, qs1, kvp, ks0, ks1, ks2, ks3, rp,
+                                                           lp, trp, tables_p, max_blocks, n_rows, kv_heads, groups, d,
+                                                           fscale, window);
       const int64_t total = static_cast<int64_t>(left.size()) * head_parts;
       // Many rows, each its own sequence's (a decode step; a row a work item): each thread takes a
       // contiguous share of them, so that the item after the current one is most likely its own
@@ -669,6 +670,7 @@ void paged_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, co
 TORCH_LIBRARY(tandem_cpu, m) {
   m.def("paged_decode(Tensor(a!) out, Tensor q, Tensor kv, Tensor rows, Tensor tables, Tensor seq_lens, "
         "float scale, int window, Tensor? row_tables=None) -> ()");
+  m.def("use_prefill_amx(bool on) -> bool", &use_prefill_amx);
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }

@@ -1,4 +1,4 @@
-// A 16 x 16 transpose of 32-bit values in AVX512 registers (gguf_matmul.cpp, prefill_amx.cpp).
+// A 16 x 16 transpose of 32-bit values in AVX512 registers (gguf_matmul.cpp, prefill_tiles.cpp).
 #pragma once
 
 #if defined(__x86_64__) && defined(__GNUC__)

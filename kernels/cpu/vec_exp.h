@@ -1,4 +1,4 @@
-// A vector exp for tandem's AVX512 kernels (prefill_amx.cpp's softmax, paged_attention.cpp's),
+// A vector exp for tandem's AVX512 kernels (prefill_tiles.cpp's softmax, paged_attention.cpp's),
 // and SiLU on it (elementwise.cpp's silu_and_mul, linear_dpbf16.cpp's SiLU after the gate/up
 // product). Included only where AVX512 code is built.
 #pragma once

@@ -1,9 +1,9 @@
-"""paged_decode's prompt rows on AMX tiles (kernels/cpu/prefill_amx.cpp) against float64
-attention over the same bfloat16 inputs, and against the row kernel (the same call one row at a
-time, which leaves no run to take): runs of 8-16 rows of one sequence, their leftovers, context
-before the chunk, decode rows in the same call, head sizes 64-256 and 1-8 query heads per KV
-head, garbage in the pool past a sequence's end, one thread or two, and a window (taken only
-where no row reaches past it)."""
+"""paged_decode's prompt rows as tile products (kernels/cpu/prefill_tiles.cpp), on AMX tiles and
+in vdpbf16ps, each where this CPU has it, against float64 attention over the same bfloat16
+inputs, and against the row kernel (the same call one row at a time, which leaves no run to
+take): runs of 8-16 rows of one sequence, their leftovers, context before the chunk, decode rows
+in the same call, head sizes 64-256 and 1-8 query heads per KV head, garbage in the pool past a
+sequence's end, one thread or two, and a window (taken only where no row reaches past it)."""
 from __future__ import annotations
 
 import math
@@ -12,10 +12,21 @@ import pytest
 import torch
 
 from tandem.kernels import cpu_ops
-from tandem.models.cpu_linear import amx_available
+from tandem.models.cpu_linear import amx_available, dpbf16_available
 
-needs_amx = pytest.mark.skipif(not amx_available(), reason="this CPU (or its kernel) gives no AMX-BF16 instructions")
 BS = 16
+
+
+@pytest.fixture(params=["amx", "dpbf16"])
+def tiles(request):
+    """Each kind of tile product in turn, where this CPU has it."""
+    if request.param == "amx" and not amx_available():
+        pytest.skip("this CPU (or its kernel) gives no AMX-BF16 instructions")
+    if request.param == "dpbf16" and not dpbf16_available():
+        pytest.skip("this CPU has no AVX512-BF16")
+    before = cpu_ops.use_prefill_amx(request.param == "amx")
+    yield request.param
+    cpu_ops.use_prefill_amx(before)
 
 
 def step(heads, kv_heads, d, seqs, seed=0, num_blocks=96):
@@ -73,10 +84,9 @@ STEPS = [
 ]
 
 
-@needs_amx
 @pytest.mark.parametrize(("heads", "kv_heads", "d"), LAYOUTS)
 @pytest.mark.parametrize("seqs", STEPS)
-def test_prompt_rows_on_tiles_match_float64_attention(heads, kv_heads, d, seqs):
+def test_prompt_rows_on_tiles_match_float64_attention(tiles, heads, kv_heads, d, seqs):
     inputs = step(heads, kv_heads, d, seqs, seed=len(seqs) * d + heads)
     want = float64_attention(*inputs)
     got = attend(*inputs)
@@ -90,8 +100,7 @@ def test_prompt_rows_on_tiles_match_float64_attention(heads, kv_heads, d, seqs):
         assert not torch.equal(got, rows)
 
 
-@needs_amx
-def test_garbage_past_a_sequences_end_never_reaches_a_sum():
+def test_garbage_past_a_sequences_end_never_reaches_a_sum(tiles):
     """Slots of a sequence's last block past its length hold NaN and
     infinities: the tiles read keys only up to the last row's length and zero the values past
     it, so the output is the same as with zeros there."""
@@ -107,8 +116,7 @@ def test_garbage_past_a_sequences_end_never_reaches_a_sum():
     assert torch.equal(got, clean)
 
 
-@needs_amx
-def test_one_thread_and_two_give_the_same_bits():
+def test_one_thread_and_two_give_the_same_bits(tiles):
     inputs = step(9, 3, 64, [(0, 64), (10, 40), (3, 1)], seed=5)
     threads = torch.get_num_threads()
     try:
@@ -121,15 +129,27 @@ def test_one_thread_and_two_give_the_same_bits():
     assert torch.equal(one, many)
 
 
-@needs_amx
-def test_a_window_no_row_reaches_past_changes_nothing():
+def test_a_window_no_row_reaches_past_changes_nothing(tiles):
     """A sliding layer's window longer than every row's context (a short prompt): the tiles take
     the runs as without a window, bit for bit."""
     inputs = step(4, 1, 256, [(0, 40), (10, 21)], seed=7)
     assert torch.equal(attend(*inputs, window=61), attend(*inputs))
 
 
-@needs_amx
-def test_a_window_keeps_the_row_kernel():
+def test_a_window_keeps_the_row_kernel(tiles):
     inputs = step(9, 3, 64, [(40, 24)], seed=6)
     assert torch.equal(attend(*inputs, window=20), row_by_row(*inputs, window=20))
+
+
+@pytest.mark.skipif(not amx_available(), reason="needs both kinds: AMX-BF16 and AVX512-BF16")
+def test_amx_and_dpbf16_tiles_agree():
+    """The same tile products by either instruction: the sums differ only in their order."""
+    inputs = step(16, 4, 128, [(20, 40), (0, 16)], seed=8)
+    before = cpu_ops.use_prefill_amx(True)
+    try:
+        amx = attend(*inputs)
+        cpu_ops.use_prefill_amx(False)
+        dp = attend(*inputs)
+    finally:
+        cpu_ops.use_prefill_amx(before)
+    torch.testing.assert_close(dp.float(), amx.float(), atol=1e-2, rtol=1e-2)

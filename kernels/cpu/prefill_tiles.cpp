@@ -1,4 +1,5 @@
-// A prompt's query rows in paged_decode (paged_attention.cpp) on AMX tiles, bfloat16.
+// A prompt's query rows in paged_decode (paged_attention.cpp) as tile products, bfloat16: on
+// AMX tiles where the CPU has them, else in vdpbf16ps (AVX512-BF16).
 //
 // paged_decode gets every token of a prefill (or of a chunk of one) as a query row that sees the
 // keys up to its own position. Row by row, each query row re-reads its whole prefix and scores
@@ -15,6 +16,11 @@
 //                the values with pairs of keys interleaved (built once a chunk), one tile product
 //                per 16 head dims; O kept in float32 (rescaled when a row's max moves)
 //
+// A tile product C[16 x 16] += A[16 x 32] B (B: 16 rows of 16 columns' pairs, AMX's layout) is
+// one TDPBF16PS on AMX; without AMX (DpTiles) it is 16 vdpbf16ps a row, each an A row's pair
+// broadcast against a B row, 8 rows and two B tiles at a time (16 sums in registers). Both give
+// the same sums up to their order.
+//
 // Scores are exact products in float32 as in the row kernel; the probabilities are rounded to
 // bfloat16 for P V (as flash attention does on GPUs), which moves a bfloat16 model's output by
 // well under its own rounding. Keys past the end of the sequence's last block are never read;
@@ -28,6 +34,7 @@
 #include "work_queue.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -36,11 +43,14 @@
 #include <immintrin.h>
 
 #include "vec_exp.h"
-#define TANDEM_PREFILL_AMX 1
+#define TANDEM_PREFILL_TILES 1
+#define TANDEM_DPBF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 #define TANDEM_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
 #endif
 
-#include "prefill_amx.h"
+#include "prefill_tiles.h"
+
+bool dpbf16_supported();  // linear_dpbf16.cpp: the CPU has AVX512-BF16
 
 namespace {
 
@@ -49,7 +59,7 @@ constexpr int64_t kChunk = 32;    // keys a chunk (two 16-token blocks; an A til
 constexpr int64_t kMinRows = 8;   // shorter runs stay with the row kernel
 constexpr float kNoScore = -1e30f;
 
-#ifdef TANDEM_PREFILL_AMX
+#ifdef TANDEM_PREFILL_TILES
 using tandem_cpu::transpose16;
 
 using tandem_cpu::exp16;
@@ -71,8 +81,124 @@ struct Problem {
   float scale;
 };
 
+// The two products of a run and chunk, for one query head (16 rows; rows past the run's n are
+// zero in q and p, and their scores are never used):
+//   scores: s [16][32] float32 = q [16][d] . the chunk's keys^T (kt: two halves of 16 keys, each
+//           `steps` B tiles of 32 head dims)
+//   values: o [16][d] float32 += p [16][32] . vt (d / 16 B tiles of 16 key pairs x 16 dims)
+struct AmxTiles {
+  static TANDEM_AMX_TARGET void begin() {
+    const tandem_cpu::TileConfig cfg = tandem_cpu::full_tiles();
+    _tile_loadconfig(&cfg);
+  }
+  static TANDEM_AMX_TARGET void end() { _tile_release(); }
+
+  static TANDEM_AMX_TARGET void scores(float* s, const uint16_t* q, int64_t d, const uint16_t* kt, int64_t steps,
+                                       int64_t) {
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t st = 0; st < steps; ++st) {
+      _tile_loadd(4, q + st * 32, d * 2);
+      _tile_loadd(6, kt + st * 512, 64);
+      _tile_loadd(7, kt + (steps + st) * 512, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    _tile_stored(0, s, 128);
+    _tile_stored(1, s + 16, 128);
+  }
+
+  // four tiles of 16 head dims at a time (independent sums)
+  static TANDEM_AMX_TARGET void values(float* o, int64_t d, const uint16_t* p, const uint16_t* vt, int64_t) {
+    _tile_loadd(4, p, 64);
+    for (int64_t x = 0; x < d / 16; x += 4) {
+      _tile_loadd(0, o + x * 16, d * 4);
+      _tile_loadd(1, o + (x + 1) * 16, d * 4);
+      _tile_loadd(2, o + (x + 2) * 16, d * 4);
+      _tile_loadd(3, o + (x + 3) * 16, d * 4);
+      _tile_loadd(6, vt + x * 512, 64);
+      _tile_loadd(7, vt + (x + 1) * 512, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(6, vt + (x + 2) * 512, 64);
+      _tile_loadd(7, vt + (x + 3) * 512, 64);
+      _tile_dpbf16ps(2, 4, 6);
+      _tile_dpbf16ps(3, 4, 7);
+      _tile_stored(0, o + x * 16, d * 4);
+      _tile_stored(1, o + (x + 1) * 16, d * 4);
+      _tile_stored(2, o + (x + 2) * 16, d * 4);
+      _tile_stored(3, o + (x + 3) * 16, d * 4);
+    }
+  }
+};
+
+// The same products in vdpbf16ps: an A row's pair broadcast against a B row (16 columns' pairs),
+// 8 rows by two B tiles at a time (16 sums in registers, each A pair loaded once for both);
+// groups of 8 rows wholly past the run are skipped.
+struct DpTiles {
+  static void begin() {}
+  static void end() {}
+
+  [[gnu::always_inline]] static TANDEM_DPBF16_TARGET inline __m512bh pair_of(const uint16_t* a) {
+    int32_t pair;
+    std::memcpy(&pair, a, sizeof(pair));
+    return (__m512bh)_mm512_set1_epi32(pair);
+  }
+
+  static TANDEM_DPBF16_TARGET void scores(float* s, const uint16_t* q, int64_t d, const uint16_t* kt, int64_t steps,
+                                          int64_t rows) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+      __m512 lo[8], hi[8];  // keys 0-15 and 16-31 of the chunk
+      for (int r = 0; r < 8; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+      for (int64_t st = 0; st < steps; ++st) {
+        const uint16_t* qs = q + r0 * d + st * 32;
+        for (int j = 0; j < 16; ++j) {
+          const __m512bh b0 = (__m512bh)_mm512_loadu_si512(kt + st * 512 + j * 32);
+          const __m512bh b1 = (__m512bh)_mm512_loadu_si512(kt + (steps + st) * 512 + j * 32);
+          for (int r = 0; r < 8; ++r) {
+            const __m512bh a = pair_of(qs + r * d + 2 * j);
+            lo[r] = _mm512_dpbf16_ps(lo[r], a, b0);
+            hi[r] = _mm512_dpbf16_ps(hi[r], a, b1);
+          }
+        }
+      }
+      for (int r = 0; r < 8; ++r) {
+        _mm512_storeu_ps(s + (r0 + r) * 32, lo[r]);
+        _mm512_storeu_ps(s + (r0 + r) * 32 + 16, hi[r]);
+      }
+    }
+  }
+
+  static TANDEM_DPBF16_TARGET void values(float* o, int64_t d, const uint16_t* p, const uint16_t* vt,
+                                          int64_t rows) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+      for (int64_t x = 0; x < d / 16; x += 2) {  // d % 64 == 0
+        __m512 c0[8], c1[8];
+        for (int r = 0; r < 8; ++r) {
+          c0[r] = _mm512_loadu_ps(o + (r0 + r) * d + x * 16);
+          c1[r] = _mm512_loadu_ps(o + (r0 + r) * d + x * 16 + 16);
+        }
+        for (int kp = 0; kp < 16; ++kp) {
+          const __m512bh b0 = (__m512bh)_mm512_loadu_si512(vt + x * 512 + kp * 32);
+          const __m512bh b1 = (__m512bh)_mm512_loadu_si512(vt + (x + 1) * 512 + kp * 32);
+          for (int r = 0; r < 8; ++r) {
+            const __m512bh a = pair_of(p + (r0 + r) * 32 + 2 * kp);
+            c0[r] = _mm512_dpbf16_ps(c0[r], a, b0);
+            c1[r] = _mm512_dpbf16_ps(c1[r], a, b1);
+          }
+        }
+        for (int r = 0; r < 8; ++r) {
+          _mm512_storeu_ps(o + (r0 + r) * d + x * 16, c0[r]);
+          _mm512_storeu_ps(o + (r0 + r) * d + x * 16 + 16, c1[r]);
+        }
+      }
+    }
+  }
+};
+
 // One run's query heads of KV head h
-TANDEM_AMX_TARGET void run_tiles(const Problem& p, const Run& run, int64_t h, std::vector<char>& scratch) {
+template <typename Tiles>
+TANDEM_DPBF16_TARGET void run_tiles(const Problem& p, const Run& run, int64_t h, std::vector<char>& scratch) {
   const int64_t d = p.d, g_n = p.groups, steps = d / 32, dtiles = d / 16;  // d: a multiple of 64
   const int64_t* table = p.tables + p.table_rows[run.first] * p.max_blocks;
   const int64_t len0 = p.lens[run.first], len_last = len0 + run.n - 1;
@@ -135,18 +261,7 @@ TANDEM_AMX_TARGET void run_tiles(const Problem& p, const Run& run, int64_t h, st
       }
     }
     for (int64_t g = 0; g < g_n; ++g) {
-      // S = Q K^T: 16 rows x 32 keys
-      _tile_zero(0);
-      _tile_zero(1);
-      for (int64_t st = 0; st < steps; ++st) {
-        _tile_loadd(4, qt + g * kRows * d + st * 32, d * 2);
-        _tile_loadd(6, kt + st * 512, 64);
-        _tile_loadd(7, kt + (steps + st) * 512, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-      }
-      _tile_stored(0, s, 128);
-      _tile_stored(1, s + 16, 128);
+      Tiles::scores(s, qt + g * kRows * d, d, kt, steps, run.n);  // S = Q K^T: 16 rows x 32 keys
       float* mg = m + g * kRows;
       float* lg = l + g * kRows;
       float* og = o + g * kRows * d;
@@ -185,26 +300,7 @@ TANDEM_AMX_TARGET void run_tiles(const Problem& p, const Run& run, int64_t h, st
         }
         _mm512_storeu_si512(pt + r * 32, pb);
       }
-      // O += P V, four tiles of 16 head dims at a time (independent sums)
-      _tile_loadd(4, pt, 64);
-      for (int64_t x = 0; x < dtiles; x += 4) {
-        _tile_loadd(0, og + x * 16, d * 4);
-        _tile_loadd(1, og + (x + 1) * 16, d * 4);
-        _tile_loadd(2, og + (x + 2) * 16, d * 4);
-        _tile_loadd(3, og + (x + 3) * 16, d * 4);
-        _tile_loadd(6, vt + x * 512, 64);
-        _tile_loadd(7, vt + (x + 1) * 512, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(6, vt + (x + 2) * 512, 64);
-        _tile_loadd(7, vt + (x + 3) * 512, 64);
-        _tile_dpbf16ps(2, 4, 6);
-        _tile_dpbf16ps(3, 4, 7);
-        _tile_stored(0, og + x * 16, d * 4);
-        _tile_stored(1, og + (x + 1) * 16, d * 4);
-        _tile_stored(2, og + (x + 2) * 16, d * 4);
-        _tile_stored(3, og + (x + 3) * 16, d * 4);
-      }
+      Tiles::values(og, d, pt, vt, run.n);  // O += P V
     }
   }
   for (int64_t g = 0; g < g_n; ++g)
@@ -219,29 +315,40 @@ TANDEM_AMX_TARGET void run_tiles(const Problem& p, const Run& run, int64_t h, st
 }
 
 // work items [begin, end): item = run * kv_heads + KV head
-TANDEM_AMX_TARGET void run_items(const Problem& p, const std::vector<Run>& runs, int64_t begin, int64_t end) {
-  const tandem_cpu::TileConfig cfg = tandem_cpu::full_tiles();
-  _tile_loadconfig(&cfg);
+template <typename Tiles>
+void run_items(const Problem& p, const std::vector<Run>& runs, int64_t begin, int64_t end) {
+  Tiles::begin();
   std::vector<char> scratch;
-  for (int64_t w = begin; w < end; ++w) run_tiles(p, runs[w / p.kv_heads], w % p.kv_heads, scratch);
-  _tile_release();
+  for (int64_t w = begin; w < end; ++w) run_tiles<Tiles>(p, runs[w / p.kv_heads], w % p.kv_heads, scratch);
+  Tiles::end();
 }
 #endif
 
+std::atomic<bool> g_amx{true};  // use_prefill_amx
+
 }  // namespace
 
-std::vector<int64_t> prefill_rows_amx(c10::BFloat16* out, int64_t os0, int64_t os1, const c10::BFloat16* q,
-                                      int64_t qs0, int64_t qs1, const c10::BFloat16* kv, int64_t ks0, int64_t ks1,
-                                      int64_t ks2, int64_t ks3, const int64_t* rows, const int64_t* lens,
-                                      const int64_t* table_rows, const int64_t* tables, int64_t max_blocks,
-                                      int64_t n_rows, int64_t kv_heads, int64_t groups, int64_t d, float scale,
-                                      int64_t window) {
+bool use_prefill_amx(bool on) {
+#ifdef TANDEM_PREFILL_TILES
+  return g_amx.exchange(on);
+#else
+  return on;
+#endif
+}
+
+std::vector<int64_t> prefill_rows_tiled(c10::BFloat16* out, int64_t os0, int64_t os1, const c10::BFloat16* q,
+                                        int64_t qs0, int64_t qs1, const c10::BFloat16* kv, int64_t ks0, int64_t ks1,
+                                        int64_t ks2, int64_t ks3, const int64_t* rows, const int64_t* lens,
+                                        const int64_t* table_rows, const int64_t* tables, int64_t max_blocks,
+                                        int64_t n_rows, int64_t kv_heads, int64_t groups, int64_t d, float scale,
+                                        int64_t window) {
   std::vector<int64_t> rest;
-#ifdef TANDEM_PREFILL_AMX
+#ifdef TANDEM_PREFILL_TILES
   std::vector<Run> runs;
   // a window some row reaches past leaves every row to the caller; one none does changes nothing
   const bool windowed = window > 0 && n_rows > 0 && *std::max_element(lens, lens + n_rows) > window;
-  if (!windowed && table_rows != nullptr && d % 64 == 0 && amx_supported()) {
+  const bool amx = g_amx.load(std::memory_order_relaxed) && amx_supported();
+  if (!windowed && table_rows != nullptr && d % 64 == 0 && (amx || dpbf16_supported())) {
     for (int64_t i = 0; i < n_rows;) {
       int64_t n = 1;
       while (n < kRows && i + n < n_rows && table_rows[i + n] == table_rows[i] && lens[i + n] == lens[i] + n &&
@@ -263,7 +370,13 @@ std::vector<int64_t> prefill_rows_amx(c10::BFloat16* out, int64_t os0, int64_t o
   const Problem p{out, os0, os1, q, qs0, qs1, kv, ks0, ks1, ks2, ks3, rows, lens, table_rows, tables, max_blocks,
                   kv_heads, groups, d, scale};
   const int64_t total = static_cast<int64_t>(runs.size()) * kv_heads;
-  tandem_cpu::for_each_chunk(total, 1, [&](int64_t begin, int64_t end) { run_items(p, runs, begin, end); });
+  tandem_cpu::for_each_chunk(total, 1, [&](int64_t begin, int64_t end) {
+    if (amx) {
+      run_items<AmxTiles>(p, runs, begin, end);
+    } else {
+      run_items<DpTiles>(p, runs, begin, end);
+    }
+  });
 #else
   rest.resize(n_rows);
   for (int64_t i = 0; i < n_rows; ++i) rest[i] = i;
