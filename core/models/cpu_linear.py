@@ -404,6 +404,10 @@ def _choices(by_shape: dict[Shape, list[tuple[str, nn.Module]]]) -> tuple[dict[S
         if busy is None:
             meter = cpu_tuning.CpuMeter()
             measured = {s: _measure(s, by_shape[s][0][1].weight, kinds_for(s)) for s in missing}
+            for s, choice in measured.items():  # a kernel other than the fixed rule's: timed again
+                again = cpu_tuning.to_confirm(choice, kinds_for(s)[0])
+                if again:
+                    measured[s] = _measure(s, by_shape[s][0][1].weight, kinds_for(s), again, choice.seconds)
             busy = meter.others_share()
             if busy <= cpu_tuning.BUSY_SHARE:
                 cached.update((s.key, c) for s, c in measured.items())
@@ -418,7 +422,10 @@ def _choices(by_shape: dict[Shape, list[tuple[str, nn.Module]]]) -> tuple[dict[S
             if s in missing else cached[s.key] for s in by_shape}, None
 
 
-def _measure(shape: Shape, weight: torch.Tensor, kinds: list[str]) -> ShapeChoice:
+def _measure(shape: Shape, weight: torch.Tensor, kinds: list[str], buckets: list[int] | None = None,
+             earlier: dict[str, list[float]] | None = None) -> ShapeChoice:
+    """``shape``'s choice among ``kinds`` (the fixed rule's first) from its timings: of every
+    bucket, or of ``buckets`` only, merged with the ``earlier`` pass's (``cpu_tuning.merged``)."""
     arena = huge_pages.HugePageArena()
     candidates = {}
     for k in kinds:
@@ -428,7 +435,12 @@ def _measure(shape: Shape, weight: torch.Tensor, kinds: list[str]) -> ShapeChoic
     gen = torch.Generator().manual_seed(0)
     inputs = [torch.randn(m, shape.k, generator=gen).to(shape.dtype) for m in M_BUCKETS]
     with torch.inference_mode():
-        return cpu_tuning.choose(cpu_tuning.measure(candidates, inputs, before=cpu_tuning.pool_job()), kinds[0])
+        if buckets is None:
+            seconds = cpu_tuning.measure(candidates, inputs, before=cpu_tuning.pool_job())
+        else:
+            later = cpu_tuning.measure(candidates, [inputs[i] for i in buckets], before=cpu_tuning.pool_job())
+            seconds = cpu_tuning.merged(earlier, later, buckets)
+        return cpu_tuning.choose(seconds, kinds[0])
 
 
 def describe(by_shape: dict[Shape, list[tuple[str, nn.Module]]], choices: dict[Shape, ShapeChoice]) -> list[str]:

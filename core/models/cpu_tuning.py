@@ -18,6 +18,12 @@ Decisions, per shape (``choose``):
   tandem's panels when they build, else oneDNN, else torch; ``cpu_linear.kinds_for``) stays
   primary unless another is at least
   ``SWITCH_GAIN`` faster on that mean — timing noise on a shared machine does not flip a choice.
+- Where the first pass over the shapes gives a bucket a kernel other than the fixed rule's (a
+  second kernel, or a new primary), that shape's buckets are timed again after the others
+  (``to_confirm``), and each candidate keeps the faster of its two times there (``merged``)
+  before the choice is made again (a disturbance only ever adds time): one pass
+  disturbed for seconds gave SmolLM2's o_proj at 64 rows to oneDNN on a Zen 4 EPYC, and the
+  decode steps at that batch ran slower for it (docs/benchmarks.md).
 - A bucket may use a second kernel when it is at least ``SECOND_GAIN`` faster there than the
   primary. That kernel's packing is extra memory, so second packings are granted in order of
   time saved per byte while their bytes stay within ``EXTRA_BYTES_SHARE`` of the model's
@@ -78,7 +84,7 @@ MAX_COPIES = 128
 BUSY_SHARE = 0.15
 """Other processes' share of all CPUs above which timings are not trusted."""
 BUSY_PROBE_S = 0.05
-CACHE_VERSION = 4
+CACHE_VERSION = 5
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16",
              "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
 """The /proc/cpuinfo flags that decide which instructions a kernel can use."""
@@ -216,6 +222,25 @@ def choose(seconds: Mapping[str, Sequence[float]], fallback: str, max_rows: int 
         gain = seconds[primary][i] / seconds[quick][i]
         buckets.append(quick if gain >= SECOND_GAIN and i in counted else primary)
     return ShapeChoice(primary, tuple(buckets), {k: list(v) for k, v in seconds.items()})
+
+
+def to_confirm(choice: ShapeChoice, fallback: str) -> list[int]:
+    """The buckets (indices in ``M_BUCKETS``) where ``choice`` runs a kernel other than the fixed
+    rule's ``fallback``: timed a second time before the choice is kept (``merged``)."""
+    return [i for i, kind in enumerate(choice.buckets) if kind != fallback]
+
+
+def merged(earlier: Mapping[str, Sequence[float]], later: Mapping[str, Sequence[float]],
+           buckets: Sequence[int]) -> dict[str, list[float]]:
+    """``earlier``'s times with those of ``buckets`` (``later[kind][j]`` is bucket
+    ``buckets[j]``'s) each the faster of the two passes: a disturbance that slowed one
+    candidate through one pass (seconds long: another process's burst, a clock that dropped)
+    is not what the choice rests on, while a kernel that is faster wins both passes."""
+    out = {kind: list(v) for kind, v in earlier.items()}
+    for kind, times in later.items():
+        for j, i in enumerate(buckets):
+            out[kind][i] = min(out[kind][i], times[j])
+    return out
 
 
 def within_budget(choices: Mapping[Shape, ShapeChoice], extra_bytes: Mapping[tuple[Shape, str], int],
