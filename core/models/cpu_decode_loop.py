@@ -51,14 +51,17 @@ class KvPrefetchChoice:
     The reads overlap the product on some CPUs and hold the calling thread up on others
     (docs/benchmarks.md), so no fixed rule is right. The first decode steps of at least
     ``MIN_ROWS`` rows take turns, with then without; each pair of consecutive steps of the same rows gives a time ratio
-    (without / with), and after ``PAIRS`` pairs the setting their median favours stays for the
-    process (logged). If ``WINDOW`` such steps pass without enough pairs (batch sizes changing
+    (without / with), and after ``PAIRS`` pairs prefetching stays on for the process only where
+    their median says it saved at least ``GAIN`` (logged): the extra reads cost instructions and
+    cache, and a median within a percent or two of 1 is the machine's noise, which turned it on
+    at one start of three where it costs a little (docs/benchmarks.md). If ``WINDOW`` such steps pass without enough pairs (batch sizes changing
     every step), prefetching stays on. Steps of fewer rows (little KV to read) prefetch while it
     is undecided. ``TANDEM_CPU_PREFETCH_KV_KB`` fixes it (KiB; 0: never) without measuring."""
 
     MIN_ROWS = 8
     PAIRS = 8
     WINDOW = 64
+    GAIN = 1.02
 
     def __init__(self, env: Mapping[str, str] = os.environ) -> None:
         kb = env.get("TANDEM_CPU_PREFETCH_KV_KB")
@@ -88,7 +91,7 @@ class KvPrefetchChoice:
                 self._ratios.append(seconds / on_seconds)
         if len(self._ratios) >= self.PAIRS:
             ratio = statistics.median(self._ratios)
-            self.chosen = 0 if ratio < 1 else PREFETCH_KV_BYTES
+            self.chosen = PREFETCH_KV_BYTES if ratio >= self.GAIN else 0
             logger.info("decode steps: without asking for the KV ahead a step took %.2fx as long (median of %d "
                         "pairs of steps): %s", ratio, len(self._ratios),
                         "not asking" if self.chosen == 0 else "asking for up to 1 MiB a layer")

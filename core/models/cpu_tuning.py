@@ -21,9 +21,9 @@ Decisions, per shape (``choose``):
 - Where the first pass over the shapes gives a bucket a kernel other than the fixed rule's (a
   second kernel, or a new primary), that shape's buckets are timed again after the others
   (``to_confirm``), and each candidate keeps the faster of its two times there (``merged``)
-  before the choice is made again (a disturbance only ever adds time): one pass
-  disturbed for seconds gave SmolLM2's o_proj at 64 rows to oneDNN on a Zen 4 EPYC, and the
-  decode steps at that batch ran slower for it (docs/benchmarks.md).
+  before the choice is made again (a disturbance only ever adds time): one pass disturbed
+  for seconds gave a layer's larger batches to oneDNN on a Zen 4 EPYC, and the decode steps at
+  those batches ran slower for it (docs/benchmarks.md).
 - A bucket may use a second kernel when it is at least ``SECOND_GAIN`` faster there than the
   primary. That kernel's packing is extra memory, so second packings are granted in order of
   time saved per byte while their bytes stay within ``EXTRA_BYTES_SHARE`` of the model's

@@ -148,8 +148,10 @@ def play(choice, steps):
     return asked
 
 
-@pytest.mark.parametrize(("without", "chosen"), [(0.9, 0), (1.1, PREFETCH_KV_BYTES)])
+@pytest.mark.parametrize(("without", "chosen"), [(0.9, 0), (1.01, 0), (1.03, PREFETCH_KV_BYTES),
+                                                  (1.1, PREFETCH_KV_BYTES)])
 def test_the_kv_prefetch_is_kept_where_it_measured_faster(without, chosen):
+    """Kept where steps without it took at least GAIN (2%) longer; a 1% edge is noise: off."""
     choice = KvPrefetchChoice(env={})
     asked = play(choice, [(16, 1.0, without)] * (2 * KvPrefetchChoice.PAIRS))
     assert asked == [PREFETCH_KV_BYTES, 0] * KvPrefetchChoice.PAIRS  # turns, with first
