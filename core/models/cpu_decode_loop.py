@@ -50,13 +50,15 @@ class KvPrefetchChoice:
 
     The reads overlap the product on some CPUs and hold the calling thread up on others
     (docs/benchmarks.md), so no fixed rule is right. The first decode steps of at least
-    ``MIN_ROWS`` rows take turns, with then without; each pair of consecutive steps of the same rows gives a time ratio
-    (without / with), and after ``PAIRS`` pairs prefetching stays on for the process only where
-    their median says it saved at least ``GAIN`` (logged): the extra reads cost instructions and
-    cache, and a median within a percent or two of 1 is the machine's noise, which turned it on
-    at one start of three where it costs a little (docs/benchmarks.md). If ``WINDOW`` such steps pass without enough pairs (batch sizes changing
-    every step), prefetching stays on. Steps of fewer rows (little KV to read) prefetch while it
-    is undecided. ``TANDEM_CPU_PREFETCH_KV_KB`` fixes it (KiB; 0: never) without measuring."""
+    ``MIN_ROWS`` rows take turns, with then without; each pair of consecutive steps of the same
+    rows gives a time ratio (without / with), and after ``PAIRS`` pairs prefetching stays on for
+    the process only where their median says it saved at least ``GAIN`` (logged): the extra
+    reads cost instructions and cache, and a median within a percent or two of 1 is the
+    machine's noise, which turned it on at one start of three where it costs a little
+    (docs/benchmarks.md). If ``WINDOW`` such steps pass without enough pairs (batch sizes
+    changing every step), prefetching stays on. Steps of fewer rows (little KV to read)
+    prefetch while it is undecided. ``TANDEM_CPU_PREFETCH_KV_KB`` fixes it (KiB; 0: never)
+    without measuring."""
 
     MIN_ROWS = 8
     PAIRS = 8
