@@ -328,13 +328,7 @@ std::atomic<bool> g_amx{true};  // use_prefill_amx
 
 }  // namespace
 
-bool use_prefill_amx(bool on) {
-#ifdef TANDEM_PREFILL_TILES
-  return g_amx.exchange(on);
-#else
-  return on;
-#endif
-}
+bool use_prefill_amx(bool on) { return g_amx.exchange(on); }
 
 std::vector<int64_t> prefill_rows_tiled(c10::BFloat16* out, int64_t os0, int64_t os1, const c10::BFloat16* q,
                                         int64_t qs0, int64_t qs1, const c10::BFloat16* kv, int64_t ks0, int64_t ks1,
